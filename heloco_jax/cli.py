@@ -1,0 +1,42 @@
+"""The ``heloco-jax`` console script: dispatches to its subcommands."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+USAGE = """usage: heloco-jax COMMAND [ARGS]
+
+commands:
+  train    train with any method on simulated workers:
+           heloco-jax train --workdir=DIR [--config=PATH.py] [--config.KEY=VALUE ...]
+  corpus   build the offline multilingual corpus:
+           heloco-jax corpus debian_docs --languages=de,en,es,fr,it --out=DIR
+"""
+
+
+def _corpus(argv: Sequence[str]) -> int:
+  del argv
+  print("heloco-jax corpus: not yet available; it lands with the 'Model, compiled inner "
+        "loop and data' issue.", file=sys.stderr)
+  return 2
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(USAGE, end="")
+    return 0 if argv else 2
+  command, rest = argv[0], argv[1:]
+  if command == "train":
+    from heloco_jax import train  # pylint: disable=g-import-not-at-top
+    return train.main(rest)
+  if command == "corpus":
+    return _corpus(rest)
+  print(f"heloco-jax: unknown command {command!r}; allowed: train, corpus\n\n{USAGE}",
+        end="", file=sys.stderr)
+  return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,83 @@
+"""Construction-time argument checks shared by the outer rules.
+
+Every check raises ``ValueError`` with one message naming the factory, the
+argument, the value given and what is allowed. Values that are JAX tracers
+(e.g. under ``optax.inject_hyperparams`` inside ``jit``) cannot be inspected
+without a host sync and are accepted as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Sequence
+
+import jax
+
+
+def _fail(fn: str, name: str, value: Any, allowed: str) -> None:
+  raise ValueError(f"{fn}: {name}={value!r} is not allowed; allowed: {allowed}.")
+
+
+def _as_float(fn: str, name: str, value: Any, allowed: str) -> Optional[float]:
+  """Returns value as a Python float, or None when it is a tracer."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, bool) or isinstance(value, str):
+    _fail(fn, name, value, allowed)
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    _fail(fn, name, value, allowed)
+
+
+def check_range(
+    fn: str,
+    name: str,
+    value: Any,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+  """Requires ``low <(=) value <(=) high``; NaN always fails."""
+  left = "(" if low_open else "["
+  right = ")" if high_open else "]"
+  if low == -math.inf and high == math.inf:
+    allowed = "a finite number"
+  elif high == math.inf:
+    allowed = f"a number {'>' if low_open else '>='} {low:g}"
+  else:
+    allowed = f"a number in {left}{low:g}, {high:g}{right}"
+  x = _as_float(fn, name, value, allowed)
+  if x is None:
+    return
+  above = x > low if low_open else x >= low
+  below = x < high if high_open else x <= high
+  if not (above and below and math.isfinite(x)):
+    _fail(fn, name, value, allowed)
+
+
+def check_learning_rate(fn: str, value: Any) -> None:
+  check_range(fn, "learning_rate", value, 0.0, low_open=True)
+
+
+def check_momentum(fn: str, value: Any) -> None:
+  check_range(fn, "momentum", value, 0.0, 1.0, high_open=True)
+
+
+def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> None:
+  if value not in choices:
+    _fail(fn, name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def check_positive_int(fn: str, name: str, value: Any, *, allow_none: bool) -> None:
+  """Requires an integer >= 1 (or None when allowed)."""
+  if value is None and allow_none:
+    return
+  allowed = "an integer >= 1" + (" or None" if allow_none else "")
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    _fail(fn, name, value, allowed)
+  if value < 1:
+    _fail(fn, name, value, allowed)

@@ -1,0 +1,103 @@
+"""Delayed Nesterov, DN (Liu et al., Alg. 3; ALGORITHMS.md, "Delayed Nesterov").
+
+State m, buffer D (both float32, start 0) and arrival counter t. On arrival:
+  t ← t + 1 ;  D ← D + g
+  if t mod N = 0:  m ← μ·m + D/N ;  θ ← θ − η·[(1 − c·N + c)·μ·m + g/N] ;  D ← 0
+  else:            θ ← θ − η·[c·μ·m + g/N]
+With N = 1 this is exactly the Nesterov rule, for any c.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from heloco_jax.outer import _validation
+from heloco_jax.outer.mla import zeros_momentum
+from heloco_jax.outer import weighting as weighting_lib
+
+
+class DelayedNesterovState(NamedTuple):
+  """State of ``delayed_nesterov``.
+
+  Attributes:
+    count: arrival counter t (int32).
+    momentum: m, float32.
+    buffer: D, the sum of the weighted arrivals since the last momentum
+      update, float32.
+  """
+  count: jax.Array
+  momentum: Any
+  buffer: Any
+
+
+def delayed_nesterov(
+    learning_rate: float,
+    momentum: float = 0.9,
+    *,
+    buffer_size: Optional[int] = None,
+    c: float = 0.0,
+    num_workers: Optional[int] = None,
+    weighting: str = "constant",
+) -> optax.GradientTransformationExtraArgs:
+  """Delayed Nesterov outer rule: momentum refreshed every N arrivals.
+
+  Args:
+    learning_rate: outer learning rate η > 0.
+    momentum: outer momentum μ in [0, 1) (default 0.9).
+    buffer_size: N >= 1; defaults to ``num_workers`` (N = K, ALGORITHMS.md).
+    c: weight of the momentum applied between refreshes, in [0, 1/N]
+      (default 0).
+    num_workers: K for the arrival weight ρ; None means ρ = 1.
+    weighting: "constant" (ρ = 1/√K, default), "polynomial" or "none".
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` taking ``staleness=``.
+
+  Raises:
+    ValueError: at construction, for an argument outside its allowed range,
+      or when neither ``buffer_size`` nor ``num_workers`` is given.
+
+  References:
+    Liu et al., Asynchronous Local-SGD Training for Language Modeling, arXiv
+    2401.09135, Algorithm 3.
+  """
+  fn = "delayed_nesterov"
+  _validation.check_learning_rate(fn, learning_rate)
+  _validation.check_momentum(fn, momentum)
+  weighting_lib.validate_weighting(fn, num_workers, weighting)
+  if buffer_size is None:
+    if num_workers is None:
+      raise ValueError(f"{fn}: buffer_size=None is not allowed when num_workers=None; "
+                       "allowed: an integer >= 1 (the default N = K needs num_workers).")
+    buffer_size = num_workers
+  _validation.check_positive_int(fn, "buffer_size", buffer_size, allow_none=False)
+  _validation.check_range(fn, "c", c, 0.0, 1.0 / buffer_size)
+  flush_coefficient = (1.0 - c * buffer_size + c) * momentum
+  between_coefficient = c * momentum
+
+  def init_fn(params):
+    # Two distinct trees: the state must be donatable (no aliased buffers).
+    return DelayedNesterovState(count=jnp.zeros((), jnp.int32),
+                                momentum=zeros_momentum(params),
+                                buffer=zeros_momentum(params))
+
+  def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
+    del params, extra_args
+    g, _ = weighting_lib.apply_arrival_weight(
+        pseudo_grads, staleness, num_workers=num_workers, weighting=weighting)
+    count = state.count + 1
+    flush = count % buffer_size == 0
+    buffer = jax.tree.map(jnp.add, state.buffer, g)
+    new_momentum = jax.tree.map(
+        lambda m, d: jnp.where(flush, momentum * m + d / buffer_size, m), state.momentum, buffer)
+    coefficient = jnp.where(flush, flush_coefficient, between_coefficient)
+    updates = jax.tree.map(
+        lambda m, x: -learning_rate * (coefficient * m + x / buffer_size), new_momentum, g)
+    buffer = jax.tree.map(lambda d: jnp.where(flush, jnp.zeros_like(d), d), buffer)
+    return updates, DelayedNesterovState(count, new_momentum, buffer)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,131 @@
+"""HeLoCo: MLA with a per-block directional correction against the outer
+momentum (ALGORITHMS.md, "HeLoCo").
+
+On each arrival, with m_b the momentum before the arrival:
+  weight_order "before" (authors' code, default):  G = correct(ρ·Δ, m)
+  weight_order "after"  (the paper's equations):   G = ρ·correct(Δ, m)
+  m ← μ·m + (1 − μ)·G ;  θ ← θ − η·(G + μ·m)
+Workers are dispatched from the look-ahead point θ − η·μ·m (always on for
+HeLoCo): see ``heloco_jax.lookahead_params``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from heloco_jax.outer import _validation
+from heloco_jax.outer import weighting as weighting_lib
+from heloco_jax.outer.correction import (CorrectionInfo, correct, correction_coefficients,
+                                         validate_correction_args)
+from heloco_jax.outer.mla import (hyperparams_fields, momentum_step, validate_mla_args,
+                                  zeros_momentum)
+
+WEIGHT_ORDERS = ("before", "after")
+
+
+class HeLoCoState(NamedTuple):
+  """State of ``heloco``; the diagnostics of the last arrival stay on device.
+
+  Attributes:
+    count: number of arrivals applied (int32).
+    momentum: m, float32 whatever the parameter dtype.
+    learning_rate: η (float32 scalar).
+    decay: μ (float32 scalar).
+    staleness: τ of the last arrival (int32; 0 when not given).
+    weight: ρ of the last arrival (float32).
+    info: ``CorrectionInfo`` of the last arrival.
+  """
+  count: jax.Array
+  momentum: Any
+  learning_rate: jax.Array
+  decay: jax.Array
+  staleness: jax.Array
+  weight: jax.Array
+  info: CorrectionInfo
+
+
+def heloco(
+    learning_rate: float = 0.7,
+    momentum: float = 0.9,
+    *,
+    num_workers: Optional[int] = None,
+    weighting: str = "constant",
+    keep_threshold: float = 0.2,
+    bad_threshold: float = -0.2,
+    shrink_strength: float = 0.5,
+    max_shrink: float = 0.5,
+    rotate_strength: float = 1.0,
+    confidence_scale: float = 3.0,
+    eps: float = 1e-8,
+    rotate_schedule: str = "normalized",
+    weight_order: str = "before",
+    scope: str = "leaf",
+) -> optax.GradientTransformationExtraArgs:
+  """HeLoCo outer rule: corrected pseudo-gradients, then a momentum look-ahead step.
+
+  Args:
+    learning_rate: outer learning rate η > 0 (default 0.7).
+    momentum: outer momentum μ in [0, 1) (default 0.9).
+    num_workers: K for the arrival weight ρ; None means ρ = 1.
+    weighting: "constant" (ρ = 1/√K, default), "polynomial" or "none".
+    keep_threshold: c_ok in [−1, 1] (default 0.2); c_ok = −1 never corrects.
+    bad_threshold: c_bad < c_ok (default −0.2), used by the normalized schedule.
+    shrink_strength: k_s >= 0 (default 0.5).
+    max_shrink: β_max in [0, 1] (default 0.5).
+    rotate_strength: k_d >= 0 (default 1.0).
+    confidence_scale: κ >= 0 (default 3.0).
+    eps: ε > 0 (default 1e-8).
+    rotate_schedule: "normalized" (default, authors' code) or "eq14".
+    weight_order: "before" (ρ applied before the correction, default,
+      authors' code) or "after" (the paper's G = ρ·Δ̂).
+    scope: "leaf" (each leaf is a block, default) or "tree".
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update(pseudo_grads,
+    state, params=None, *, staleness=None)`` returns ``−η·(G + μ·m)`` and a
+    ``HeLoCoState`` whose ``info`` holds the diagnostics of this arrival.
+
+  Raises:
+    ValueError: at construction, for an argument outside its allowed range.
+
+  References:
+    Al Asif et al., HeLoCo, arXiv 2606.00271 (2026); Ajanthan et al., MLA,
+    OpenReview 4O8nzTkHPI; ALGORITHMS.md.
+  """
+  validate_mla_args("heloco", learning_rate, momentum, num_workers, weighting)
+  correction_args = dict(
+      keep_threshold=keep_threshold, bad_threshold=bad_threshold,
+      shrink_strength=shrink_strength, max_shrink=max_shrink,
+      rotate_strength=rotate_strength, confidence_scale=confidence_scale, eps=eps,
+      rotate_schedule=rotate_schedule, scope=scope)
+  validate_correction_args("heloco", **correction_args)
+  _validation.check_choice("heloco", "weight_order", weight_order, WEIGHT_ORDERS)
+
+  def init_fn(params):
+    m = zeros_momentum(params)
+    # Diagnostics of "no arrival yet": every field zero (branch_counts included).
+    info = jax.tree.map(jnp.zeros_like, correct(m, m, **correction_args)[1])
+    return HeLoCoState(
+        count=jnp.zeros((), jnp.int32), momentum=m,
+        **hyperparams_fields(learning_rate, momentum),
+        staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32), info=info)
+
+  def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
+    del params, extra_args
+    rho = weighting_lib.arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
+    # "before": G = correct(ρΔ, m) (authors' code); "after": G = ρ·correct(Δ, m) (paper).
+    scales = dict(input_scale=rho) if weight_order == "before" else dict(output_scale=rho)
+    delta_scale, momentum_scale, info = correction_coefficients(
+        pseudo_grads, state.momentum, **scales, **correction_args)
+    updates, new_momentum = momentum_step(
+        pseudo_grads, state.momentum, delta_scale, momentum_scale, learning_rate, momentum)
+    return updates, state._replace(
+        count=state.count + 1, momentum=new_momentum,
+        **hyperparams_fields(learning_rate, momentum),
+        staleness=weighting_lib.staleness_array(staleness), weight=rho, info=info)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

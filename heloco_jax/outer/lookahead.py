@@ -1,0 +1,81 @@
+"""Look-ahead dispatch point and diagnostics read from an outer state.
+
+Both work on a bare MLA/HeLoCo state or on any state containing one (e.g.
+the state of an ``optax.chain``), on device, with no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from heloco_jax.outer.correction import BRANCH_NAMES, block_names
+from heloco_jax.outer.heloco import HeLoCoState
+from heloco_jax.outer.mla import MLAState
+
+
+def find_state(state: Any, types: tuple[type, ...], fn: str) -> Any:
+  """The single sub-state of one of ``types`` inside ``state``."""
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, types))
+           if isinstance(s, types)]
+  names = " or ".join(t.__name__ for t in types)
+  if len(found) != 1:
+    raise ValueError(
+        f"{fn}: state={type(state).__name__} holds {len(found)} {names} "
+        f"sub-states; allowed: exactly one (the state of hj.mla or hj.heloco, "
+        "alone or inside an optax.chain).")
+  return found[0]
+
+
+def lookahead_params(params: Any, state: Any) -> Any:
+  """The look-ahead dispatch point θ − η·μ·m (ALGORITHMS.md, MLA and HeLoCo).
+
+  Args:
+    params: θ, the current global parameters.
+    state: the state of ``hj.mla`` or ``hj.heloco``, alone or nested in a
+      chain's state.
+
+  Returns:
+    θ − η·μ·m with the structure and dtypes of ``params``; equals θ while
+    m = 0.
+
+  Raises:
+    ValueError: when ``state`` contains no (or several) MLA/HeLoCo states.
+  """
+  outer = find_state(state, (MLAState, HeLoCoState), "lookahead_params")
+  step = outer.learning_rate * outer.decay
+  return jax.tree.map(lambda p, m: (p - step * m).astype(jnp.result_type(p)),
+                      params, outer.momentum)
+
+
+def heloco_diagnostics(state: Any) -> dict[str, jax.Array]:
+  """The last arrival's diagnostics as a flat dict of device arrays.
+
+  Keys: ``staleness``, ``weight`` (ρ), ``relative_correction`` (whole tree,
+  |G − ρΔ|/|ρΔ|), ``branch_count/<pass|keep|shrink|rotate>``, and per block
+  ``<field>/<block name>`` for cosine, confidence, branch, rotation (λ) and
+  shrinkage (β); block names are leaf paths such as ``layers/0/mlp/up``
+  (``tree`` with ``scope="tree"``). Values stay on device; fetch them in
+  batches (``jax.device_get``) when logging.
+
+  Args:
+    state: the state of ``hj.heloco``, alone or nested in a chain's state.
+
+  Returns:
+    A dict of scalar ``jax.Array``s.
+  """
+  outer = find_state(state, (HeLoCoState,), "heloco_diagnostics")
+  info = outer.info
+  out = {"staleness": outer.staleness, "weight": outer.weight,
+         "relative_correction": info.total_relative_correction}
+  for i, name in enumerate(BRANCH_NAMES):
+    out[f"branch_count/{name}"] = info.branch_counts[i]
+  leaf_scope = info.cosine.shape[-1] == len(jax.tree.leaves(outer.momentum))
+  names = block_names(outer.momentum, "leaf" if leaf_scope else "tree")
+  for field in ("cosine", "confidence", "branch", "rotation", "shrinkage"):
+    values = getattr(info, field)
+    for i, name in enumerate(names):
+      out[f"{field}/{name}"] = values[..., i]
+  return out

@@ -1,0 +1,55 @@
+"""Asynchronous DiLoCo with Nesterov outer momentum (ALGORITHMS.md, "Async
+DiLoCo, Nesterov").
+
+Per arrival, the synchronous DiLoCo rule applied to g = ρ·Δ, exactly as
+``optax.sgd(η, momentum=μ, nesterov=True)``:
+  m ← μ·m + g ;  θ ← θ − η·(g + μ·m)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import optax
+
+from heloco_jax.outer import _validation
+from heloco_jax.outer import weighting as weighting_lib
+
+
+def async_nesterov(
+    learning_rate: float = 0.07,
+    momentum: float = 0.9,
+    *,
+    num_workers: Optional[int] = None,
+    weighting: str = "constant",
+) -> optax.GradientTransformationExtraArgs:
+  """Nesterov outer rule applied to every weighted arrival.
+
+  Args:
+    learning_rate: outer learning rate η > 0 (default 0.07, the value the
+      HeLoCo authors' harness uses for this baseline).
+    momentum: outer momentum μ in [0, 1) (default 0.9).
+    num_workers: K for the arrival weight ρ; None means ρ = 1.
+    weighting: "constant" (ρ = 1/√K, default), "polynomial" or "none".
+
+  Returns:
+    ``optax.chain(scale_by_arrival_weight(...), optax.sgd(η, μ,
+    nesterov=True))`` with the momentum kept in float32; its ``update``
+    takes ``staleness=``.
+
+  Raises:
+    ValueError: at construction, for an argument outside its allowed range.
+
+  References:
+    Liu et al., Asynchronous Local-SGD Training for Language Modeling, arXiv
+    2401.09135; Douillard et al., DiLoCo, arXiv 2311.08105.
+  """
+  _validation.check_learning_rate("async_nesterov", learning_rate)
+  _validation.check_momentum("async_nesterov", momentum)
+  weighting_lib.validate_weighting("async_nesterov", num_workers, weighting)
+  return optax.chain(
+      weighting_lib.scale_by_arrival_weight(num_workers, weighting),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=True,
+                accumulator_dtype=jnp.float32),
+  )

@@ -1,0 +1,126 @@
+"""Arrival weight ρ of an asynchronous pseudo-gradient (ALGORITHMS.md, Notation).
+
+  "constant"   ρ = 1/√K                (default for every asynchronous rule)
+  "polynomial" ρ = (1/√K) / √(1 + τ)   τ = staleness of the arrival
+  "none"       ρ = 1
+
+With ``num_workers=None`` the weight is 1 whatever ``weighting`` says
+(DESIGN.md, Public Python API).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from heloco_jax.outer import _validation
+
+WEIGHTINGS = ("constant", "polynomial", "none")
+
+
+def validate_weighting(fn: str, num_workers: Optional[int], weighting: str) -> None:
+  """Construction-time checks of ``num_workers`` and ``weighting``."""
+  _validation.check_positive_int(fn, "num_workers", num_workers, allow_none=True)
+  _validation.check_choice(fn, "weighting", weighting, WEIGHTINGS)
+
+
+def arrival_weight(
+    staleness: Any,
+    *,
+    num_workers: Optional[int],
+    weighting: str = "constant",
+) -> jax.Array:
+  """Returns ρ as a float32 scalar; jit- and vmap-friendly.
+
+  Args:
+    staleness: τ = (server version at arrival) − (version at dispatch), a
+      Python int or an integer scalar array (batch arrivals with ``vmap``).
+      Only read by ``"polynomial"``; may be None otherwise.
+    num_workers: K, or None for ρ = 1.
+    weighting: "constant", "polynomial" or "none".
+
+  Returns:
+    ρ, a float32 scalar.
+
+  Raises:
+    ValueError: polynomial weighting without a staleness, or a negative
+      concrete staleness.
+  """
+  if num_workers is None or weighting == "none":
+    return jnp.ones((), jnp.float32)
+  base = jnp.float32(1.0 / (num_workers ** 0.5))
+  if weighting == "constant":
+    return base
+  if staleness is None:
+    raise ValueError(
+        "update: staleness=None is not allowed with weighting='polynomial'; "
+        "allowed: the staleness τ >= 0 of the arrival, passed as "
+        "tx.update(pseudo_grads, state, params, staleness=tau).")
+  if isinstance(staleness, numbers.Integral) and staleness < 0:
+    raise ValueError(
+        f"update: staleness={staleness!r} is not allowed; allowed: an integer >= 0.")
+  tau = jnp.asarray(staleness, jnp.float32)
+  return base / jnp.sqrt(1.0 + tau)
+
+
+def as_compute_dtype(tree: Any) -> Any:
+  """Casts floating leaves to at least float32 (bfloat16 → float32)."""
+  return jax.tree.map(
+      lambda x: jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)), tree)
+
+
+def apply_arrival_weight(
+    pseudo_grads: Any, staleness: Any, *, num_workers: Optional[int], weighting: str,
+) -> tuple[Any, jax.Array]:
+  """g = ρ·Δ in float32 (or wider); returns (g, ρ)."""
+  weight = arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
+  return jax.tree.map(lambda d: weight * d, as_compute_dtype(pseudo_grads)), weight
+
+
+def staleness_array(staleness: Any) -> jax.Array:
+  """The staleness as an int32 array (0 when not given), for states."""
+  return jnp.asarray(0 if staleness is None else staleness, jnp.int32)
+
+
+class ScaleByArrivalWeightState(NamedTuple):
+  """ρ and τ of the last arrival, kept for logging (no host sync)."""
+  staleness: jax.Array
+  weight: jax.Array
+
+
+def scale_by_arrival_weight(
+    num_workers: Optional[int] = None,
+    weighting: str = "constant",
+) -> optax.GradientTransformationExtraArgs:
+  """Multiplies pseudo-gradients by ρ, casting them to at least float32.
+
+  Args:
+    num_workers: K, or None for ρ = 1.
+    weighting: "constant", "polynomial" or "none".
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
+    ``staleness=``.
+
+  References:
+    Liu et al., Asynchronous Local-SGD Training for Language Modeling,
+    arXiv 2401.09135; ALGORITHMS.md (Notation, arrival weight ρ).
+  """
+  validate_weighting("scale_by_arrival_weight", num_workers, weighting)
+
+  def init_fn(params):
+    del params
+    return ScaleByArrivalWeightState(
+        staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32))
+
+  def update_fn(updates, state, params=None, *, staleness=None, **extra_args):
+    del params, extra_args, state
+    updates, weight = apply_arrival_weight(
+        updates, staleness, num_workers=num_workers, weighting=weighting)
+    return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
