@@ -19,9 +19,10 @@ r(c) = 1 − c ("eq14").
 
 Implementation note: every branch gives d̂ = a·d + b·m_b with two scalars
 (a, b) per block, and |u|² = (1−λ)² + λ² + 2λ(1−λ)c because d/|d| and
-m_b/|m_b| are unit vectors with cosine c. So a block costs one fused
-reduction pass (<d,m>, |d|², |m|²) and one fused elementwise pass, with no
-Python branching on traced values.
+m_b/|m_b| are unit vectors with cosine c. So a block costs three
+reductions (<d,m>, |d|², |m|²), a few vector ops shared by all blocks, and
+its share of the elementwise passes of the momentum step (``heloco`` folds
+a and b into them), with no Python branching on traced values.
 
 References:
   Al Asif et al., HeLoCo, arXiv 2606.00271 (2026), Eq. 14 and the authors'
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from heloco_jax.outer import _validation
+from heloco_jax.outer.weighting import at_least_float32
 
 # Branch codes, in the order used by ``CorrectionInfo.branch_counts``.
 PASS, KEEP, SHRINK, ROTATE = 0, 1, 2, 3
@@ -119,7 +121,7 @@ def block_names(tree: Any, scope: str = "leaf") -> list[str]:
 
 def _leaf_sums(delta: jax.Array, m: jax.Array) -> jax.Array:
   """[<Δ, m>, |Δ|², |m|²] of one leaf, each a single reduction pass."""
-  delta = delta.astype(jnp.promote_types(delta.dtype, jnp.float32))
+  delta = at_least_float32(delta)
   return jnp.stack([jnp.vdot(delta, m), jnp.vdot(delta, delta), jnp.vdot(m, m)])
 
 
@@ -220,8 +222,7 @@ def correct(
   delta_scale, momentum_scale, info = correction_coefficients(
       pseudo_grads, momentum, scope=scope, **hyper)
   leaves, treedef = jax.tree.flatten(pseudo_grads)
-  corrected = [delta_scale[i] * x.astype(jnp.promote_types(x.dtype, jnp.float32))
-               + momentum_scale[i] * m
+  corrected = [delta_scale[i] * at_least_float32(x) + momentum_scale[i] * m
                for i, (x, m) in enumerate(zip(leaves, treedef.flatten_up_to(momentum)))]
   return treedef.unflatten(corrected), info
 

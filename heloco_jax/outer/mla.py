@@ -72,7 +72,7 @@ def momentum_step(pseudo_grads: Any, momentum: Any, delta_scale: Any, momentum_s
   per_leaf = lambda v, i: v if v.ndim == 0 else v[i]
   updates, new_momentum = [], []
   for i, (x, m) in enumerate(zip(leaves, m_leaves)):
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    x = weighting_lib.at_least_float32(x)
     m_new = ((1.0 - decay) * per_leaf(a, i) * x + per_leaf(k, i) * m).astype(jnp.float32)
     new_momentum.append(m_new)
     updates.append(-learning_rate * (per_leaf(delta_gain, i) * x + per_leaf(momentum_gain, i) * m_new))

@@ -67,10 +67,14 @@ def arrival_weight(
   return base / jnp.sqrt(1.0 + tau)
 
 
+def at_least_float32(x: Any) -> jax.Array:
+  """One leaf in its compute dtype: at least float32 (bfloat16 → float32)."""
+  return jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+
+
 def as_compute_dtype(tree: Any) -> Any:
-  """Casts floating leaves to at least float32 (bfloat16 → float32)."""
-  return jax.tree.map(
-      lambda x: jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)), tree)
+  """Casts every leaf to at least float32."""
+  return jax.tree.map(at_least_float32, tree)
 
 
 def apply_arrival_weight(
