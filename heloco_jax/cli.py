@@ -16,10 +16,8 @@ commands:
 
 
 def _corpus(argv: Sequence[str]) -> int:
-  del argv
-  print("heloco-jax corpus: not yet available; it lands with the 'Model, compiled inner "
-        "loop and data' issue.", file=sys.stderr)
-  return 2
+  from heloco_jax.data import corpus  # pylint: disable=g-import-not-at-top
+  return corpus.main(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
