@@ -1,0 +1,100 @@
+"""Simulated time: presets, communication costs, jitter and DyLU (ALGORITHMS.md)."""
+
+import numpy as np
+import pytest
+
+from heloco_jax import clock
+
+
+@pytest.mark.parametrize("name, want", [
+    ("homogeneous", [1, 1, 1, 1, 1]), ("mild", [1, 1, 1, 2, 2]), ("moderate", [1, 6, 6, 6, 6]),
+    ("severe", [1, 15, 15, 15, 15]), ("mixed", [1, 2, 3, 1, 5]),
+])
+def test_presets_are_the_authors_values(name, want):
+  np.testing.assert_array_equal(clock.seconds_per_step(name, 5), want)
+
+
+def test_presets_cycle_past_five_workers_and_lists_pass_through():
+  sixteen = clock.seconds_per_step("severe", 16)
+  assert sixteen.shape == (16,) and list(sixteen[:7]) == [1, 15, 15, 15, 15, 1, 15]
+  assert (sixteen == 1).sum() == 4  # workers 0, 5, 10, 15
+  np.testing.assert_array_equal(clock.seconds_per_step([0.5, 2, 3], 3), [0.5, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("speeds, workers, named", [
+    ("turbo", 5, "speeds='turbo'"),
+    ([1, 2], 3, "speeds=[1, 2]"),
+    ([1, -2, 3], 3, "speeds=[1, -2, 3]"),
+    ([1, float("nan")], 2, "speeds=[1, nan]"),
+    (["fast", 1], 2, "speeds=['fast', 1]"),
+    ("severe", 0, "num_workers=0"),
+])
+def test_invalid_speeds(speeds, workers, named):
+  with pytest.raises(ValueError, match="allowed:") as error:
+    clock.seconds_per_step(speeds, workers)
+  assert named in str(error.value)
+
+
+def test_communication_cost_model():
+  free = clock.CommModel()
+  assert free.message_seconds(1e9) == 0.0 and free.allreduce_seconds(1e9, 8) == 0.0
+  comm = clock.CommModel(latency=0.01, bandwidth=1e6)
+  assert comm.message_seconds(2e6) == pytest.approx(0.01 + 2.0)
+  # Ring all-reduce: latency + 2(K−1)/K · B / bandwidth.
+  assert comm.allreduce_seconds(4e6, 4) == pytest.approx(0.01 + 2 * 3 / 4 * 4.0)
+  assert comm.allreduce_seconds(4e6, 1) == 0.0  # nothing to exchange
+  with pytest.raises(ValueError, match="comm.latency=-1"):
+    clock.CommModel(latency=-1)
+  with pytest.raises(ValueError, match="comm.bandwidth=0"):
+    clock.CommModel(bandwidth=0)
+
+
+def test_step_clock_without_jitter_is_exact():
+  steps = clock.StepClock(clock.seconds_per_step("moderate", 5))
+  assert steps.duration(0, 20) == 20.0 and steps.duration(3, 20) == 120.0
+
+
+def test_step_clock_jitter_is_bounded_seeded_and_per_worker():
+  seconds = clock.seconds_per_step("mild", 5)
+  a = clock.StepClock(seconds, jitter=0.2, seed=3)
+  durations = [a.duration(4, 10) for _ in range(200)]
+  assert all(10 * 2 * 0.8 <= d <= 10 * 2 * 1.2 for d in durations)
+  assert abs(np.mean(durations) - 20.0) < 0.2  # mean t_i·H; sd of the mean ≈ 0.05
+  assert len(set(durations)) == 200
+  # Same seed, same durations; worker 4's stream ignores calls for other workers.
+  b = clock.StepClock(seconds, jitter=0.2, seed=3)
+  b.duration(0, 50)
+  assert [b.duration(4, 10) for _ in range(200)] == durations
+  assert clock.StepClock(seconds, jitter=0.2, seed=4).duration(4, 10) != durations[0]
+
+
+def test_step_clock_state_round_trips():
+  seconds = clock.seconds_per_step("mixed", 5)
+  a = clock.StepClock(seconds, jitter=0.1, seed=0)
+  a.duration(2, 7)
+  state = a.get_state()
+  expected = [a.duration(w, 5) for w in range(5)]
+  b = clock.StepClock(seconds, jitter=0.1, seed=99)
+  b.set_state(state)
+  assert [b.duration(w, 5) for w in range(5)] == expected
+  with pytest.raises(ValueError, match="jitter=1.0"):
+    clock.StepClock(seconds, jitter=1.0)
+
+
+@pytest.mark.parametrize("speeds, want", [
+    ("homogeneous", [20, 20, 20, 20, 20]),
+    ("mild", [20, 20, 20, 10, 10]),
+    ("moderate", [20, 3, 3, 3, 3]),      # ⌊20/6⌋
+    ("severe", [20, 1, 1, 1, 1]),        # ⌊20/15⌋
+    ("mixed", [20, 10, 6, 20, 4]),
+])
+def test_dylu_steps(speeds, want):
+  np.testing.assert_array_equal(clock.dylu_steps(clock.seconds_per_step(speeds, 5), 20), want)
+
+
+def test_dylu_floor_is_exact_and_at_least_one():
+  # (1/2.6)/(1/0.2)·39 is 3 exactly, but floating point computes 2.9999999999999996.
+  seconds = np.array([0.2, 2.6])
+  assert (1 / seconds)[1] / (1 / seconds)[0] * 39 < 3
+  np.testing.assert_array_equal(clock.dylu_steps(seconds, 39), [39, 3])
+  np.testing.assert_array_equal(clock.dylu_steps(np.array([1.0, 1000.0]), 5), [5, 1])
