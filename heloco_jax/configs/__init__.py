@@ -1,0 +1,1 @@
+"""ml_collections configs shipped with the package (``default`` is the quickstart)."""

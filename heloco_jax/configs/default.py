@@ -1,0 +1,75 @@
+"""The quickstart config: HeLoCo on 5 simulated workers of severe heterogeneity, one
+synthetic language each (no download). Keys follow DESIGN.md ("Command line")."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.method = "heloco"          # ddp | local_sgd | diloco | async_nesterov | delayed_nesterov
+                               # | mla | heloco | palsgd
+  c.seed = 0
+  c.num_workers = 5
+  c.inner_steps = 20           # H
+  # A preset name (clock.PRESETS) or a list of seconds per step, so typed `object`.
+  c.speeds = ml_collections.FieldReference("severe", field_type=object)
+  c.jitter = 0.0               # relative per-step jitter in [0, 1)
+  c.batch_size = 8             # sequences per inner step per worker
+  c.eval_every_tokens = 100_000
+  c.runtime = "simulated"      # simulated | devices | ray
+  c.checkpoint_every = 0       # outer updates; 0 = off
+  c.grace_window = 0.0         # simulated seconds: arrivals this close are combined
+  c.dylu = False               # H_i = max(1, floor(v_i / v_ref * H)) (async methods)
+  c.lookahead_dispatch = -1    # -1: the method's default; 0: off; 1: on (mla only)
+  c.palsgd_warmup_steps = -1   # DDP steps before PALSGD's rounds; -1 = H
+
+  c.budget = ml_collections.ConfigDict()
+  c.budget.tokens = 1_000_000  # tokens of all applied inner steps; 0 = none
+  c.budget.sim_seconds = 0.0   # simulated seconds; 0 = none
+
+  c.model = ml_collections.ConfigDict()
+  c.model.d_model = 128
+  c.model.num_layers = 4
+  c.model.num_heads = 4
+  c.model.context = 128
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "synthetic"  # synthetic | text_dir | jsonl | tfds
+  c.data.path = ""
+  c.data.languages = ""        # comma-separated; "" = all the source has
+  c.data.partition = "non_iid"  # non_iid | iid | dirichlet
+  c.data.dirichlet_alpha = 1.0
+  c.data.val_sequences_per_language = 16
+  c.data.max_bytes_per_language = 0  # 0 = no cap (synthetic: its default size)
+
+  c.inner = ml_collections.ConfigDict()
+  c.inner.learning_rate = 3e-3
+  c.inner.warmup_steps = 20
+  c.inner.total_steps = 2_000
+  c.inner.min_learning_rate_ratio = 0.1
+  c.inner.weight_decay = 0.1
+  c.inner.grad_clip = 1.0
+  c.inner.reset_optimizer = -1  # -1: the method's default; 0: keep; 1: reset at dispatch
+  c.inner.pseudo_sync_prob = 0.2
+  c.inner.pseudo_sync_rate = 0.5
+
+  c.outer = ml_collections.ConfigDict()
+  c.outer.learning_rate = 0.0  # 0 = the method's default (ALGORITHMS.md)
+  c.outer.momentum = 0.9
+  c.outer.weighting = "constant"
+  c.outer.buffer_size = 0      # delayed_nesterov N; 0 = num_workers
+  c.outer.dn_c = 0.0
+  c.outer.keep_threshold = 0.2
+  c.outer.bad_threshold = -0.2
+  c.outer.shrink_strength = 0.5
+  c.outer.max_shrink = 0.5
+  c.outer.rotate_strength = 1.0
+  c.outer.confidence_scale = 3.0
+  c.outer.rotate_schedule = "normalized"
+  c.outer.weight_order = "before"
+  c.outer.scope = "leaf"
+
+  c.comm = ml_collections.ConfigDict()
+  c.comm.latency = 0.0         # seconds per message or all-reduce
+  c.comm.bandwidth = 0.0       # bytes per second; 0 = free transfers
+  return c

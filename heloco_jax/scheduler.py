@@ -1,0 +1,338 @@
+"""The scheduler: any method of the registry on simulated heterogeneous workers.
+
+Simulated runtime (DESIGN.md, "Runtimes"): one process; a worker's inner
+steps are computed when it is dispatched and its result is delivered at its
+simulated finish time. Arrivals are taken from a heap ordered by (finish
+time, worker), so ties break deterministically and a run reproduces bit for
+bit. ``Simulation.run`` is an asyncio coroutine that yields to the event loop
+after every event, so progress displays (and, for the real-device runtime,
+device futures) interleave with it.
+
+Synchrony (``heloco_jax.methods``):
+  * async: one outer update per arrival with staleness τ = v − s; the worker
+    is re-dispatched at once from θ (or the look-ahead point θ − η·μ·m).
+    Arrivals within ``grace_window`` seconds of the first are combined into
+    one update: the mean of their g = ρ(τ_j)·Δ_j, passed to the rule as
+    Δ = mean_j g_j / ρ(τ_max) with staleness τ_max, so the rule's ρ(τ_max)·Δ
+    is that mean. Times: message + compute + message.
+  * round: all workers start from θ, run H steps (``vmap``), Δ = mean Δ_i,
+    one outer update; a round lasts as long as its slowest worker plus one
+    ring all-reduce. PALSGD's rounds pull toward θ̃ = θ and keep the inner
+    optimizer states; its DDP warm-up comes first.
+  * step (DDP): every step averages the K workers' gradients, which is one
+    AdamW step on their K batches together; a step lasts as long as the
+    slowest worker's step plus one all-reduce.
+
+Budgets: ``budget.tokens`` counts the tokens of applied inner steps (PALSGD's
+pseudo-sync steps read none); ``budget.sim_seconds`` the simulated clock.
+Work whose application would pass either budget is discarded, with
+everything still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import heapq
+import math
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, model as model_lib
+from heloco_jax import outer
+from heloco_jax.methods import METHODS
+
+Row = dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Job:
+  """A dispatched worker's result, waiting for its simulated finish time."""
+  delta: Any
+  version: int
+  tokens: int
+
+
+def _languages(value: Any) -> Optional[list[str]]:
+  if not value:
+    return None
+  return [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+
+
+class Simulation:
+  """One run of ``config`` (see ``heloco_jax/configs/default.py``) on the simulated clock.
+
+  Args:
+    config: the run's ``ml_collections.ConfigDict``.
+    dataset: a ``heloco_jax.data.Data`` to use instead of building one from
+      ``config.data`` (tests share one across runs).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict,
+               dataset: Optional[data_lib.Data] = None):
+    self.config = config
+    self.method = METHODS[config.method]
+    k = config.num_workers
+    model_config = model_lib.ModelConfig(
+        d_model=config.model.d_model, num_layers=config.model.num_layers,
+        num_heads=config.model.num_heads, context=config.model.context)
+    self.graphdef, self.params = model_lib.init(model_config, config.seed)
+    self.num_params = model_lib.num_params(self.params)
+    self.model_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+    self.data = dataset or data_lib.make_data(
+        source=config.data.source, path=config.data.path or None,
+        languages=_languages(config.data.languages), partition=config.data.partition,
+        dirichlet_alpha=config.data.dirichlet_alpha, num_workers=k,
+        context=config.model.context, batch_size=config.batch_size,
+        val_sequences_per_language=config.data.val_sequences_per_language, seed=config.seed,
+        max_bytes_per_language=config.data.max_bytes_per_language or None)
+    self.evaluator = evaluate.Evaluator(self.graphdef, self.data.validation_tokens,
+                                        self.data.validation_language_ids, self.data.languages)
+    reset = (self.method.reset_optimizer if config.inner.reset_optimizer < 0
+             else bool(config.inner.reset_optimizer))
+    self.inner = inner_lib.InnerLoop(self.graphdef, inner_lib.InnerConfig(
+        learning_rate=config.inner.learning_rate, warmup_steps=config.inner.warmup_steps,
+        total_steps=config.inner.total_steps,
+        min_learning_rate_ratio=config.inner.min_learning_rate_ratio,
+        weight_decay=config.inner.weight_decay, grad_clip=config.inner.grad_clip,
+        reset_optimizer=reset, pseudo_sync_prob=config.inner.pseudo_sync_prob,
+        pseudo_sync_rate=config.inner.pseudo_sync_rate))
+    self.outer_tx = self.method.make_outer(config) if self.method.make_outer else None
+    self.outer_state = self.outer_tx.init(self.params) if self.outer_tx else None
+    self.lookahead = (self.method.lookahead_dispatch if config.lookahead_dispatch < 0
+                      else bool(config.lookahead_dispatch))
+    self.seconds = clock.seconds_per_step(config.speeds, k)
+    self.step_clock = clock.StepClock(self.seconds, config.jitter, config.seed)
+    self.comm = clock.CommModel(config.comm.latency, config.comm.bandwidth or math.inf)
+    self.iterators = [self.data.worker_iterator(i) for i in range(k)]
+    self.tokens_per_step = config.batch_size * config.model.context
+    self.key = jax.random.key(config.seed)
+    self.tokens = 0
+    self.sim_time = 0.0
+    self.version = 0
+    self.staleness: list[int] = []
+    self.rows: list[Row] = []
+    self._last_eval: Row = {}
+    self._next_eval = 0
+    self._on_row: Callable[[Row], None] = lambda row: None
+
+    def outer_step(params, state, delta, staleness):
+      updates, state = self.outer_tx.update(delta, state, params, staleness=staleness)
+      return optax.apply_updates(params, updates), state
+    self._outer_step = jax.jit(outer_step, donate_argnums=(0, 1)) if self.outer_tx else None
+
+  # ------------------------------------------------------------------ helpers
+
+  def _emit(self, row: Row) -> None:
+    self.rows.append(row)
+    self._on_row(row)
+
+  def _evaluate(self, force: bool = False) -> None:
+    """An eval row when the token count has passed the next eval point (or forced)."""
+    if not force and self.tokens < self._next_eval:
+      return
+    every = self.config.eval_every_tokens
+    self._next_eval = (self.tokens // every + 1) * every if every > 0 else math.inf
+    row = {"event": "eval", "tokens": self.tokens, "sim_time": self.sim_time,
+           "outer_updates": self.version}
+    row.update(self.evaluator.as_metrics(self.params))
+    self._last_eval = row
+    self._emit(row)
+
+  def _batches(self, worker: int, steps: int) -> jax.Array:
+    return jnp.asarray(np.stack([next(self.iterators[worker]) for _ in range(steps)]))
+
+  def _next_key(self) -> jax.Array:
+    self.key, key = jax.random.split(self.key)
+    return key
+
+  def _over_budget(self, tokens: int, sim_time: float) -> bool:
+    budget = self.config.budget
+    return ((budget.tokens > 0 and tokens > budget.tokens)
+            or (budget.sim_seconds > 0 and sim_time > budget.sim_seconds))
+
+  def _apply(self, delta: Any, staleness: int) -> None:
+    self.params, self.outer_state = self._outer_step(self.params, self.outer_state, delta,
+                                                     jnp.int32(staleness))
+    self.version += 1
+
+  # ----------------------------------------------------------------- runtimes
+
+  async def run(self, on_row: Optional[Callable[[Row], None]] = None) -> dict[str, Any]:
+    """Runs until a budget ends; returns the summary (DESIGN.md, summary.json)."""
+    if on_row is not None:
+      self._on_row = on_row
+    start = time.perf_counter()
+    self._evaluate(force=True)
+    initial = self._last_eval["val_loss"]
+    if self.method.synchrony == "async":
+      await self._run_async()
+    elif self.method.synchrony == "round":
+      await self._run_rounds()
+    else:
+      await self._run_ddp(steps=None)
+    if self._last_eval["tokens"] != self.tokens or self._last_eval["sim_time"] != self.sim_time:
+      self._evaluate(force=True)
+    wall = time.perf_counter() - start
+    return {"method": self.config.method, "seed": self.config.seed, "tokens": self.tokens,
+            "sim_time": self.sim_time, "outer_updates": self.version,
+            "initial_val_loss": initial, "final_val_loss": self._last_eval["val_loss"],
+            "mean_staleness": float(np.mean(self.staleness)) if self.staleness else 0.0,
+            "wall_seconds": wall, "tokens_per_second": self.tokens / wall,
+            "num_params": self.num_params}
+
+  def _dispatch_point(self) -> Any:
+    return outer.lookahead_params(self.params, self.outer_state) if self.lookahead else self.params
+
+  async def _run_async(self) -> None:
+    config, k = self.config, self.config.num_workers
+    steps = (clock.dylu_steps(self.seconds, config.inner_steps) if config.dylu
+             else np.full(k, config.inner_steps))
+    message = self.comm.message_seconds(self.model_bytes)
+    states: list[Optional[inner_lib.InnerState]] = [None] * k
+    jobs: dict[int, _Job] = {}
+    heap: list[tuple[float, int]] = []
+
+    def dispatch(worker: int, now: float) -> None:
+      start = self._dispatch_point()
+      state = self.inner.start(start, states[worker])
+      state, _ = self.inner.run_jit(state, self._batches(worker, int(steps[worker])),
+                                    self._next_key())
+      states[worker] = state
+      jobs[worker] = _Job(jax.tree.map(jnp.subtract, start, state.params), self.version,
+                          int(steps[worker]) * self.tokens_per_step)
+      finish = now + message + self.step_clock.duration(worker, int(steps[worker])) + message
+      heapq.heappush(heap, (finish, worker))
+
+    for worker in range(k):
+      dispatch(worker, 0.0)
+    while heap:
+      first, worker = heapq.heappop(heap)
+      group = [worker]
+      now = first
+      # A grace window of 0 (default) is off: simultaneous arrivals stay separate updates.
+      while config.grace_window > 0 and heap and heap[0][0] <= first + config.grace_window:
+        now, other = heapq.heappop(heap)
+        group.append(other)
+      arrived = [jobs.pop(w) for w in group]
+      tokens = self.tokens + sum(job.tokens for job in arrived)
+      if self._over_budget(tokens, now):
+        break  # this group and everything still in flight are discarded
+      taus = [self.version - job.version for job in arrived]
+      if len(group) == 1:
+        self._apply(arrived[0].delta, taus[0])
+      else:
+        self._apply(self._combine([job.delta for job in arrived], taus), max(taus))
+      self.tokens, self.sim_time = tokens, now
+      diagnostics = self._diagnostics()
+      for w, tau in zip(group, taus):
+        self.staleness.append(tau)
+        self._emit({"event": "arrival", "worker": w, "staleness": tau, "sim_time": now,
+                    "outer_updates": self.version, **diagnostics})
+      self._evaluate()
+      for w in group:
+        dispatch(w, now)
+      await asyncio.sleep(0)
+
+  def _combine(self, deltas: list[Any], taus: list[int]) -> Any:
+    """Grace window: Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j (see the module docstring)."""
+    weight = lambda tau: float(outer.arrival_weight(
+        tau, num_workers=self.config.num_workers, weighting=self.config.outer.weighting))
+    scales = [weight(tau) / weight(max(taus)) / len(deltas) for tau in taus]
+    return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
+
+  def _diagnostics(self) -> Row:
+    """HeLoCo's per-arrival diagnostics, summarised over blocks (one host transfer)."""
+    if self.config.method != "heloco":
+      return {}
+    info = jax.device_get(self.outer_state.info)
+    rotated, shrunk = info.branch == 3, info.branch == 2
+    row = {f"branch_count/{name}": int(info.branch_counts[i])
+           for i, name in enumerate(outer.BRANCH_NAMES)}
+    row.update({
+        "cosine_mean": float(np.mean(info.cosine)),
+        "rotation_mean": float(info.rotation[rotated].mean()) if rotated.any() else 0.0,
+        "shrinkage_mean": float(info.shrinkage[shrunk].mean()) if shrunk.any() else 0.0,
+        "relative_correction": float(info.total_relative_correction),
+        "weight": float(self.outer_state.weight)})
+    return row
+
+  async def _run_rounds(self) -> None:
+    config, k, h = self.config, self.config.num_workers, self.config.inner_steps
+    palsgd = self.method.inner == "palsgd"
+    previous: Optional[inner_lib.InnerState] = None
+    if palsgd:
+      warmup = h if config.palsgd_warmup_steps < 0 else config.palsgd_warmup_steps
+      previous = await self._run_ddp(steps=warmup) if warmup else None
+      if self._over_budget(self.tokens, self.sim_time):
+        return
+    states: Any = None
+    allreduce = self.comm.allreduce_seconds(self.model_bytes, k)
+    stack = lambda *xs: jnp.stack(xs)
+    while True:
+      # Every worker restarts from θ, keeping its own step count (and its AdamW
+      # moments unless reset_optimizer); the first round continues the warm-up.
+      own = lambda i: previous if states is None else jax.tree.map(lambda x: x[i], states)
+      starts = [self.inner.start(self.params, own(i)) for i in range(k)]
+      batches = jnp.stack([self._batches(i, h) for i in range(k)])
+      keys = jnp.stack([self._next_key() for _ in range(k)])
+      anchor = self.params if palsgd else None
+      states, metrics = self.inner.run_many(jax.tree.map(stack, *starts), batches, keys, anchor)
+      # PALSGD: pseudo-sync steps read no tokens and cost no compute time.
+      real_steps = h - np.asarray(metrics.pseudo_sync).sum(axis=1)
+      tokens = self.tokens + int(real_steps.sum()) * self.tokens_per_step
+      duration = max(self.step_clock.duration(i, int(real_steps[i])) for i in range(k)) + allreduce
+      if self._over_budget(tokens, self.sim_time + duration):
+        return
+      delta = jax.tree.map(lambda p, end: p - jnp.mean(end, axis=0), self.params, states.params)
+      self._apply(delta, 0)
+      self.tokens, self.sim_time = tokens, self.sim_time + duration
+      self._evaluate()
+      await asyncio.sleep(0)
+
+  async def _run_ddp(self, steps: Optional[int]) -> Optional[inner_lib.InnerState]:
+    """DDP steps in chunks of H (all of the budget when ``steps`` is None)."""
+    config, k = self.config, self.config.num_workers
+    allreduce = self.comm.allreduce_seconds(self.model_bytes, k)
+    step_tokens = k * self.tokens_per_step
+    state = self.inner.start(self.params)
+    remaining = math.inf if steps is None else steps
+    while remaining > 0:
+      chunk = int(min(config.inner_steps, remaining))
+      if config.budget.tokens > 0:
+        chunk = min(chunk, (config.budget.tokens - self.tokens) // step_tokens)
+      if chunk <= 0:
+        break
+      step_seconds = [max(self.step_clock.duration(i, 1) for i in range(k)) + allreduce
+                      for _ in range(chunk)]
+      if config.budget.sim_seconds > 0:  # only the steps that end within the budget
+        ends = self.sim_time + np.cumsum(step_seconds)
+        chunk = int(np.sum(ends <= config.budget.sim_seconds))
+        step_seconds = step_seconds[:chunk]
+        if chunk == 0:
+          break
+      # Averaging K workers' gradients = one step on their K batches together.
+      batches = jnp.concatenate([self._batches(i, chunk) for i in range(k)], axis=1)
+      state, _ = self.inner.run_jit(state, batches, self._next_key())
+      self.params = jax.tree.map(jnp.array, state.params)
+      self.version += chunk
+      self.tokens += chunk * step_tokens
+      self.sim_time += sum(step_seconds)
+      remaining -= chunk
+      self._evaluate()
+      await asyncio.sleep(0)
+    return state
+
+
+def simulate(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
+             on_row: Optional[Callable[[Row], None]] = None) -> tuple[dict[str, Any], list[Row]]:
+  """Runs ``config`` on the simulated clock; returns (summary, metrics rows)."""
+  simulation = Simulation(config, dataset)
+  summary = asyncio.run(simulation.run(on_row))
+  return summary, simulation.rows

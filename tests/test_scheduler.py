@@ -1,0 +1,152 @@
+"""The simulated scheduler: exact schedules, sync rounds, identities, budgets, determinism."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from heloco_jax import data, scheduler
+from heloco_jax.configs import default
+
+
+@functools.lru_cache(maxsize=None)
+def _dataset(num_workers: int, partition: str = "non_iid"):
+  return data.make_data(num_workers=num_workers, partition=partition, context=16, batch_size=4,
+                        val_sequences_per_language=8, max_bytes_per_language=40_000)
+
+
+def _config(method="mla", num_workers=3, **overrides):
+  c = default.get_config()
+  c.method, c.num_workers = method, num_workers
+  c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.context = 32, 1, 4, 16
+  c.batch_size, c.inner_steps = 4, 2
+  c.inner.warmup_steps, c.inner.total_steps = 2, 400
+  c.budget.tokens, c.eval_every_tokens = 0, 0
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return c
+
+
+def _run(config, partition="non_iid"):
+  return scheduler.simulate(config, _dataset(config.num_workers, partition))
+
+
+def test_hand_built_three_worker_schedule():
+  """t = [1, 2, 3] s/step, H = 2: workers take 2, 4 and 6 s per dispatch.
+
+  Worked by hand (ties at equal times go to the lower worker index):
+    t=2 w0 (dispatched v0, now v0: τ 0) → v1;  w0 again at 2 → done at 4
+    t=4 w0 (v1, τ 0) → v2;  t=4 w1 (v0, τ 2) → v3;  w0 → 6, w1 → 8
+    t=6 w0 (v2, τ 1) → v4;  t=6 w2 (v0, τ 4) → v5;  w0 → 8, w2 → 12
+    t=8 w0 (v4, τ 1) → v6;  t=8 w1 (v3, τ 3) → v7
+  The sim-seconds budget of 9 stops before t = 10 and discards what is in flight.
+  """
+  summary, rows = _run(_config(speeds=[1.0, 2.0, 3.0], **{"budget.sim_seconds": 9.0}))
+  arrivals = [(r["sim_time"], r["worker"], r["staleness"], r["outer_updates"])
+              for r in rows if r["event"] == "arrival"]
+  assert arrivals == [(2.0, 0, 0, 1), (4.0, 0, 0, 2), (4.0, 1, 2, 3), (6.0, 0, 1, 4),
+                      (6.0, 2, 4, 5), (8.0, 0, 1, 6), (8.0, 1, 3, 7)]
+  assert summary["outer_updates"] == 7 and summary["sim_time"] == 8.0
+  assert summary["tokens"] == 7 * 2 * 4 * 16  # 7 applied dispatches of H·batch·context
+  assert summary["mean_staleness"] == pytest.approx(11 / 7)
+
+
+def test_communication_delays_async_arrivals():
+  latency = 0.25  # bandwidth free: each way costs the latency only
+  _, rows = _run(_config(speeds=[1.0, 2.0, 3.0], **{"budget.sim_seconds": 5.0,
+                                                    "comm.latency": latency}))
+  times = [r["sim_time"] for r in rows if r["event"] == "arrival"]
+  # w0: 0.25 + 2 + 0.25 = 2.5; w1: 0.25 + 4 + 0.25 = 4.5; w0 again from 2.5: 5.0; w2: 6.5.
+  assert times == [2.5, 4.5, 5.0]
+
+
+def test_sync_round_lasts_as_long_as_the_slowest_worker_plus_allreduce():
+  config = _config("diloco", speeds=[1.0, 2.0, 3.0], **{"comm.latency": 0.5,
+                                                          "comm.bandwidth": 1e6})
+  config.budget.tokens = 3 * (3 * 2 * 4 * 16)  # three rounds
+  summary, _ = _run(config)
+  num_bytes = sum(x.nbytes for x in jax.tree.leaves(scheduler.Simulation(
+      config, _dataset(3)).params))
+  allreduce = 0.5 + 2 * 2 / 3 * num_bytes / 1e6
+  assert summary["outer_updates"] == 3
+  assert summary["sim_time"] == pytest.approx(3 * (2 * 3.0 + allreduce))
+
+
+def test_local_sgd_equals_diloco_with_unit_rate_and_no_momentum():
+  budget = {"budget.tokens": 4 * 3 * 2 * 4 * 16}
+  local, _ = _run(_config("local_sgd", **budget))
+  diloco, _ = _run(_config("diloco", **budget, **{"outer.learning_rate": 1.0,
+                                                  "outer.momentum": 0.0}))
+  assert local["outer_updates"] == diloco["outer_updates"] == 4
+  assert local["final_val_loss"] == diloco["final_val_loss"]
+
+
+def test_palsgd_with_p_zero_equals_diloco():
+  common = {"budget.tokens": 4 * 3 * 2 * 4 * 16, "inner.reset_optimizer": 0}
+  palsgd, _ = _run(_config("palsgd", palsgd_warmup_steps=0, **common,
+                           **{"inner.pseudo_sync_prob": 0.0}))
+  diloco, _ = _run(_config("diloco", **common))
+  assert palsgd["outer_updates"] == diloco["outer_updates"] == 4
+  assert palsgd["final_val_loss"] == pytest.approx(diloco["final_val_loss"], rel=1e-5)
+
+
+def test_palsgd_pseudo_sync_steps_read_no_tokens():
+  summary, _ = _run(_config("palsgd", palsgd_warmup_steps=0, inner_steps=8,
+                            speeds="homogeneous",
+                            **{"budget.sim_seconds": 25.0, "inner.pseudo_sync_prob": 0.5}))
+  full_rounds_tokens = summary["outer_updates"] * 3 * 8 * 4 * 16
+  assert summary["outer_updates"] >= 1 and 0 < summary["tokens"] < full_rounds_tokens
+
+
+def test_token_budget_stops_before_the_arrival_that_would_pass_it():
+  per_dispatch = 2 * 4 * 16
+  summary, rows = _run(_config(**{"budget.tokens": 5 * per_dispatch + per_dispatch // 2}))
+  assert summary["tokens"] == 5 * per_dispatch and summary["outer_updates"] == 5
+  assert sum(r["event"] == "arrival" for r in rows) == 5
+
+
+def test_ddp_budget_counts_every_workers_tokens():
+  summary, _ = _run(_config("ddp", speeds=[1.0, 15.0, 3.0], **{"budget.tokens": 7 * 3 * 4 * 16}))
+  assert summary["outer_updates"] == 7 and summary["tokens"] == 7 * 3 * 4 * 16
+  assert summary["sim_time"] == pytest.approx(7 * 15.0)  # every step waits for the slowest
+
+
+def test_dylu_gives_slow_workers_fewer_steps():
+  summary, rows = _run(_config(speeds=[1.0, 4.0, 4.0], inner_steps=8, dylu=True,
+                               **{"budget.sim_seconds": 8.0}))
+  first = {r["worker"]: r["sim_time"] for r in reversed(rows) if r["event"] == "arrival"}
+  assert first == {0: 8.0, 1: 8.0, 2: 8.0}  # H_i = 8, 2, 2 steps: all done at t = 8
+
+
+def test_grace_window_combines_arrivals_into_one_update():
+  summary, rows = _run(_config(speeds=[1.0, 1.0, 1.0], grace_window=0.5,
+                               **{"budget.sim_seconds": 2.0}))
+  assert sum(r["event"] == "arrival" for r in rows) == 3
+  assert summary["outer_updates"] == 1
+
+
+def test_same_config_and_seed_give_identical_numbers():
+  config = _config("heloco", speeds="mixed", num_workers=5, jitter=0.2,
+                   **{"budget.tokens": 20 * 2 * 4 * 16})
+  first, first_rows = _run(config)
+  second, second_rows = _run(config)
+  keys = ["tokens", "sim_time", "outer_updates", "initial_val_loss", "final_val_loss",
+          "mean_staleness", "num_params"]
+  assert [first[k] for k in keys] == [second[k] for k in keys]
+  assert first_rows == second_rows
+
+
+@pytest.mark.parametrize("method", ["ddp", "local_sgd", "diloco", "async_nesterov",
+                                    "delayed_nesterov", "mla", "heloco", "palsgd"])
+def test_every_method_learns_on_a_tiny_run(method):
+  config = _config(method, num_workers=3, speeds="homogeneous", inner_steps=4,
+                   **{"data.partition": "iid", "budget.tokens": 3 * 12 * 4 * 4 * 16})
+  summary, rows = _run(config, partition="iid")
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5, summary
+  assert np.isfinite(summary["final_val_loss"])
+  assert rows[0]["event"] == "eval" and rows[-1]["event"] == "eval"
