@@ -1,19 +1,22 @@
-"""The heloco-jax console script: usage, the train stub, unknown commands."""
+"""The heloco-jax console script: usage, config errors, a full run and its files."""
 
+import json
 import subprocess
 import sys
 
+import pytest
+
 from heloco_jax import cli
+
+TINY = ["--config.num_workers=3", "--config.model.d_model=32", "--config.model.num_layers=1",
+        "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
+        "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
+        "--config.speeds=homogeneous", "--config.eval_every_tokens=512"]
 
 
 def test_train_without_workdir_fails_with_usage(capsys):
   assert cli.main(["train"]) == 2
   assert "--workdir is required" in capsys.readouterr().err
-
-
-def test_train_says_not_yet_available(capsys):
-  assert cli.main(["train", "--workdir=/tmp/unused"]) == 2
-  assert "not yet available" in capsys.readouterr().err
 
 
 def test_unknown_command_lists_the_allowed_ones(capsys):
@@ -26,7 +29,92 @@ def test_help_exits_zero(capsys):
   assert "heloco-jax train --workdir=DIR" in capsys.readouterr().out
 
 
-def test_module_entry_point_matches_console_script():
-  result = subprocess.run([sys.executable, "-m", "heloco_jax.train", "--workdir=/tmp/unused"],
-                          capture_output=True, text=True, check=False)
-  assert result.returncode == 2 and "not yet available" in result.stderr
+# Every config key of DESIGN.md with a bad value: one line naming key, value, what is allowed.
+_BAD = [
+    ("method=adam", "config.method='adam'"),
+    ("seed=-1", "config.seed=-1"),
+    ("num_workers=0", "config.num_workers=0"),
+    ("inner_steps=0", "config.inner_steps=0"),
+    ("speeds=turbo", "config.speeds='turbo'"),
+    ("speeds=[1,2]", "config.speeds=[1, 2]"),
+    ("data.source=web", "config.data.source='web'"),
+    ("data.partition=random", "config.data.partition='random'"),
+    ("data.dirichlet_alpha=0", "config.data.dirichlet_alpha=0"),
+    ("data.source=text_dir", "config.data.path=''"),
+    ("budget.tokens=-5", "config.budget.tokens=-5"),
+    ("budget.sim_seconds=-1", "config.budget.sim_seconds=-1"),
+    ("eval_every_tokens=-1", "config.eval_every_tokens=-1"),
+    ("runtime=cloud", "config.runtime='cloud'"),
+    ("checkpoint_every=-1", "config.checkpoint_every=-1"),
+    ("batch_size=0", "config.batch_size=0"),
+    ("model.d_model=0", "config.model.d_model=0"),
+    ("model.num_layers=0", "config.model.num_layers=0"),
+    ("model.num_heads=3", "config.model.num_heads=3"),
+    ("model.context=0", "config.model.context=0"),
+    ("jitter=1.5", "config.jitter=1.5"),
+    ("grace_window=-1", "config.grace_window=-1"),
+    ("lookahead_dispatch=0", "config.lookahead_dispatch=0"),
+    ("inner.learning_rate=0", "config.inner.learning_rate=0"),
+    ("inner.pseudo_sync_prob=1.0", "config.inner.pseudo_sync_prob=1.0"),
+    ("outer.keep_threshold=1.5", "config.outer.keep_threshold=1.5"),
+    ("outer.momentum=1.0", "config.outer.momentum=1.0"),
+    ("outer.weighting=linear", "config.outer.weighting='linear'"),
+    ("outer.scope=layer", "config.outer.scope='layer'"),
+    ("comm.latency=-0.5", "config.comm.latency=-0.5"),
+]
+
+
+@pytest.mark.parametrize("override, named", _BAD, ids=[b[0] for b in _BAD])
+def test_every_invalid_config_value_fails_before_any_work(override, named, tmp_path, capsys):
+  workdir = tmp_path / "run"
+  assert cli.main(["train", f"--workdir={workdir}", f"--config.{override}"]) == 2
+  err = capsys.readouterr().err
+  assert named in err and "allowed:" in err, err
+  assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+  assert not workdir.exists()  # nothing was written
+
+
+def test_unknown_key_and_bad_type_are_one_line_errors(tmp_path, capsys):
+  assert cli.main(["train", f"--workdir={tmp_path}", "--config.model.widht=3"]) == 2
+  assert "--config.model.widht names no config key" in capsys.readouterr().err
+  assert cli.main(["train", f"--workdir={tmp_path}", "--config.num_workers=abc"]) == 2
+  assert "invalid literal" in capsys.readouterr().err
+
+
+def test_a_run_writes_config_metrics_and_summary(tmp_path, capsys):
+  workdir = tmp_path / "run"
+  args = ["train", f"--workdir={workdir}", *TINY, "--config.method=diloco",
+          "--config.budget.tokens=2048"]
+  assert cli.main(args) == 0
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["method"] == "diloco" and config["num_workers"] == 3
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  evals = [r for r in rows if r["event"] == "eval"]
+  assert evals[0]["tokens"] == 0 and evals[-1]["tokens"] == 5 * 384  # rounds of 3·2·4·16 ≤ 2048
+  assert {"val_loss/syn0", "sim_time", "outer_updates"} <= set(evals[-1])
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert set(summary) == {"method", "seed", "tokens", "sim_time", "outer_updates",
+                          "initial_val_loss", "final_val_loss", "mean_staleness",
+                          "wall_seconds", "tokens_per_second", "num_params"}
+  assert summary["final_val_loss"] < summary["initial_val_loss"]
+  assert "done:" in capsys.readouterr().err
+  # A second run into the same finished workdir is refused (resume comes with checkpoints).
+  assert cli.main(args) == 2
+  assert "already holds a finished run" in capsys.readouterr().err
+
+
+def test_async_run_logs_arrival_rows_with_heloco_diagnostics(tmp_path):
+  workdir = tmp_path / "run"
+  assert cli.main(["train", f"--workdir={workdir}", *TINY, "--config.budget.tokens=1280"]) == 0
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  assert len(arrivals) == 10
+  assert {"worker", "staleness", "sim_time", "cosine_mean", "branch_count/shrink",
+          "rotation_mean", "shrinkage_mean", "weight"} <= set(arrivals[-1])
+
+
+def test_module_entry_point_matches_console_script(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "heloco_jax.train", f"--workdir={tmp_path}",
+                           "--config.num_workers=0"], capture_output=True, text=True,
+                          check=False)
+  assert result.returncode == 2 and "config.num_workers=0 is not allowed" in result.stderr

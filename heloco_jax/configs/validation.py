@@ -1,0 +1,144 @@
+"""Checks a run's config before any work (DESIGN.md, "Command line").
+
+``validate(config)`` raises ``ConfigError`` whose message is one line naming
+the key, its value and what is allowed:
+``config.num_workers=0 is not allowed; allowed: an integer >= 1.``
+Keys whose rules live with the code that uses them (model sizes, the inner
+optimizer, the outer rules' arguments, speeds) are checked by building those
+objects and re-labelling their errors with the config key.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from typing import Any
+
+import ml_collections
+
+from heloco_jax import clock, data, inner, model
+from heloco_jax.methods import METHODS
+
+RUNTIMES_AVAILABLE = ("simulated",)
+# Arguments of the outer factories whose config key differs from their name.
+_OUTER_KEYS = {"c": "dn_c"}
+
+
+class ConfigError(ValueError):
+  """An invalid config value; the message names the key, the value and what is allowed."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+  raise ConfigError(f"config.{key}={value!r} is not allowed; allowed: {allowed}.")
+
+
+def _integer(key: str, value: Any, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    _fail(key, value, f"an integer >= {low}")
+
+
+def _number(key: str, value: Any, low: float, high: float = math.inf, *,
+            high_open: bool = False) -> None:
+  ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+        and value >= low and (value < high if high_open else value <= high))
+  if not ok:
+    interval = f"[{low:g}, {high:g}{')' if high_open else ']'}" if high < math.inf else ""
+    _fail(key, value, f"a number in {interval}" if interval else f"a number >= {low:g}")
+
+
+def _choice(key: str, value: Any, choices) -> None:
+  if value not in choices:
+    _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def _relabel(error: ValueError, prefix: str, rename: dict[str, str] | None = None) -> ConfigError:
+  """'fn: name=value is not allowed; ...' or 'inner.name=...' → 'config.<prefix>name=...'."""
+  message = str(error)
+  match = re.match(r"^(?:[\w.]+: )?(?:[a-z_]+\.)?([a-z_]+)=(.*)$", message, flags=re.S)
+  if not match:
+    return ConfigError(f"config.{prefix}: {message}")
+  name = (rename or {}).get(match.group(1), match.group(1))
+  return ConfigError(f"config.{prefix}{name}={match.group(2)}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ``ConfigError`` for the first invalid value of ``config``."""
+  _choice("method", config.method, list(METHODS))
+  method = METHODS[config.method]
+  _integer("seed", config.seed, 0)
+  _integer("num_workers", config.num_workers, 1)
+  _integer("inner_steps", config.inner_steps, 1)
+  try:
+    clock.seconds_per_step(config.speeds, config.num_workers)
+  except ValueError as error:
+    raise ConfigError(f"config.{error}") from None
+  _number("jitter", config.jitter, 0.0, 1.0, high_open=True)
+  _integer("batch_size", config.batch_size, 1)
+  _integer("eval_every_tokens", config.eval_every_tokens, 0)
+  if config.runtime not in RUNTIMES_AVAILABLE:
+    _fail("runtime", config.runtime, "'simulated' (the devices and ray runtimes are not "
+          "available yet)")
+  if config.checkpoint_every != 0:
+    _fail("checkpoint_every", config.checkpoint_every, "0 (checkpoints are not available yet)")
+  _number("grace_window", config.grace_window, 0.0)
+  if not isinstance(config.dylu, bool):
+    _fail("dylu", config.dylu, "True or False")
+  _choice("lookahead_dispatch", config.lookahead_dispatch, (-1, 0, 1))
+  if config.method == "heloco" and config.lookahead_dispatch == 0:
+    _fail("lookahead_dispatch", 0, "-1 or 1 with method='heloco' (HeLoCo always dispatches "
+          "from the look-ahead point)")
+  if config.lookahead_dispatch == 1 and config.method not in ("mla", "heloco"):
+    _fail("lookahead_dispatch", 1, f"-1 or 0 with method={config.method!r} (look-ahead "
+          "dispatch needs an MLA or HeLoCo momentum)")
+  _integer("palsgd_warmup_steps", config.palsgd_warmup_steps, -1)
+
+  _integer("budget.tokens", config.budget.tokens, 0)
+  _number("budget.sim_seconds", config.budget.sim_seconds, 0.0)
+  if config.budget.tokens == 0 and config.budget.sim_seconds == 0:
+    _fail("budget.tokens", 0, "a token budget > 0, or a budget.sim_seconds > 0 (a run needs "
+          "an end)")
+
+  try:
+    model.ModelConfig(d_model=config.model.d_model, num_layers=config.model.num_layers,
+                      num_heads=config.model.num_heads, context=config.model.context)
+  except ValueError as error:
+    raise ConfigError(f"config.{error}") from None
+
+  _choice("data.source", config.data.source, data.SOURCES)
+  _choice("data.partition", config.data.partition, data.PARTITIONS)
+  _number("data.dirichlet_alpha", config.data.dirichlet_alpha, 0.0)
+  if config.data.dirichlet_alpha <= 0:
+    _fail("data.dirichlet_alpha", config.data.dirichlet_alpha, "a number > 0")
+  _integer("data.val_sequences_per_language", config.data.val_sequences_per_language, 1)
+  _integer("data.max_bytes_per_language", config.data.max_bytes_per_language, 0)
+  if config.data.source in ("text_dir", "jsonl"):
+    if not config.data.path or not os.path.isdir(config.data.path):
+      _fail("data.path", config.data.path, f"an existing directory for data.source="
+            f"{config.data.source!r} (e.g. the output of `heloco-jax corpus debian_docs`)")
+  if config.data.source == "tfds" and not config.data.path:
+    _fail("data.path", config.data.path, "a tensorflow-datasets name for data.source='tfds'")
+
+  _choice("inner.reset_optimizer", config.inner.reset_optimizer, (-1, 0, 1))
+  try:
+    inner.InnerConfig(
+        learning_rate=config.inner.learning_rate, warmup_steps=config.inner.warmup_steps,
+        total_steps=config.inner.total_steps,
+        min_learning_rate_ratio=config.inner.min_learning_rate_ratio,
+        weight_decay=config.inner.weight_decay, grad_clip=config.inner.grad_clip,
+        pseudo_sync_prob=config.inner.pseudo_sync_prob,
+        pseudo_sync_rate=config.inner.pseudo_sync_rate)
+  except ValueError as error:
+    raise _relabel(error, "inner.") from None
+
+  _number("outer.learning_rate", config.outer.learning_rate, 0.0)
+  _integer("outer.buffer_size", config.outer.buffer_size, 0)
+  if method.make_outer is not None:
+    try:
+      method.make_outer(config)
+    except ValueError as error:
+      raise _relabel(error, "outer.", _OUTER_KEYS) from None
+
+  _number("comm.latency", config.comm.latency, 0.0)
+  _number("comm.bandwidth", config.comm.bandwidth, 0.0)
