@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.palsgd_warmup_steps = -1   # DDP steps before PALSGD's rounds; -1 = H
 
   c.budget = ml_collections.ConfigDict()
-  c.budget.tokens = 1_000_000  # tokens of all applied inner steps; 0 = none
+  c.budget.tokens = 600_000    # tokens of all applied inner steps; 0 = none
   c.budget.sim_seconds = 0.0   # simulated seconds; 0 = none
 
   c.model = ml_collections.ConfigDict()
