@@ -1,0 +1,106 @@
+"""Simulator overhead and scaling, measured side by side in one run.
+
+1. Overhead: steady-state tokens/s of a full asynchronous HeLoCo simulation
+   (severe preset, quickstart model and batch, H = 20) ÷ tokens/s of the bare
+   compiled inner loop (``InnerLoop.run_jit`` on the same shapes, back to back).
+   Both are timed after compilation: the simulation from its first to its last
+   arrival (eval rows excluded by turning periodic evals off), the bare loop
+   over the same number of dispatches.
+2. Scaling: wall time and peak RSS of a HeLoCo simulation at a fixed token
+   budget for K = 5, 16 and 64 workers, each K in a fresh subprocess.
+
+  python benchmarks/simulator_overhead.py [--dispatches 40] [--scale-tokens 400000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from heloco_jax import scheduler
+from heloco_jax.configs import default
+
+
+def _config(num_workers: int, tokens: int):
+  config = default.get_config()
+  config.num_workers = num_workers
+  config.budget.tokens = tokens
+  config.eval_every_tokens = 0  # only the initial and final evals
+  return config
+
+
+def overhead(dispatches: int) -> None:
+  config = _config(5, 0)
+  tokens_per_dispatch = config.inner_steps * config.batch_size * config.model.context
+  config.budget.tokens = (dispatches + 1) * tokens_per_dispatch
+  arrivals: list[tuple[float, int]] = []
+  simulation = scheduler.Simulation(config)
+
+  def on_row(row):
+    if row["event"] == "arrival":
+      arrivals.append((time.perf_counter(), simulation.tokens))
+  scheduler.asyncio.run(simulation.run(on_row))
+  (t0, tokens0), (t1, tokens1) = arrivals[0], arrivals[-1]
+  simulated = (tokens1 - tokens0) / (t1 - t0)
+
+  loop = simulation.inner
+  batches = jnp.asarray(np.stack([next(simulation.iterators[0])
+                                  for _ in range(config.inner_steps)]))
+  state = loop.start(simulation.params)
+  state, _ = loop.run_jit(state, batches, jax.random.key(0))  # compile
+  jax.block_until_ready(state)
+  start = time.perf_counter()
+  for _ in range(len(arrivals) - 1):
+    state, _ = loop.run_jit(state, batches, jax.random.key(0))
+  jax.block_until_ready(state)
+  bare = (len(arrivals) - 1) * tokens_per_dispatch / (time.perf_counter() - start)
+  print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}; quickstart model "
+        f"({simulation.num_params / 1e6:.2f}M params), batch {config.batch_size}, "
+        f"H = {config.inner_steps}, severe preset, {len(arrivals)} arrivals")
+  print(f"bare compiled inner loop  {bare:9.0f} tokens/s")
+  print(f"async HeLoCo simulation   {simulated:9.0f} tokens/s")
+  print(f"ratio simulation / bare   {simulated / bare:9.3f}  (target >= 0.9)")
+
+
+def scale_one(num_workers: int, tokens: int) -> None:
+  """Child process: one simulation; prints JSON with wall time and peak RSS."""
+  start = time.perf_counter()
+  summary, _ = scheduler.simulate(_config(num_workers, tokens))
+  print(json.dumps({"K": num_workers, "wall_seconds": time.perf_counter() - start,
+                    "tokens": summary["tokens"], "outer_updates": summary["outer_updates"],
+                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dispatches", type=int, default=40)
+  parser.add_argument("--scale-tokens", type=int, default=400_000)
+  parser.add_argument("--workers", type=int, nargs="+", default=[5, 16, 64])
+  parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    scale_one(args.child, args.scale_tokens)
+    return
+  overhead(args.dispatches)
+  print(f"\nscaling at {args.scale_tokens} tokens (HeLoCo, severe preset cycled over K):")
+  base = None
+  for k in args.workers:
+    out = subprocess.run([sys.executable, __file__, f"--child={k}",
+                          f"--scale-tokens={args.scale_tokens}"],
+                         capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    base = base or result["wall_seconds"]
+    print(f"K = {k:3d}: {result['wall_seconds']:6.1f} s ({result['wall_seconds'] / base:.2f}x), "
+          f"peak RSS {result['peak_rss_mb']:7.0f} MB, {result['outer_updates']} outer updates")
+
+
+if __name__ == "__main__":
+  main()
