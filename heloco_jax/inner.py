@@ -95,6 +95,16 @@ class InnerConfig:
           "convex combination, ALGORITHMS.md PALSGD).")
 
 
+def config_from(inner: Any, reset_optimizer: bool = True) -> InnerConfig:
+  """The ``InnerConfig`` of a run config's ``inner`` section (configs/default.py)."""
+  return InnerConfig(
+      learning_rate=inner.learning_rate, warmup_steps=inner.warmup_steps,
+      total_steps=inner.total_steps, min_learning_rate_ratio=inner.min_learning_rate_ratio,
+      weight_decay=inner.weight_decay, grad_clip=inner.grad_clip,
+      reset_optimizer=reset_optimizer, pseudo_sync_prob=inner.pseudo_sync_prob,
+      pseudo_sync_rate=inner.pseudo_sync_rate)
+
+
 class InnerState(NamedTuple):
   """One worker's inner state: θ, AdamW state and its own step count."""
   params: Any

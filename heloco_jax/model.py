@@ -45,6 +45,12 @@ class ModelConfig:
                        f"of model.d_model={self.d_model}.")
 
 
+def config_from(model: Any) -> ModelConfig:
+  """The ``ModelConfig`` of a run config's ``model`` section (configs/default.py)."""
+  return ModelConfig(d_model=model.d_model, num_layers=model.num_layers,
+                     num_heads=model.num_heads, context=model.context)
+
+
 class CausalSelfAttention(nnx.Module):
   """Multi-head causal self-attention with a fused QKV projection.
 

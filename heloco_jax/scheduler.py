@@ -79,10 +79,7 @@ class Simulation:
     self.config = config
     self.method = METHODS[config.method]
     k = config.num_workers
-    model_config = model_lib.ModelConfig(
-        d_model=config.model.d_model, num_layers=config.model.num_layers,
-        num_heads=config.model.num_heads, context=config.model.context)
-    self.graphdef, self.params = model_lib.init(model_config, config.seed)
+    self.graphdef, self.params = model_lib.init(model_lib.config_from(config.model), config.seed)
     self.num_params = model_lib.num_params(self.params)
     self.model_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
     self.data = dataset or data_lib.make_data(
@@ -96,13 +93,7 @@ class Simulation:
                                         self.data.validation_language_ids, self.data.languages)
     reset = (self.method.reset_optimizer if config.inner.reset_optimizer < 0
              else bool(config.inner.reset_optimizer))
-    self.inner = inner_lib.InnerLoop(self.graphdef, inner_lib.InnerConfig(
-        learning_rate=config.inner.learning_rate, warmup_steps=config.inner.warmup_steps,
-        total_steps=config.inner.total_steps,
-        min_learning_rate_ratio=config.inner.min_learning_rate_ratio,
-        weight_decay=config.inner.weight_decay, grad_clip=config.inner.grad_clip,
-        reset_optimizer=reset, pseudo_sync_prob=config.inner.pseudo_sync_prob,
-        pseudo_sync_rate=config.inner.pseudo_sync_rate))
+    self.inner = inner_lib.InnerLoop(self.graphdef, inner_lib.config_from(config.inner, reset))
     self.outer_tx = self.method.make_outer(config) if self.method.make_outer else None
     self.outer_state = self.outer_tx.init(self.params) if self.outer_tx else None
     self.lookahead = (self.method.lookahead_dispatch if config.lookahead_dispatch < 0

@@ -101,8 +101,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
           "an end)")
 
   try:
-    model.ModelConfig(d_model=config.model.d_model, num_layers=config.model.num_layers,
-                      num_heads=config.model.num_heads, context=config.model.context)
+    model.config_from(config.model)
   except ValueError as error:
     raise ConfigError(f"config.{error}") from None
 
@@ -122,13 +121,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   _choice("inner.reset_optimizer", config.inner.reset_optimizer, (-1, 0, 1))
   try:
-    inner.InnerConfig(
-        learning_rate=config.inner.learning_rate, warmup_steps=config.inner.warmup_steps,
-        total_steps=config.inner.total_steps,
-        min_learning_rate_ratio=config.inner.min_learning_rate_ratio,
-        weight_decay=config.inner.weight_decay, grad_clip=config.inner.grad_clip,
-        pseudo_sync_prob=config.inner.pseudo_sync_prob,
-        pseudo_sync_rate=config.inner.pseudo_sync_rate)
+    inner.config_from(config.inner)
   except ValueError as error:
     raise _relabel(error, "inner.") from None
 
