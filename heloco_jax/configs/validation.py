@@ -10,8 +10,7 @@ objects and re-labelling their errors with the config key.
 
 from __future__ import annotations
 
-import math
-import numbers
+import functools
 import os
 import re
 from typing import Any
@@ -20,6 +19,7 @@ import ml_collections
 
 from heloco_jax import clock, data, inner, model
 from heloco_jax.methods import METHODS
+from heloco_jax.outer import _validation
 
 RUNTIMES_AVAILABLE = ("simulated",)
 # Arguments of the outer factories whose config key differs from their name.
@@ -34,23 +34,17 @@ def _fail(key: str, value: Any, allowed: str) -> None:
   raise ConfigError(f"config.{key}={value!r} is not allowed; allowed: {allowed}.")
 
 
-def _integer(key: str, value: Any, low: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-    _fail(key, value, f"an integer >= {low}")
+def _checked(check, key: str, *args, **kwargs) -> None:
+  """Runs one of the shared argument checks on ``config.<key>``, as a ``ConfigError``."""
+  try:
+    check(None, f"config.{key}", *args, **kwargs)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
 
 
-def _number(key: str, value: Any, low: float, high: float = math.inf, *,
-            high_open: bool = False) -> None:
-  ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-        and value >= low and (value < high if high_open else value <= high))
-  if not ok:
-    interval = f"[{low:g}, {high:g}{')' if high_open else ']'}" if high < math.inf else ""
-    _fail(key, value, f"a number in {interval}" if interval else f"a number >= {low:g}")
-
-
-def _choice(key: str, value: Any, choices) -> None:
-  if value not in choices:
-    _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
+_integer = functools.partial(_checked, _validation.check_int)
+_number = functools.partial(_checked, _validation.check_range)
+_choice = functools.partial(_checked, _validation.check_choice)
 
 
 def _relabel(error: ValueError, prefix: str, rename: dict[str, str] | None = None) -> ConfigError:
@@ -107,9 +101,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   _choice("data.source", config.data.source, data.SOURCES)
   _choice("data.partition", config.data.partition, data.PARTITIONS)
-  _number("data.dirichlet_alpha", config.data.dirichlet_alpha, 0.0)
-  if config.data.dirichlet_alpha <= 0:
-    _fail("data.dirichlet_alpha", config.data.dirichlet_alpha, "a number > 0")
+  _number("data.dirichlet_alpha", config.data.dirichlet_alpha, 0.0, low_open=True)
   _integer("data.val_sequences_per_language", config.data.val_sequences_per_language, 1)
   _integer("data.max_bytes_per_language", config.data.max_bytes_per_language, 0)
   if config.data.source in ("text_dir", "jsonl"):

@@ -1,7 +1,9 @@
 """Construction-time argument checks shared by the outer rules.
 
-Every check raises ``ValueError`` with one message naming the factory, the
-argument, the value given and what is allowed. Values that are JAX tracers
+Every check raises ``ValueError`` with one message naming the factory (when
+``fn`` is given), the argument, the value given and what is allowed; the run
+config's checks (``heloco_jax.configs.validation``) use them with ``fn=None``
+and the config key as the name. Values that are JAX tracers
 (e.g. under ``optax.inject_hyperparams`` inside ``jit``) cannot be inspected
 without a host sync and are accepted as they are.
 """
@@ -15,11 +17,12 @@ from typing import Any, Optional, Sequence
 import jax
 
 
-def _fail(fn: str, name: str, value: Any, allowed: str) -> None:
-  raise ValueError(f"{fn}: {name}={value!r} is not allowed; allowed: {allowed}.")
+def _fail(fn: Optional[str], name: str, value: Any, allowed: str) -> None:
+  prefix = f"{fn}: " if fn else ""
+  raise ValueError(f"{prefix}{name}={value!r} is not allowed; allowed: {allowed}.")
 
 
-def _as_float(fn: str, name: str, value: Any, allowed: str) -> Optional[float]:
+def _as_float(fn: Optional[str], name: str, value: Any, allowed: str) -> Optional[float]:
   """Returns value as a Python float, or None when it is a tracer."""
   if isinstance(value, jax.core.Tracer):
     return None
@@ -32,7 +35,7 @@ def _as_float(fn: str, name: str, value: Any, allowed: str) -> Optional[float]:
 
 
 def check_range(
-    fn: str,
+    fn: Optional[str],
     name: str,
     value: Any,
     low: float = -math.inf,
@@ -67,17 +70,21 @@ def check_momentum(fn: str, value: Any) -> None:
   check_range(fn, "momentum", value, 0.0, 1.0, high_open=True)
 
 
-def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> None:
+def check_choice(fn: Optional[str], name: str, value: Any, choices: Sequence[str]) -> None:
   if value not in choices:
     _fail(fn, name, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
-def check_positive_int(fn: str, name: str, value: Any, *, allow_none: bool) -> None:
-  """Requires an integer >= 1 (or None when allowed)."""
+def check_int(fn: Optional[str], name: str, value: Any, low: int, *,
+              allow_none: bool = False) -> None:
+  """Requires an integer >= ``low`` (or None when allowed)."""
   if value is None and allow_none:
     return
-  allowed = "an integer >= 1" + (" or None" if allow_none else "")
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+  allowed = f"an integer >= {low}" + (" or None" if allow_none else "")
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
     _fail(fn, name, value, allowed)
-  if value < 1:
-    _fail(fn, name, value, allowed)
+
+
+def check_positive_int(fn: str, name: str, value: Any, *, allow_none: bool) -> None:
+  """Requires an integer >= 1 (or None when allowed)."""
+  check_int(fn, name, value, 1, allow_none=allow_none)
