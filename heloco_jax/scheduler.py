@@ -23,16 +23,32 @@ Synchrony (``heloco_jax.methods``):
     AdamW step on their K batches together; a step lasts as long as the
     slowest worker's step plus one all-reduce.
 
-Budgets: ``budget.tokens`` counts the tokens of applied inner steps (PALSGD's
-pseudo-sync steps read none); ``budget.sim_seconds`` the simulated clock.
-Work whose application would pass either budget is discarded, with
-everything still in flight.
+Budgets: ``budget.tokens`` counts the tokens of the inner steps whose results
+reached the server, applied or rejected (PALSGD's pseudo-sync steps read
+none); ``budget.sim_seconds`` the simulated clock. Work whose arrival would
+pass either budget is discarded, with everything still in flight.
+
+Faults: a pseudo-gradient with a NaN or Inf is rejected before it reaches the
+outer rule: a ``{"event": "rejected"}`` row names the worker and the reason,
+θ and the outer state stay as they were, and the worker is re-dispatched with
+fresh AdamW moments (its step count kept). In a round the other workers'
+mean is applied. ``fault.worker`` / ``fault.arrival`` / ``fault.value``
+inject such a pseudo-gradient (one element of the first leaf) for tests.
+
+Checkpoints (``heloco_jax.checkpoint``): every ``checkpoint_every`` outer
+updates the ``on_checkpoint`` hook of ``run`` receives the simulation, whose
+``state()`` is the whole run state: θ, the outer state, every worker's inner
+state and pending pseudo-gradient with its version, tokens and finish time,
+the clock's RNG, the data iterators' positions, the PRNG key and the
+counters. ``load_state`` continues a fresh ``Simulation`` of the same config
+from it, bit for bit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -57,6 +73,31 @@ class _Job:
   delta: Any
   version: int
   tokens: int
+  finish: float
+
+
+def _poison(tree: Any, value: str, worker: Optional[int] = None) -> Any:
+  """``tree`` with its first leaf's first element (of ``worker``'s slice) set to NaN or Inf."""
+  leaves, treedef = jax.tree.flatten(tree)
+  index = (0,) * leaves[0].ndim if worker is None else (worker,) + (0,) * (leaves[0].ndim - 1)
+  leaves[0] = leaves[0].at[index].set(jnp.nan if value == "nan" else jnp.inf)
+  return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnames="per_worker")
+def _nonfinite(tree: Any, per_worker: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(has NaN, has ±Inf) over ``tree``; per slice of the leading axis if ``per_worker``."""
+  def any_of(test):
+    flags = [test(x).reshape((x.shape[0], -1) if per_worker else (-1,)).any(axis=-1)
+             for x in jax.tree.leaves(tree)]
+    return jnp.any(jnp.stack(flags), axis=0)
+  return any_of(jnp.isnan), any_of(jnp.isinf)
+
+
+def _reasons(has_nan: Any, has_inf: Any) -> list[Optional[str]]:
+  """Per pseudo-gradient: None if finite, else "nan" or "inf"."""
+  has_nan, has_inf = np.atleast_1d(has_nan), np.atleast_1d(has_inf)
+  return ["nan" if n else "inf" if i else None for n, i in zip(has_nan, has_inf)]
 
 
 def _languages(value: Any) -> Optional[list[str]]:
@@ -109,14 +150,85 @@ class Simulation:
     self.version = 0
     self.staleness: list[int] = []
     self.rows: list[Row] = []
+    # The runtime loop's own state (see ``state``): which loop runs, the workers'
+    # inner states, the jobs in flight, DDP steps left, arrivals per worker.
+    self.phase: Optional[str] = None
+    self.workers: Any = None
+    self.jobs: dict[int, _Job] = {}
+    self.ddp_remaining: Optional[int] = None
+    self.arrivals = [0] * k
+    self.initial_val_loss = math.nan
     self._last_eval: Row = {}
     self._next_eval = 0
+    self._next_checkpoint = config.checkpoint_every
+    self._wall_before = 0.0
     self._on_row: Callable[[Row], None] = lambda row: None
+    self._on_checkpoint: Optional[Callable[[Simulation], None]] = None
 
     def outer_step(params, state, delta, staleness):
       updates, state = self.outer_tx.update(delta, state, params, staleness=staleness)
       return optax.apply_updates(params, updates), state
     self._outer_step = jax.jit(outer_step, donate_argnums=(0, 1)) if self.outer_tx else None
+
+  # ------------------------------------------------------------ checkpoints
+
+  def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole run state at a loop boundary: (arrays, JSON-serialisable meta)."""
+    arrays = {"params": self.params, "outer_state": self.outer_state,
+              "key": jax.random.key_data(self.key), "workers": self.workers,
+              "pending": [self.jobs[w].delta for w in sorted(self.jobs)]}
+    meta = {
+        "phase": self.phase,
+        "jobs": [[w, job.version, job.tokens, job.finish] for w, job in sorted(self.jobs.items())],
+        "ddp_remaining": self.ddp_remaining, "arrivals": self.arrivals,
+        "tokens": self.tokens, "sim_time": self.sim_time, "version": self.version,
+        "staleness": self.staleness, "initial_val_loss": self.initial_val_loss,
+        "last_eval": self._last_eval,
+        "next_eval": None if self._next_eval == math.inf else self._next_eval,
+        "next_checkpoint": self._next_checkpoint,
+        "clock": self.step_clock.get_state(),
+        "iterators": [iterator.get_state() for iterator in self.iterators],
+        "wall_seconds": self._wall_before + time.perf_counter() - self._wall_start}
+    return arrays, meta
+
+  def state_template(self, meta: dict[str, Any]) -> dict[str, Any]:
+    """The abstract arrays of a ``state()`` with this ``meta`` (for restoring)."""
+    worker = jax.eval_shape(self.inner.start, self.params)
+    stacked = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((self.config.num_workers, *x.shape), x.dtype), worker)
+    workers = {None: None, "ddp": worker, "rounds": stacked,
+               "async": [worker] * self.config.num_workers}[meta["phase"]]
+    return {"params": self.params, "outer_state": self.outer_state,
+            "key": jax.random.key_data(self.key), "workers": workers,
+            "pending": [self.params] * len(meta["jobs"])}
+
+  def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Continues from a ``state()`` of a run with the same config."""
+    self.params, self.outer_state = arrays["params"], arrays["outer_state"]
+    self.key = jax.random.wrap_key_data(arrays["key"])
+    self.workers = arrays["workers"]
+    self.jobs = {w: _Job(delta, version, tokens, finish)
+                 for (w, version, tokens, finish), delta in zip(meta["jobs"], arrays["pending"])}
+    self.phase, self.ddp_remaining = meta["phase"], meta["ddp_remaining"]
+    self.arrivals = list(meta["arrivals"])
+    self.tokens, self.sim_time, self.version = meta["tokens"], meta["sim_time"], meta["version"]
+    self.staleness = list(meta["staleness"])
+    self.initial_val_loss, self._last_eval = meta["initial_val_loss"], meta["last_eval"]
+    self._next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
+    self._next_checkpoint = meta["next_checkpoint"]
+    self.step_clock.set_state(meta["clock"])
+    for iterator, position in zip(self.iterators, meta["iterators"], strict=True):
+      iterator.set_state(position)
+    self._wall_before = meta["wall_seconds"]
+
+  def _maybe_checkpoint(self) -> None:
+    """Calls the checkpoint hook when the update count reaches the next multiple."""
+    every = self.config.checkpoint_every
+    if every <= 0 or self.version < self._next_checkpoint:
+      return
+    self._next_checkpoint = (self.version // every + 1) * every
+    if self._on_checkpoint is not None:
+      self._on_checkpoint(self)
 
   # ------------------------------------------------------------------ helpers
 
@@ -153,15 +265,39 @@ class Simulation:
                                                      jnp.int32(staleness))
     self.version += 1
 
+  def _faulty(self, worker: int) -> bool:
+    """Counts ``worker``'s arrival; True if the fault switch poisons this one."""
+    self.arrivals[worker] += 1
+    fault = self.config.fault
+    return fault.worker == worker and fault.arrival == self.arrivals[worker]
+
+  def _reject(self, worker: int, reason: str, staleness: int) -> None:
+    self._emit({"event": "rejected", "worker": worker, "reason": reason,
+                "staleness": staleness, "sim_time": self.sim_time,
+                "outer_updates": self.version})
+
   # ----------------------------------------------------------------- runtimes
 
-  async def run(self, on_row: Optional[Callable[[Row], None]] = None) -> dict[str, Any]:
-    """Runs until a budget ends; returns the summary (DESIGN.md, summary.json)."""
+  async def run(self, on_row: Optional[Callable[[Row], None]] = None,
+                on_checkpoint: Optional[Callable[["Simulation"], None]] = None) -> dict[str, Any]:
+    """Runs (or, after ``load_state``, continues) until a budget ends.
+
+    Args:
+      on_row: called with every metrics row as it is emitted.
+      on_checkpoint: called with the simulation every ``checkpoint_every``
+        outer updates, at a point where ``state()`` is the whole run state.
+
+    Returns:
+      The summary (DESIGN.md, summary.json); ``wall_seconds`` adds up the
+      wall time of every resumed part.
+    """
     if on_row is not None:
       self._on_row = on_row
-    start = time.perf_counter()
-    self._evaluate(force=True)
-    initial = self._last_eval["val_loss"]
+    self._on_checkpoint = on_checkpoint
+    self._wall_start = time.perf_counter()
+    if self.phase is None:
+      self._evaluate(force=True)
+      self.initial_val_loss = self._last_eval["val_loss"]
     if self.method.synchrony == "async":
       await self._run_async()
     elif self.method.synchrony == "round":
@@ -170,10 +306,11 @@ class Simulation:
       await self._run_ddp(steps=None)
     if self._last_eval["tokens"] != self.tokens or self._last_eval["sim_time"] != self.sim_time:
       self._evaluate(force=True)
-    wall = time.perf_counter() - start
+    wall = self._wall_before + time.perf_counter() - self._wall_start
     return {"method": self.config.method, "seed": self.config.seed, "tokens": self.tokens,
             "sim_time": self.sim_time, "outer_updates": self.version,
-            "initial_val_loss": initial, "final_val_loss": self._last_eval["val_loss"],
+            "initial_val_loss": self.initial_val_loss,
+            "final_val_loss": self._last_eval["val_loss"],
             "mean_staleness": float(np.mean(self.staleness)) if self.staleness else 0.0,
             "wall_seconds": wall, "tokens_per_second": self.tokens / wall,
             "num_params": self.num_params}
@@ -186,23 +323,26 @@ class Simulation:
     steps = (clock.dylu_steps(self.seconds, config.inner_steps) if config.dylu
              else np.full(k, config.inner_steps))
     message = self.comm.message_seconds(self.model_bytes)
-    states: list[Optional[inner_lib.InnerState]] = [None] * k
-    jobs: dict[int, _Job] = {}
-    heap: list[tuple[float, int]] = []
 
     def dispatch(worker: int, now: float) -> None:
       start = self._dispatch_point()
-      state = self.inner.start(start, states[worker])
+      state = self.inner.start(start, self.workers[worker])
       state, _ = self.inner.run_jit(state, self._batches(worker, int(steps[worker])),
                                     self._next_key())
-      states[worker] = state
-      jobs[worker] = _Job(jax.tree.map(jnp.subtract, start, state.params), self.version,
-                          int(steps[worker]) * self.tokens_per_step)
+      self.workers[worker] = state
       finish = now + message + self.step_clock.duration(worker, int(steps[worker])) + message
+      self.jobs[worker] = _Job(jax.tree.map(jnp.subtract, start, state.params), self.version,
+                               int(steps[worker]) * self.tokens_per_step, finish)
       heapq.heappush(heap, (finish, worker))
 
-    for worker in range(k):
-      dispatch(worker, 0.0)
+    # (finish, worker) pairs are unique, so a heap rebuilt from restored jobs pops
+    # in the same order as the one it replaces.
+    heap = [(job.finish, worker) for worker, job in self.jobs.items()]
+    heapq.heapify(heap)
+    if self.phase is None:
+      self.phase, self.workers = "async", [None] * k
+      for worker in range(k):
+        dispatch(worker, 0.0)
     while heap:
       first, worker = heapq.heappop(heap)
       group = [worker]
@@ -211,24 +351,39 @@ class Simulation:
       while config.grace_window > 0 and heap and heap[0][0] <= first + config.grace_window:
         now, other = heapq.heappop(heap)
         group.append(other)
-      arrived = [jobs.pop(w) for w in group]
+      arrived = [self.jobs.pop(w) for w in group]
       tokens = self.tokens + sum(job.tokens for job in arrived)
       if self._over_budget(tokens, now):
         break  # this group and everything still in flight are discarded
-      taus = [self.version - job.version for job in arrived]
-      if len(group) == 1:
-        self._apply(arrived[0].delta, taus[0])
-      else:
-        self._apply(self._combine([job.delta for job in arrived], taus), max(taus))
       self.tokens, self.sim_time = tokens, now
-      diagnostics = self._diagnostics()
-      for w, tau in zip(group, taus):
-        self.staleness.append(tau)
-        self._emit({"event": "arrival", "worker": w, "staleness": tau, "sim_time": now,
-                    "outer_updates": self.version, **diagnostics})
+      for w, job in zip(group, arrived):
+        if self._faulty(w):
+          job.delta = _poison(job.delta, config.fault.value)
+      reasons = [_reasons(*_nonfinite(job.delta))[0] for job in arrived]
+      taus = [self.version - job.version for job in arrived]
+      for w, reason, tau in zip(group, reasons, taus):
+        if reason is not None:
+          self._reject(w, reason, tau)
+          self.workers[w] = self.workers[w]._replace(
+              opt_state=self.inner.direction.init(self.workers[w].params))
+      applied = [(w, job, tau) for w, job, tau, reason in zip(group, arrived, taus, reasons)
+                 if reason is None]
+      if len(applied) == 1:
+        self._apply(applied[0][1].delta, applied[0][2])
+      elif applied:
+        taus_applied = [tau for _, _, tau in applied]
+        self._apply(self._combine([job.delta for _, job, _ in applied], taus_applied),
+                    max(taus_applied))
+      if applied:
+        diagnostics = self._diagnostics()
+        for w, _, tau in applied:
+          self.staleness.append(tau)
+          self._emit({"event": "arrival", "worker": w, "staleness": tau, "sim_time": now,
+                      "outer_updates": self.version, **diagnostics})
       self._evaluate()
       for w in group:
         dispatch(w, now)
+      self._maybe_checkpoint()
       await asyncio.sleep(0)
 
   def _combine(self, deltas: list[Any], taus: list[int]) -> Any:
@@ -257,19 +412,21 @@ class Simulation:
   async def _run_rounds(self) -> None:
     config, k, h = self.config, self.config.num_workers, self.config.inner_steps
     palsgd = self.method.inner == "palsgd"
-    previous: Optional[inner_lib.InnerState] = None
-    if palsgd:
+    if palsgd and self.phase in (None, "ddp"):
       warmup = h if config.palsgd_warmup_steps < 0 else config.palsgd_warmup_steps
-      previous = await self._run_ddp(steps=warmup) if warmup else None
-      if self._over_budget(self.tokens, self.sim_time):
-        return
-    states: Any = None
+      if warmup:
+        warm = await self._run_ddp(steps=warmup)
+        if self._over_budget(self.tokens, self.sim_time):
+          return
+        # The first round continues the warm-up's step count and AdamW moments.
+        self.workers = jax.tree.map(lambda x: jnp.stack([x] * k), warm)
+    self.phase = "rounds"
     allreduce = self.comm.allreduce_seconds(self.model_bytes, k)
     stack = lambda *xs: jnp.stack(xs)
     while True:
       # Every worker restarts from θ, keeping its own step count (and its AdamW
-      # moments unless reset_optimizer); the first round continues the warm-up.
-      own = lambda i: previous if states is None else jax.tree.map(lambda x: x[i], states)
+      # moments unless reset_optimizer).
+      own = lambda i: None if self.workers is None else jax.tree.map(lambda x: x[i], self.workers)
       starts = [self.inner.start(self.params, own(i)) for i in range(k)]
       batches = jnp.stack([self._batches(i, h) for i in range(k)])
       keys = jnp.stack([self._next_key() for _ in range(k)])
@@ -281,21 +438,38 @@ class Simulation:
       duration = max(self.step_clock.duration(i, int(real_steps[i])) for i in range(k)) + allreduce
       if self._over_budget(tokens, self.sim_time + duration):
         return
-      delta = jax.tree.map(lambda p, end: p - jnp.mean(end, axis=0), self.params, states.params)
-      self._apply(delta, 0)
       self.tokens, self.sim_time = tokens, self.sim_time + duration
+      for i in range(k):
+        if self._faulty(i):
+          states = states._replace(params=_poison(states.params, config.fault.value, worker=i))
+      reasons = _reasons(*_nonfinite(states.params, per_worker=True))
+      for i, reason in enumerate(reasons):
+        if reason is not None:
+          self._reject(i, reason, 0)
+          fresh = self.inner.direction.init(jax.tree.map(lambda x: x[i], states.params))
+          states = states._replace(opt_state=jax.tree.map(
+              lambda s, f: s.at[i].set(f), states.opt_state, fresh))
+      self.workers = states
+      accepted = [i for i, reason in enumerate(reasons) if reason is None]
+      if accepted:
+        ends = (states.params if len(accepted) == k
+                else jax.tree.map(lambda x: x[np.asarray(accepted)], states.params))
+        self._apply(jax.tree.map(lambda p, end: p - jnp.mean(end, axis=0), self.params, ends), 0)
       self._evaluate()
+      self._maybe_checkpoint()
       await asyncio.sleep(0)
 
-  async def _run_ddp(self, steps: Optional[int]) -> Optional[inner_lib.InnerState]:
+  async def _run_ddp(self, steps: Optional[int]) -> inner_lib.InnerState:
     """DDP steps in chunks of H (all of the budget when ``steps`` is None)."""
     config, k = self.config, self.config.num_workers
     allreduce = self.comm.allreduce_seconds(self.model_bytes, k)
     step_tokens = k * self.tokens_per_step
-    state = self.inner.start(self.params)
-    remaining = math.inf if steps is None else steps
-    while remaining > 0:
-      chunk = int(min(config.inner_steps, remaining))
+    if self.phase != "ddp":
+      self.phase, self.workers = "ddp", self.inner.start(self.params)
+      self.ddp_remaining = steps
+    while self.ddp_remaining is None or self.ddp_remaining > 0:
+      chunk = config.inner_steps if self.ddp_remaining is None else min(config.inner_steps,
+                                                                         self.ddp_remaining)
       if config.budget.tokens > 0:
         chunk = min(chunk, (config.budget.tokens - self.tokens) // step_tokens)
       if chunk <= 0:
@@ -310,15 +484,17 @@ class Simulation:
           break
       # Averaging K workers' gradients = one step on their K batches together.
       batches = jnp.concatenate([self._batches(i, chunk) for i in range(k)], axis=1)
-      state, _ = self.inner.run_jit(state, batches, self._next_key())
-      self.params = jax.tree.map(jnp.array, state.params)
+      self.workers, _ = self.inner.run_jit(self.workers, batches, self._next_key())
+      self.params = jax.tree.map(jnp.array, self.workers.params)
       self.version += chunk
       self.tokens += chunk * step_tokens
       self.sim_time += sum(step_seconds)
-      remaining -= chunk
+      if self.ddp_remaining is not None:
+        self.ddp_remaining -= chunk
       self._evaluate()
+      self._maybe_checkpoint()
       await asyncio.sleep(0)
-    return state
+    return self.workers
 
 
 def simulate(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,

@@ -8,9 +8,21 @@ HeLoCo on 5 workers of severe heterogeneity, one synthetic language each, no
 download. Every invalid config value fails before any work with one line
 naming the key, the value and what is allowed (exit status 2).
 
-Writes ``DIR/config.json`` (the resolved config), ``DIR/metrics.jsonl`` (eval
-and arrival rows, written as they happen) and ``DIR/summary.json``. A progress
-bar (tokens, simulated time, last validation loss) shows on a terminal.
+Writes ``DIR/config.json`` (the resolved config), ``DIR/metrics.jsonl`` (eval,
+arrival and rejected rows, written as they happen), ``DIR/checkpoints/`` (every
+``checkpoint_every`` outer updates; the newest ``keep_checkpoints``) and
+``DIR/summary.json``. A progress bar (tokens, simulated time, last validation
+loss) shows on a terminal.
+
+Resume: the same command with the same ``--workdir`` continues from the
+newest readable checkpoint (falling back past a corrupt one, with a
+warning). ``metrics.jsonl`` is cut back to the rows the checkpoint had seen,
+so it ends with neither duplicates nor gaps, and the summary equals an
+uninterrupted run's (``wall_seconds`` adds up the parts). A config that
+differs from the workdir's ``config.json`` is refused, naming the keys,
+unless ``--allow_config_change`` is given. Exit status: 0 done, 1 a write or
+checkpoint failure (the last good checkpoint is kept), 2 a usage or config
+error.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import asyncio
 import json
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from absl import flags
@@ -27,7 +40,8 @@ from ml_collections import config_flags
 from heloco_jax import configs
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "default.py")
-USAGE = ("usage: heloco-jax train --workdir=DIR [--config=PATH.py] [--config.KEY=VALUE ...]")
+USAGE = ("usage: heloco-jax train --workdir=DIR [--config=PATH.py] [--config.KEY=VALUE ...] "
+         "[--allow_config_change]")
 
 
 def _parse(argv: list[str]):
@@ -39,8 +53,11 @@ def _parse(argv: list[str]):
   config = config_flags.DEFINE_config_file(
       "config", _DEFAULT_CONFIG, "A Python config file with get_config() (default: the "
       "quickstart).", flag_values=flag_values, lock_config=True, sys_argv=full_argv)
+  allow = flags.DEFINE_bool(
+      "allow_config_change", False, "Resume a workdir's run even though its config.json "
+      "differs from this config.", flag_values=flag_values)
   flag_values(full_argv)
-  return workdir.value, config.value
+  return workdir.value, config.value, allow.value
 
 
 def _error(message: str) -> int:
@@ -56,10 +73,46 @@ def _progress(total_tokens: int):
   return tqdm(total=total_tokens or None, unit="tok", unit_scale=True, dynamic_ncols=True)
 
 
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  """{"a": {"b": 1}} -> {"a.b": 1}."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+  """The keys whose values differ between two configs as JSON, as 'key (old -> new)'."""
+  old, new = _flatten(old), _flatten(new)
+  missing = object()
+  show = lambda v: "absent" if v is missing else json.dumps(v)
+  return [f"{key} ({show(old.get(key, missing))} -> {show(new.get(key, missing))})"
+          for key in sorted(set(old) | set(new)) if old.get(key, missing) != new.get(key, missing)]
+
+
+def _open_metrics(path: str, meta: Optional[dict]):
+  """metrics.jsonl for appending: emptied for a new run, cut back to the checkpoint's rows."""
+  if meta is None:
+    return open(path, "w"), 0
+  size, rows = meta["metrics"]["bytes"], meta["metrics"]["rows"]
+  if not os.path.exists(path) or os.path.getsize(path) < size:
+    raise OSError(f"{path} is shorter than checkpoint {meta['version']} recorded ({size} bytes, "
+                  f"{rows} rows); its rows are lost")
+  with open(path, "r+b") as f:
+    f.truncate(size)
+    f.seek(0)
+    if f.read().count(b"\n") != rows:
+      raise OSError(f"{path} does not hold the {rows} rows checkpoint {meta['version']} recorded")
+  return open(path, "a"), rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   try:
-    workdir, config = _parse(argv)
+    workdir, config, allow_config_change = _parse(argv)
   except (KeyError, AttributeError) as error:  # an override of a key the config lacks
     key = str(error).strip("\"'").split("'")[0]
     flag = next((arg.split("=")[0] for arg in argv if f".{key}" in arg), key)
@@ -71,7 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _error(f"--workdir is required; {USAGE}")
 
   # Validation before any work (and before importing JAX-heavy modules).
-  from heloco_jax import scheduler  # pylint: disable=g-import-not-at-top
+  from heloco_jax import checkpoint, scheduler  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
     validation.validate(config)
@@ -79,18 +132,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _error(str(error))
   if os.path.exists(os.path.join(workdir, "summary.json")):
     return _error(f"--workdir={workdir!r} already holds a finished run (summary.json); "
-                  "allowed: a new or empty directory (resuming arrives with checkpoints).")
+                  "allowed: a new directory, or one holding an unfinished run to resume.")
+  config_path = os.path.join(workdir, "config.json")
+  config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  checkpoints_dir = os.path.join(workdir, "checkpoints")
   try:
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-  except OSError as error:
-    return _error(f"--workdir={workdir!r} is not writable: {error.strerror}")
+    checkpointer = None
+    if config.checkpoint_every > 0 or os.path.isdir(checkpoints_dir):
+      checkpointer = checkpoint.Checkpointer(checkpoints_dir, keep=config.keep_checkpoints)
+    if checkpointer is not None and checkpointer.steps():
+      if not os.path.exists(config_path):
+        return _error(f"{checkpoints_dir} holds checkpoints but {config_path} is missing; "
+                      "allowed: a workdir written by heloco-jax train")
+      with open(config_path) as f:
+        differences = config_differences(json.load(f), json.loads(config_json))
+      if differences and not allow_config_change:
+        return _error(f"--workdir={workdir!r} holds a run with another config; differing keys: "
+                      f"{', '.join(differences)}. Use a new --workdir, or pass "
+                      "--allow_config_change to resume with the new values.")
+    with open(config_path, "w") as f:
+      f.write(config_json)
+  except (OSError, checkpoint.CheckpointError) as error:
+    return _error(f"--workdir={workdir!r} is not writable: {getattr(error, 'strerror', 0) or error}")
 
   try:
     simulation = scheduler.Simulation(config)
   except ValueError as error:  # e.g. a corpus too small for the validation set
     return _error(str(error).splitlines()[0])
+  restored = None
+  if checkpointer is not None:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", checkpoint.CheckpointFallbackWarning)
+      try:
+        restored = checkpointer.restore(simulation.state_template)
+      except checkpoint.CheckpointError as error:
+        return _error(str(error))
+    for warning in caught:
+      print(f"heloco-jax train: warning: {warning.message}", file=sys.stderr)
+  try:
+    metrics, rows_written = _open_metrics(os.path.join(workdir, "metrics.jsonl"),
+                                          restored and restored[2])
+  except OSError as error:
+    return _error(f"cannot resume: {error.strerror or error}")
+  if restored is not None:
+    simulation.load_state(restored[1], restored[2])
+    print(f"heloco-jax train: resuming from checkpoint {restored[0]} ({simulation.tokens} "
+          f"tokens, {simulation.sim_time:.0f} simulated s)", file=sys.stderr)
   print(f"heloco-jax train: {config.method} on {config.num_workers} simulated workers "
         f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds), "
         f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
@@ -98,24 +186,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         file=sys.stderr)
   bar = _progress(config.budget.tokens)
   last_loss = float("nan")
-  with open(os.path.join(workdir, "metrics.jsonl"), "w") as metrics:
-    def on_row(row):
-      nonlocal last_loss
-      metrics.write(json.dumps(row) + "\n")
-      metrics.flush()
-      if row["event"] == "eval":
-        last_loss = row["val_loss"]
-      if bar is not None:
-        bar.n = simulation.tokens
-        bar.set_postfix(sim_time=f"{simulation.sim_time:.0f}s", val_loss=f"{last_loss:.3f}",
-                        refresh=False)
-        bar.refresh()
-    summary = asyncio.run(simulation.run(on_row))
-  if bar is not None:
-    bar.close()
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-    f.write("\n")
+
+  def on_row(row):
+    nonlocal last_loss, rows_written
+    metrics.write(json.dumps(row) + "\n")
+    metrics.flush()
+    rows_written += 1
+    if row["event"] == "eval":
+      last_loss = row["val_loss"]
+    if bar is not None:
+      bar.n = simulation.tokens
+      bar.set_postfix(sim_time=f"{simulation.sim_time:.0f}s", val_loss=f"{last_loss:.3f}",
+                      refresh=False)
+      bar.refresh()
+
+  def on_checkpoint(sim):
+    # The rows so far must be on disk before the checkpoint that points past them.
+    os.fsync(metrics.fileno())
+    arrays, meta = sim.state()
+    meta["metrics"] = {"bytes": metrics.tell(), "rows": rows_written}
+    checkpointer.save(sim.version, arrays, meta)
+
+  try:
+    with metrics:
+      summary = asyncio.run(simulation.run(
+          on_row, on_checkpoint if checkpointer is not None else None))
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+      f.write("\n")
+  except (OSError, checkpoint.CheckpointError) as error:
+    last = checkpointer.steps()[-1:] if checkpointer is not None else []
+    keep = (f"checkpoint {last[0]} is intact: re-run the same command to resume" if last
+            else "no checkpoint was written")
+    message = str(error) if isinstance(error, checkpoint.CheckpointError) else (
+        f"cannot write to --workdir={workdir!r}: {error.strerror or error}; {keep}")
+    print(f"heloco-jax train: {message}", file=sys.stderr)
+    return 1
+  finally:
+    if bar is not None:
+      bar.close()
   print(f"heloco-jax train: done: {summary['tokens']} tokens, {summary['outer_updates']} outer "
         f"updates, {summary['sim_time']:.0f} simulated s, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "

@@ -17,7 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.batch_size = 8             # sequences per inner step per worker
   c.eval_every_tokens = 100_000
   c.runtime = "simulated"      # simulated | devices | ray
-  c.checkpoint_every = 0       # outer updates; 0 = off
+  c.checkpoint_every = 10      # outer updates (DDP: steps); 0 = off
+  c.keep_checkpoints = 3       # the newest checkpoints kept in DIR/checkpoints
   c.grace_window = 0.0         # simulated seconds: arrivals this close are combined
   c.dylu = False               # H_i = max(1, floor(v_i / v_ref * H)) (async methods)
   c.lookahead_dispatch = -1    # -1: the method's default; 0: off; 1: on (mla only)
@@ -68,6 +69,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.outer.rotate_schedule = "normalized"
   c.outer.weight_order = "before"
   c.outer.scope = "leaf"
+
+  # Fault injection (tests): worker `worker` sends a pseudo-gradient with a NaN
+  # (or Inf) at its `arrival`-th arrival; the server must reject it.
+  c.fault = ml_collections.ConfigDict()
+  c.fault.worker = -1          # -1 = off
+  c.fault.arrival = 1
+  c.fault.value = "nan"        # nan | inf
 
   c.comm = ml_collections.ConfigDict()
   c.comm.latency = 0.0         # seconds per message or all-reduce

@@ -74,8 +74,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.runtime not in RUNTIMES_AVAILABLE:
     _fail("runtime", config.runtime, "'simulated' (the devices and ray runtimes are not "
           "available yet)")
-  if config.checkpoint_every != 0:
-    _fail("checkpoint_every", config.checkpoint_every, "0 (checkpoints are not available yet)")
+  _integer("checkpoint_every", config.checkpoint_every, 0)
+  _integer("keep_checkpoints", config.keep_checkpoints, 1)
   _number("grace_window", config.grace_window, 0.0)
   if not isinstance(config.dylu, bool):
     _fail("dylu", config.dylu, "True or False")
@@ -124,6 +124,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
       method.make_outer(config)
     except ValueError as error:
       raise _relabel(error, "outer.", _OUTER_KEYS) from None
+
+  _integer("fault.worker", config.fault.worker, -1)
+  if config.fault.worker >= config.num_workers:
+    _fail("fault.worker", config.fault.worker, f"-1 (off) or a worker in [0, "
+          f"{config.num_workers})")
+  _integer("fault.arrival", config.fault.arrival, 1)
+  _choice("fault.value", config.fault.value, ("nan", "inf"))
+  if config.fault.worker >= 0 and method.synchrony == "step":
+    _fail("fault.worker", config.fault.worker, f"-1 with method={config.method!r} (DDP "
+          "averages gradients every step: there is no pseudo-gradient to reject)")
 
   _number("comm.latency", config.comm.latency, 0.0)
   _number("comm.bandwidth", config.comm.bandwidth, 0.0)
