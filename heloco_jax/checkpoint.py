@@ -129,7 +129,9 @@ class Checkpointer:
     """Writes checkpoint ``step`` (synchronously; whole or not at all).
 
     Args:
-      step: the checkpoint's number (the run's outer-update count).
+      step: the checkpoint's number (the run's outer-update count); an
+        existing step of that number (from after the checkpoint a run resumed
+        from, e.g. a corrupt one) is replaced.
       arrays: a pytree of arrays.
       meta: JSON-serialisable host state.
 
@@ -138,6 +140,8 @@ class Checkpointer:
     """
     packed, layout = pack(arrays)
     try:
+      if step in self._manager.all_steps():  # left by a timeline a resume abandoned
+        self._manager.delete(step)
       self._manager.save(step, args=ocp.args.Composite(
           arrays=ocp.args.StandardSave(packed),
           meta=ocp.args.JsonSave({**meta, "layout": layout})), force=True)

@@ -22,7 +22,7 @@ uninterrupted run's (``wall_seconds`` adds up the parts). A config that
 differs from the workdir's ``config.json`` is refused, naming the keys,
 unless ``--allow_config_change`` is given. Exit status: 0 done, 1 a write or
 checkpoint failure (the last good checkpoint is kept), 2 a usage or config
-error.
+error, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -214,10 +214,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
       f.write("\n")
-  except (OSError, checkpoint.CheckpointError) as error:
+  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt) as error:
     last = checkpointer.steps()[-1:] if checkpointer is not None else []
     keep = (f"checkpoint {last[0]} is intact: re-run the same command to resume" if last
             else "no checkpoint was written")
+    if isinstance(error, KeyboardInterrupt):
+      print(f"heloco-jax train: interrupted; {keep}", file=sys.stderr)
+      return 130
     message = str(error) if isinstance(error, checkpoint.CheckpointError) else (
         f"cannot write to --workdir={workdir!r}: {error.strerror or error}; {keep}")
     print(f"heloco-jax train: {message}", file=sys.stderr)

@@ -1,35 +1,16 @@
 """The simulated scheduler: exact schedules, sync rounds, identities, budgets, determinism."""
 
-import functools
 
 import jax
 import numpy as np
 import pytest
 
-from heloco_jax import data, scheduler
-from heloco_jax.configs import default
+from heloco_jax import scheduler
+
+import tiny
 
 
-@functools.lru_cache(maxsize=None)
-def _dataset(num_workers: int, partition: str = "non_iid"):
-  return data.make_data(num_workers=num_workers, partition=partition, context=16, batch_size=4,
-                        val_sequences_per_language=8, max_bytes_per_language=40_000)
-
-
-def _config(method="mla", num_workers=3, **overrides):
-  c = default.get_config()
-  c.method, c.num_workers = method, num_workers
-  c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.context = 32, 1, 4, 16
-  c.batch_size, c.inner_steps = 4, 2
-  c.inner.warmup_steps, c.inner.total_steps = 2, 400
-  c.budget.tokens, c.eval_every_tokens = 0, 0
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return c
+_dataset, _config = tiny.dataset, tiny.config
 
 
 def _run(config, partition="non_iid"):

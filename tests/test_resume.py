@@ -1,0 +1,199 @@
+"""Kill and resume through the command line: SIGKILL a real run after its second checkpoint,
+re-run the same command, get the uninterrupted run's files; config-mismatch refusal;
+fallback past a corrupt checkpoint; write failures that keep the last good checkpoint."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from heloco_jax import checkpoint, train
+
+TINY = ["--config.num_workers=3", "--config.model.d_model=32", "--config.model.num_layers=1",
+        "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
+        "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
+        "--config.eval_every_tokens=1000", "--config.inner.warmup_steps=2"]
+WALL_CLOCK = ("wall_seconds", "tokens_per_second")
+
+
+def _outputs(workdir):
+  """(metrics.jsonl text, summary without its wall-clock fields)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    metrics = f.read()
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = {k: v for k, v in json.load(f).items() if k not in WALL_CLOCK}
+  return metrics, summary
+
+
+def _steps(workdir):
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(
+      directory) else []
+
+
+def _kill_after_second_checkpoint(args, workdir, timeout=300):
+  """Starts `heloco-jax train` in a subprocess and SIGKILLs it once 2 checkpoints exist."""
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.train", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + timeout
+  while len(_steps(workdir)) < 2 and process.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  process.send_signal(signal.SIGKILL)
+  _, err = process.communicate()
+  assert process.returncode == -signal.SIGKILL, (
+      f"the run ended by itself before a second checkpoint: {err.decode()[-2000:]}")
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  return _steps(workdir)
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("heloco", ["--config.speeds=severe", "--config.jitter=0.2", "--config.budget.tokens=8000",
+                "--config.checkpoint_every=3"]),
+    ("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
+                "--config.checkpoint_every=2"]),
+    ("palsgd", ["--config.speeds=mild", "--config.budget.tokens=12000",
+                "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"]),
+])
+def test_sigkill_then_the_same_command_gives_the_uninterrupted_run(tmp_path, method, extra):
+  args = [*TINY, f"--config.method={method}", *extra]
+  reference = str(tmp_path / "reference")
+  assert train.main([f"--workdir={reference}", *args]) == 0
+  killed = str(tmp_path / "killed")
+  steps = _kill_after_second_checkpoint([f"--workdir={killed}", *args], killed)
+  assert len(steps) >= 2
+  result = subprocess.run([sys.executable, "-m", "heloco_jax.train", f"--workdir={killed}",
+                           *args], capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"resuming from checkpoint {steps[-1]}" in result.stderr
+  metrics, summary = _outputs(killed)
+  reference_metrics, reference_summary = _outputs(reference)
+  assert summary == reference_summary
+  assert metrics == reference_metrics  # no duplicated or missing rows
+
+
+def _finished_then_reopened(tmp_path, args):
+  """A run that finished, with summary.json removed: as if killed after its last checkpoint."""
+  workdir = str(tmp_path / "run")
+  assert train.main([f"--workdir={workdir}", *args]) == 0
+  reference = _outputs(workdir)
+  os.remove(os.path.join(workdir, "summary.json"))
+  return workdir, reference
+
+
+BASE = [*TINY, "--config.method=mla", "--config.budget.tokens=4000",
+        "--config.checkpoint_every=4"]
+
+
+def test_a_different_config_is_refused_naming_the_keys(tmp_path, capsys):
+  workdir, _ = _finished_then_reopened(tmp_path, BASE)
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE, "--config.seed=1",
+                     "--config.outer.momentum=0.8"]) == 2
+  err = capsys.readouterr().err
+  assert "holds a run with another config; differing keys: outer.momentum (0.9 -> 0.8), " \
+         "seed (0 -> 1)." in err
+  assert "--allow_config_change" in err
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+
+
+def test_allow_config_change_extends_the_budget_to_an_uninterrupted_longer_run(tmp_path):
+  workdir, _ = _finished_then_reopened(tmp_path, BASE)
+  longer = [*BASE, "--config.budget.tokens=6000"]
+  assert train.main([f"--workdir={workdir}", *longer, "--allow_config_change"]) == 0
+  reference = str(tmp_path / "longer")
+  assert train.main([f"--workdir={reference}", *longer]) == 0
+  assert _outputs(workdir) == _outputs(reference)
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["budget"]["tokens"] == 6000
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_with_a_warning_and_still_matches(
+    tmp_path, capsys):
+  workdir, reference = _finished_then_reopened(tmp_path, BASE)
+  steps = _steps(workdir)
+  assert len(steps) == 3  # keep_checkpoints
+  latest = os.path.join(workdir, "checkpoints", str(steps[-1]), "arrays")
+  files = [os.path.join(root, f) for root, _, names in os.walk(latest) for f in names]
+  victim = max(files, key=os.path.getsize)
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) // 3)
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  err = capsys.readouterr().err
+  assert f"warning: checkpoint {steps[-1]}: " in err
+  assert f"resuming from checkpoint {steps[-2]} instead" in err
+  assert _outputs(workdir) == reference
+
+
+def test_a_finished_run_is_not_run_again(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train.main([f"--workdir={workdir}", *BASE]) == 2
+  assert "already holds a finished run" in capsys.readouterr().err
+
+
+def test_an_unwritable_workdir_fails_before_any_work(tmp_path, capsys):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  assert train.main([f"--workdir={blocker}/run", *BASE]) == 2
+  assert "is not writable: Not a directory" in capsys.readouterr().err
+  if os.geteuid() != 0:  # root writes to read-only directories
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert train.main([f"--workdir={locked}/run", *BASE]) == 2
+    assert "is not writable: Permission denied" in capsys.readouterr().err
+
+
+def test_a_full_disk_mid_run_keeps_the_last_good_checkpoint_and_resumes(
+    tmp_path, capsys, monkeypatch):
+  reference = str(tmp_path / "reference")
+  assert train.main([f"--workdir={reference}", *BASE]) == 0
+  save = checkpoint.ocp.CheckpointManager.save
+  calls = []
+
+  def fails_the_second_time(self, step, *args, **kwargs):  # orbax meets a full disk
+    calls.append(step)
+    if len(calls) == 2:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return save(self, step, *args, **kwargs)
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", fails_the_second_time)
+  workdir = str(tmp_path / "run")
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE]) == 1
+  assert "No space left on device; checkpoint 4 is intact" in capsys.readouterr().err
+  monkeypatch.undo()
+  assert _steps(workdir) == [4]
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert _outputs(workdir) == _outputs(reference)
+
+
+def test_without_a_checkpoint_a_workdir_starts_over(tmp_path, capsys):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "metrics.jsonl").write_text('{"event": "stale"}\n')
+  args = [*BASE, "--config.checkpoint_every=0"]
+  assert train.main([f"--workdir={workdir}", *args]) == 0
+  reference = str(tmp_path / "reference")
+  assert train.main([f"--workdir={reference}", *args]) == 0
+  assert _outputs(str(workdir)) == _outputs(reference)
+  assert not os.path.exists(workdir / "checkpoints")
+
+
+def test_ctrl_c_stops_with_status_130_and_names_the_checkpoint_to_resume_from(tmp_path):
+  workdir = str(tmp_path / "run")
+  args = [f"--workdir={workdir}", *BASE, "--config.budget.tokens=20000",
+          "--config.checkpoint_every=2"]
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.train", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.monotonic() + 300
+  while not _steps(workdir) and process.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  process.send_signal(signal.SIGINT)
+  _, err = process.communicate()
+  assert process.returncode == 130, err[-2000:]
+  assert f"interrupted; checkpoint {_steps(workdir)[-1]} is intact: re-run the same command" in err

@@ -1,0 +1,38 @@
+"""The small model and data the scheduler-level tests share (imported by the test modules)."""
+
+import functools
+
+import ml_collections
+
+from heloco_jax import data
+from heloco_jax.configs import default
+
+H, BATCH, CONTEXT = 2, 4, 16
+
+
+@functools.lru_cache(maxsize=None)
+def dataset(num_workers: int, partition: str = "non_iid") -> data.Data:
+  """Synthetic languages, context 16, batch 4; cached across tests."""
+  return data.make_data(num_workers=num_workers, partition=partition, context=CONTEXT,
+                        batch_size=BATCH, val_sequences_per_language=8,
+                        max_bytes_per_language=40_000)
+
+
+def config(method: str = "mla", num_workers: int = 3, **overrides) -> ml_collections.ConfigDict:
+  """The quickstart config on a 1-layer d_model 32 GPT, H = 2, no budget or evals by default.
+
+  ``overrides`` use dotted keys: ``config("diloco", **{"budget.tokens": 512})``.
+  """
+  c = default.get_config()
+  c.method, c.num_workers = method, num_workers
+  c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.context = 32, 1, 4, CONTEXT
+  c.batch_size, c.inner_steps = BATCH, H
+  c.inner.warmup_steps, c.inner.total_steps = 2, 400
+  c.budget.tokens, c.eval_every_tokens = 0, 0
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return c
