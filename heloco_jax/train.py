@@ -170,15 +170,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _error(str(error))
     for warning in caught:
       print(f"heloco-jax train: warning: {warning.message}", file=sys.stderr)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  rows_before = os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0
   try:
-    metrics, rows_written = _open_metrics(os.path.join(workdir, "metrics.jsonl"),
-                                          restored and restored[2])
+    metrics, rows_written = _open_metrics(metrics_path, restored and restored[2])
   except OSError as error:
     return _error(f"cannot resume: {error.strerror or error}")
   if restored is not None:
     simulation.load_state(restored[1], restored[2])
     print(f"heloco-jax train: resuming from checkpoint {restored[0]} ({simulation.tokens} "
           f"tokens, {simulation.sim_time:.0f} simulated s)", file=sys.stderr)
+  elif rows_before:
+    print(f"heloco-jax train: no checkpoint in {workdir}: starting the run over", file=sys.stderr)
   print(f"heloco-jax train: {config.method} on {config.num_workers} simulated workers "
         f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds), "
         f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
@@ -211,9 +214,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with metrics:
       summary = asyncio.run(simulation.run(
           on_row, on_checkpoint if checkpointer is not None else None))
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    # Atomic: a summary.json marks a finished run, so it is never half written.
+    with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:
       json.dump(summary, f, indent=2)
       f.write("\n")
+    os.replace(os.path.join(workdir, "summary.json.tmp"), os.path.join(workdir, "summary.json"))
   except (OSError, checkpoint.CheckpointError, KeyboardInterrupt) as error:
     last = checkpointer.steps()[-1:] if checkpointer is not None else []
     keep = (f"checkpoint {last[0]} is intact: re-run the same command to resume" if last
@@ -228,6 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   finally:
     if bar is not None:
       bar.close()
+    if checkpointer is not None:
+      checkpointer.close()
   print(f"heloco-jax train: done: {summary['tokens']} tokens, {summary['outer_updates']} outer "
         f"updates, {summary['sim_time']:.0f} simulated s, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "

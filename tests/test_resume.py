@@ -182,6 +182,7 @@ def test_without_a_checkpoint_a_workdir_starts_over(tmp_path, capsys):
   assert train.main([f"--workdir={reference}", *args]) == 0
   assert _outputs(str(workdir)) == _outputs(reference)
   assert not os.path.exists(workdir / "checkpoints")
+  assert "no checkpoint in" in capsys.readouterr().err
 
 
 def test_ctrl_c_stops_with_status_130_and_names_the_checkpoint_to_resume_from(tmp_path):
