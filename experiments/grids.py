@@ -1,0 +1,140 @@
+"""The grids of ``python -m experiments.reproduce``: which runs, with which config overrides.
+
+A grid is a list of ``Run``s; each is one ``heloco-jax train`` with dotted config
+overrides, written to ``OUT/runs/<name>``. Two tables share the paper grid:
+
+  * ``tokens``: a fixed token budget (``Scale.tokens``) for every method;
+  * ``time``: a fixed simulated wall-clock budget per preset, the time the
+    asynchronous workers need for the same tokens when no one waits:
+    T = tokens / (batch·context·Σ_i 1/t_i). Synchronous DiLoCo reads fewer
+    tokens in T because every round waits for the slowest worker.
+
+Everything else is the quickstart's (``heloco_jax/configs/default.py``): the
+outer learning rates and momenta of ALGORITHMS.md and one inner learning rate
+for all methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from heloco_jax import clock
+
+PRESETS = ("homogeneous", "mild", "moderate", "severe")
+METHODS = ("async_nesterov", "delayed_nesterov", "mla", "heloco", "diloco")
+BASELINES = tuple(m for m in METHODS if m != "heloco")
+LANGUAGES = "de,en,es,fr,it"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """Model, batch and budget of a grid (the paper's are far larger; see RESULTS.md)."""
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  context: int = 128
+  batch_size: int = 8
+  inner_steps: int = 20
+  tokens: int = 300_000
+  eval_every_tokens: int = 50_000
+  seeds: tuple[int, ...] = (0, 1, 2)
+  data: tuple[tuple[str, Any], ...] = (("data.source", "text_dir"),
+                                       ("data.languages", LANGUAGES))
+
+  def overrides(self) -> dict[str, Any]:
+    return {"model.d_model": self.d_model, "model.num_layers": self.num_layers,
+            "model.num_heads": self.num_heads, "model.context": self.context,
+            "batch_size": self.batch_size, "inner_steps": self.inner_steps,
+            "eval_every_tokens": self.eval_every_tokens, **dict(self.data)}
+
+
+PAPER = Scale()
+SMOKE = Scale(d_model=32, num_layers=1, num_heads=4, context=16, batch_size=4, inner_steps=2,
+              tokens=6_000, eval_every_tokens=1_000, seeds=(0,),
+              data=(("data.source", "synthetic"), ("data.max_bytes_per_language", 40_000),
+                    ("data.val_sequences_per_language", 8)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run of a grid.
+
+  Attributes:
+    name: unique within the grid; the run's workdir is ``OUT/runs/<name>``.
+    table: "tokens" (fixed token budget) or "time" (fixed simulated time).
+    preset: the speed preset.
+    method: the method.
+    seed: the seed.
+    overrides: dotted config keys and values, applied in order.
+  """
+  name: str
+  table: str
+  preset: str
+  method: str
+  seed: int
+  overrides: tuple[tuple[str, Any], ...]
+
+  def args(self, data_path: str = "") -> list[str]:
+    """The ``heloco-jax train`` config flags of this run."""
+    overrides = dict(self.overrides)
+    if data_path and overrides.get("data.source") == "text_dir":
+      overrides["data.path"] = data_path
+    return [f"--config.{key}={_flag(value)}" for key, value in overrides.items()]
+
+
+def _flag(value: Any) -> str:
+  return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def time_budget(scale: Scale, preset: str, num_workers: int = 5) -> float:
+  """Simulated seconds in which non-waiting workers read ``scale.tokens`` tokens."""
+  steps_per_second = np.sum(1.0 / clock.seconds_per_step(preset, num_workers))
+  return float(scale.tokens / (scale.batch_size * scale.context * steps_per_second))
+
+
+def main_grid(scale: Scale, presets=PRESETS, methods=METHODS) -> list[Run]:
+  """The HeLoCo comparison: every preset × method × seed, at both budgets."""
+  runs = []
+  for table in ("tokens", "time"):
+    for preset in presets:
+      budget = ({"budget.tokens": scale.tokens, "budget.sim_seconds": 0.0} if table == "tokens"
+                else {"budget.tokens": 0, "budget.sim_seconds": time_budget(scale, preset)})
+      for method in methods:
+        for seed in scale.seeds:
+          overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": preset,
+                       **budget}
+          runs.append(Run(f"{table}/{preset}/{method}/seed{seed}", table, preset, method, seed,
+                          tuple(overrides.items())))
+  return runs
+
+
+# The inner learning rate is tuned once, on synchronous DiLoCo with homogeneous workers and
+# a seed outside the grid's, and the best is then used for every method (RESULTS.md).
+TUNE_LEARNING_RATES = (1e-3, 2e-3, 3e-3, 6e-3)
+TUNE_SEED = 100
+
+
+def tune_grid(scale: Scale) -> list[Run]:
+  """Synchronous DiLoCo, homogeneous, seed 100, at the token budget, one run per rate."""
+  return [Run(f"tune/diloco/lr{lr:g}", "tune", "homogeneous", "diloco", TUNE_SEED,
+              tuple({**scale.overrides(), "method": "diloco", "seed": TUNE_SEED,
+                     "speeds": "homogeneous", "budget.tokens": scale.tokens,
+                     "inner.learning_rate": lr}.items()))
+          for lr in TUNE_LEARNING_RATES]
+
+
+GRIDS = {
+    "paper": lambda: main_grid(PAPER),
+    "smoke": lambda: main_grid(SMOKE, presets=("homogeneous", "severe")),
+    "tune": lambda: tune_grid(PAPER),
+}
+
+
+def grid(name: str) -> list[Run]:
+  """The runs of grid ``name`` (``GRIDS``)."""
+  if name not in GRIDS:
+    raise ValueError(f"--grid={name!r} is not allowed; allowed: {', '.join(GRIDS)}.")
+  return GRIDS[name]()

@@ -1,0 +1,86 @@
+"""The reproduction grid: its runs, budgets and flags, and the smoke grid end to end."""
+
+import os
+
+import numpy as np
+import pytest
+
+from experiments import analysis, grids, reproduce
+
+
+def test_paper_grid_is_every_preset_method_and_seed_at_both_budgets():
+  runs = grids.grid("paper")
+  assert len(runs) == 2 * 4 * 5 * 3
+  assert len({r.name for r in runs}) == len(runs)
+  assert {(r.table, r.preset, r.method, r.seed) for r in runs} == {
+      (t, p, m, s) for t in ("tokens", "time") for p in grids.PRESETS
+      for m in grids.METHODS for s in (0, 1, 2)}
+  for run in runs:  # one inner learning rate and the method's own outer defaults for all
+    keys = dict(run.overrides)
+    assert "inner.learning_rate" not in keys and "outer.learning_rate" not in keys
+    assert keys["data.source"] == "text_dir" and keys["data.languages"] == "de,en,es,fr,it"
+
+
+def test_time_budget_is_the_time_non_waiting_workers_need_for_the_token_budget():
+  scale = grids.PAPER
+  # severe: 1 + 4/15 steps per simulated second over the 5 workers.
+  expected = scale.tokens / (scale.batch_size * scale.context * (1 + 4 / 15))
+  assert grids.time_budget(scale, "severe") == pytest.approx(expected, rel=1e-12)
+  homogeneous = grids.time_budget(scale, "homogeneous")
+  assert homogeneous == pytest.approx(scale.tokens / (scale.batch_size * scale.context * 5))
+  for run in grids.grid("paper"):
+    keys = dict(run.overrides)
+    if run.table == "time":
+      assert keys["budget.tokens"] == 0
+      assert keys["budget.sim_seconds"] == grids.time_budget(scale, run.preset)
+    else:
+      assert keys["budget.tokens"] == scale.tokens and keys["budget.sim_seconds"] == 0
+
+
+def test_run_args_are_train_flags_and_take_the_corpus_path():
+  run = grids.grid("paper")[0]
+  args = run.args("/data/corpus")
+  assert "--config.data.path=/data/corpus" in args
+  assert f"--config.method={run.method}" in args and "--config.speeds=homogeneous" in args
+  assert all(a.startswith("--config.") for a in args)
+
+
+def test_unknown_grid_is_refused():
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune"):
+    grids.grid("huge")
+
+
+def test_improvement_is_relative_to_the_baseline():
+  assert analysis._improvement(4.0, 3.0) == pytest.approx(25.0)
+  assert analysis._improvement(3.0, 3.3) == pytest.approx(-10.0)
+
+
+def test_smoke_grid_runs_writes_results_and_skips_finished_runs(tmp_path, capsys):
+  out = str(tmp_path / "out")
+  assert reproduce.main(["--grid=smoke", f"--out={out}"]) == 0
+  results_md = open(os.path.join(out, "RESULTS.md")).read()
+  for heading in ("## Fixed token budget", "## Fixed wall-clock (simulated) budget",
+                  "## Per-language validation loss", "HeLoCo vs mla", "up to 7.5%"):
+    assert heading in results_md
+  for figure in ("loss_vs_tokens.png", "loss_vs_sim_time.png"):
+    path = os.path.join(out, "figures", figure)
+    assert os.path.getsize(path) > 10_000 and f"figures/{figure}" in results_md
+  results = analysis.load(out, grids.grid("smoke"))
+  assert len(results) == 20
+  for r in results:
+    assert np.isfinite(r.summary["final_val_loss"])
+    assert r.summary["final_val_loss"] < r.summary["initial_val_loss"]
+    if r.run.table == "time":
+      assert r.summary["sim_time"] <= grids.time_budget(grids.SMOKE, r.run.preset)
+  # The table's cells are the runs' own numbers.
+  heloco = [r for r in results if (r.run.table, r.run.preset, r.run.method) == (
+      "tokens", "severe", "heloco")][0]
+  assert f"{heloco.summary['final_val_loss']:.4f} ± 0.0000 (n=1)" in results_md
+  # Synchronous DiLoCo waits for the slow workers: fewer tokens in the same simulated time.
+  time_tokens = {r.run.method: r.summary["tokens"] for r in results
+                 if (r.run.table, r.run.preset) == ("time", "severe")}
+  assert time_tokens["diloco"] < 0.5 * time_tokens["heloco"]
+  capsys.readouterr()
+  assert reproduce.main(["--grid=smoke", f"--out={out}"]) == 0  # everything is finished
+  err = capsys.readouterr().err
+  assert "20 runs, 20 already finished" in err and "heloco-jax train" not in err
