@@ -58,6 +58,9 @@ def _improvement(baseline: float, heloco: float) -> float:
 
 def loss_table(results: Sequence[Result], table: str) -> str:
   """Markdown: final val loss (mean ± std over seeds) per preset × method, and HeLoCo's gain."""
+  results = [r for r in results if r.run.table == table]
+  if not results:
+    return ""
   presets = [p for p in grids.PRESETS if any(r.run.preset == p for r in results)]
   methods = [m for m in grids.METHODS if any(r.run.method == m for r in results)]
   header = ["preset", *methods, *[f"HeLoCo vs {b}" for b in methods if b != "heloco"]]
@@ -90,6 +93,52 @@ def language_table(results: Sequence[Result], table: str, preset: str) -> str:
     if rows:
       lines.append(f"| {method} | " + " | ".join(
           f"{np.mean([row[f'val_loss/{lang}'] for row in rows]):.4f}" for lang in languages) + " |")
+  return "\n".join(lines)
+
+
+def tune_table(results: Sequence[Result]) -> str:
+  """Markdown: final val loss per inner learning rate of the tuning runs (best in bold)."""
+  tuned = sorted((dict(r.run.overrides)["inner.learning_rate"], r.summary["final_val_loss"])
+                 for r in results if r.run.table == "tune")
+  if not tuned:
+    return ""
+  best = min(tuned, key=lambda t: t[1])[0]
+  lines = ["| inner learning rate | final val loss |", "|---|---|"]
+  lines += [f"| {'**' if lr == best else ''}{lr:g}{'**' if lr == best else ''} | {loss:.4f} |"
+            for lr, loss in tuned]
+  return "\n".join(lines)
+
+
+def time_to_loss(evals: Sequence[dict[str, Any]], target: float) -> float:
+  """Simulated time at which val loss first reaches ``target`` (linear between evals); inf if never."""
+  for before, after in zip(evals, evals[1:]):
+    if after["val_loss"] <= target:
+      if before["val_loss"] <= target:
+        return before["sim_time"]
+      frac = (before["val_loss"] - target) / (before["val_loss"] - after["val_loss"])
+      return before["sim_time"] + frac * (after["sim_time"] - before["sim_time"])
+  return evals[0]["sim_time"] if evals and evals[0]["val_loss"] <= target else float("inf")
+
+
+def palsgd_table(results: Sequence[Result]) -> str:
+  """Markdown: time for each method to reach DDP's final val loss (mean over seeds), speedup."""
+  chosen = [r for r in results if r.run.table == "palsgd"]
+  ddp = [r.summary["final_val_loss"] for r in chosen if r.run.method == "ddp"]
+  if not ddp:
+    return ""
+  target = float(np.mean(ddp))
+  times = {m: [time_to_loss(r.evals, target) for r in chosen if r.run.method == m]
+           for m in ("ddp", "diloco", "palsgd")}
+  lines = [f"Target: DDP's final validation loss, {target:.4f} (mean over {len(ddp)} seeds).", "",
+           "| method | final val loss | simulated s to target | faster than DDP |", "|---|---|---|---|"]
+  reference = np.mean(times["ddp"])
+  for method, values in times.items():
+    if not values:
+      continue
+    losses = [r.summary["final_val_loss"] for r in chosen if r.run.method == method]
+    mean = float(np.mean(values))
+    lines.append(f"| {method} | {np.mean(losses):.4f} ± {np.std(losses):.4f} | "
+                 f"{mean:.0f} | {100 * (reference - mean) / reference:+.1f}% |")
   return "\n".join(lines)
 
 
@@ -132,17 +181,25 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
   """Writes the RESULTS.md of ``results`` with its figures under ``fig_dir``."""
   figures = curves(results, fig_dir)
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
+  tuned = tune_table(results)
   parts = [
       "# Results", "",
       f"Regenerate with `{command}`.", "", scale_note, "",
-      "## Fixed token budget", "",
-      f"Paper: HeLoCo {PAPER_CLAIMS[('tokens', 'async')]}.", "",
-      loss_table(results, "tokens"), "",
-      "## Fixed wall-clock (simulated) budget", "",
-      f"Paper: HeLoCo {PAPER_CLAIMS[('time', 'mla')]} and {PAPER_CLAIMS[('time', 'diloco')]}.",
-      "", loss_table(results, "time"), "",
-      "## Per-language validation loss (fixed token budget, severe)", "",
-      language_table(results, "tokens", "severe") or "(no severe runs)", "",
+      *(["## Inner learning rate (tuned once: sync DiLoCo, homogeneous, seed 100)", "", tuned,
+         ""] if tuned else []),
+      *(["## Fixed token budget", "",
+         f"Paper: HeLoCo {PAPER_CLAIMS[('tokens', 'async')]}.", "",
+         loss_table(results, "tokens"), ""] if loss_table(results, "tokens") else []),
+      *(["## Fixed wall-clock (simulated) budget", "",
+         f"Paper: HeLoCo {PAPER_CLAIMS[('time', 'mla')]} and "
+         f"{PAPER_CLAIMS[('time', 'diloco')]}.", "",
+         loss_table(results, "time"), ""] if loss_table(results, "time") else []),
+      *(["## PALSGD vs DDP vs DiLoCo (all-reduce = 25% of a DDP step)", "",
+         "Paper: PALSGD trains 21.1–24.4% faster than DDP (TinyStories).", "",
+         palsgd_table(results), ""] if palsgd_table(results) else []),
+      *(["## Per-language validation loss (fixed token budget, severe)", "",
+         language_table(results, "tokens", "severe"), ""]
+        if language_table(results, "tokens", "severe") else []),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], ""]
   with open(path, "w") as f:

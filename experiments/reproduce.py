@@ -44,7 +44,7 @@ def _corpus(path: Optional[str], out: str) -> str:
 
 
 def _scale_note(name: str) -> str:
-  scale = grids.PAPER if name == "paper" else grids.SMOKE
+  scale = grids.SCALES[name]
   return (f"Grid `{name}`: 5 workers, one language each, GPT d_model {scale.d_model}, "
           f"{scale.num_layers} layers, context {scale.context}, batch {scale.batch_size}, "
           f"H = {scale.inner_steps}, {scale.tokens:,} tokens per run (token table), seeds "

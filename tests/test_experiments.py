@@ -15,9 +15,10 @@ def test_paper_grid_is_every_preset_method_and_seed_at_both_budgets():
   assert {(r.table, r.preset, r.method, r.seed) for r in runs} == {
       (t, p, m, s) for t in ("tokens", "time") for p in grids.PRESETS
       for m in grids.METHODS for s in (0, 1, 2)}
-  for run in runs:  # one inner learning rate and the method's own outer defaults for all
+  for run in runs:  # one tuned inner learning rate and the method's own outer defaults for all
     keys = dict(run.overrides)
-    assert "inner.learning_rate" not in keys and "outer.learning_rate" not in keys
+    assert keys["inner.learning_rate"] == grids.PAPER.inner_learning_rate
+    assert "outer.learning_rate" not in keys
     assert keys["data.source"] == "text_dir" and keys["data.languages"] == "de,en,es,fr,it"
 
 
@@ -46,7 +47,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd"):
     grids.grid("huge")
 
 
@@ -84,3 +85,21 @@ def test_smoke_grid_runs_writes_results_and_skips_finished_runs(tmp_path, capsys
   assert reproduce.main(["--grid=smoke", f"--out={out}"]) == 0  # everything is finished
   err = capsys.readouterr().err
   assert "20 runs, 20 already finished" in err and "heloco-jax train" not in err
+
+
+def test_tune_table_marks_the_lowest_loss():
+  runs = grids.tune_grid(grids.SMOKE)
+  results = [analysis.Result(run, {"final_val_loss": loss}, [])
+             for run, loss in zip(runs, (3.0, 2.5, 2.7, 2.9, 3.1, 3.3))]
+  table = analysis.tune_table(results)
+  assert "| **0.0006** | 2.5000 |" in table and "| 0.0003 | 3.0000 |" in table
+  assert table.count("**") == 2
+
+
+def test_time_to_loss_interpolates_between_evals():
+  evals = [{"sim_time": 0.0, "val_loss": 5.0}, {"sim_time": 10.0, "val_loss": 3.0},
+           {"sim_time": 20.0, "val_loss": 2.0}]
+  assert analysis.time_to_loss(evals, 2.5) == pytest.approx(15.0)
+  assert analysis.time_to_loss(evals, 3.0) == pytest.approx(10.0)
+  assert analysis.time_to_loss(evals, 1.0) == float("inf")
+  assert analysis.time_to_loss(evals, 6.0) == 0.0
