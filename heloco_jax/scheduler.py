@@ -499,7 +499,20 @@ class Simulation:
 
 def simulate(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
              on_row: Optional[Callable[[Row], None]] = None) -> tuple[dict[str, Any], list[Row]]:
-  """Runs ``config`` on the simulated clock; returns (summary, metrics rows)."""
+  """Runs ``config`` on the simulated clock; returns (summary, metrics rows).
+
+  Inside a running event loop (a Jupyter kernel) ``asyncio.run`` is not
+  allowed: there, ``simulation = Simulation(config)``, ``summary = await
+  simulation.run()`` and ``simulation.rows`` do the same.
+  """
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    pass
+  else:
+    raise RuntimeError("simulate() cannot run inside a running event loop (e.g. a Jupyter "
+                       "kernel); use `simulation = Simulation(config); summary = await "
+                       "simulation.run()` and `simulation.rows` instead.")
   simulation = Simulation(config, dataset)
   summary = asyncio.run(simulation.run(on_row))
   return summary, simulation.rows

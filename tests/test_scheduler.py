@@ -131,3 +131,10 @@ def test_every_method_learns_on_a_tiny_run(method):
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5, summary
   assert np.isfinite(summary["final_val_loss"])
   assert rows[0]["event"] == "eval" and rows[-1]["event"] == "eval"
+
+
+def test_simulate_inside_a_running_event_loop_says_what_to_do_instead():
+  async def inside():
+    scheduler.simulate(_config())
+  with pytest.raises(RuntimeError, match="await simulation.run"):
+    scheduler.asyncio.run(inside())
