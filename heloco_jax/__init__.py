@@ -23,6 +23,7 @@ from heloco_jax.outer import (
     heloco_diagnostics,
     lookahead_params,
     mla,
+    outer_momentum,
     scale_by_arrival_weight,
 )
 
@@ -31,5 +32,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
     "arrival_weight", "async_nesterov", "block_names", "correct", "delayed_nesterov", "heloco",
-    "heloco_diagnostics", "lookahead_params", "mla", "scale_by_arrival_weight",
+    "heloco_diagnostics", "lookahead_params", "mla", "outer_momentum", "scale_by_arrival_weight",
 ]

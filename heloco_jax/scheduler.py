@@ -11,6 +11,8 @@ device futures) interleave with it.
 Synchrony (``heloco_jax.methods``):
   * async: one outer update per arrival with staleness τ = v − s; the worker
     is re-dispatched at once from θ (or the look-ahead point θ − η·μ·m).
+    Its arrival row carries ``cosine_mean``, the mean over leaves of
+    cos(Δ, m) with the momentum m it meets (HeLoCo: over its blocks).
     Arrivals within ``grace_window`` seconds of the first are combined into
     one update: the mean of their g = ρ(τ_j)·Δ_j, passed to the rule as
     Δ = mean_j g_j / ρ(τ_max) with staleness τ_max, so the rule's ρ(τ_max)·Δ
@@ -92,6 +94,17 @@ def _nonfinite(tree: Any, per_worker: bool = False) -> tuple[jax.Array, jax.Arra
              for x in jax.tree.leaves(tree)]
     return jnp.any(jnp.stack(flags), axis=0)
   return any_of(jnp.isnan), any_of(jnp.isinf)
+
+
+@jax.jit
+def _alignment(delta: Any, momentum: Any) -> jax.Array:
+  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0."""
+  cosines = []
+  for d, m in zip(jax.tree.leaves(delta), jax.tree.leaves(momentum)):
+    d, m = d.astype(jnp.float32).ravel(), m.astype(jnp.float32).ravel()
+    norms = jnp.linalg.norm(d) * jnp.linalg.norm(m)
+    cosines.append(jnp.where(norms > 0, jnp.dot(d, m) / jnp.where(norms > 0, norms, 1.0), 0.0))
+  return jnp.mean(jnp.stack(cosines))
 
 
 def _reasons(has_nan: Any, has_inf: Any) -> list[Optional[str]]:
@@ -368,6 +381,9 @@ class Simulation:
               opt_state=self.inner.direction.init(self.workers[w].params))
       applied = [(w, job, tau) for w, job, tau, reason in zip(group, arrived, taus, reasons)
                  if reason is None]
+      # Alignment of each Δ with the momentum it meets (HeLoCo logs its own per block).
+      cosines = ({w: float(_alignment(job.delta, outer.outer_momentum(self.outer_state)))
+                  for w, job, _ in applied} if config.method != "heloco" else {})
       if len(applied) == 1:
         self._apply(applied[0][1].delta, applied[0][2])
       elif applied:
@@ -378,8 +394,9 @@ class Simulation:
         diagnostics = self._diagnostics()
         for w, _, tau in applied:
           self.staleness.append(tau)
+          alignment = {"cosine_mean": cosines[w]} if w in cosines else {}
           self._emit({"event": "arrival", "worker": w, "staleness": tau, "sim_time": now,
-                      "outer_updates": self.version, **diagnostics})
+                      "outer_updates": self.version, **alignment, **diagnostics})
       self._evaluate()
       for w in group:
         dispatch(w, now)

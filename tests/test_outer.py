@@ -553,3 +553,17 @@ def test_valid_edge_values_are_accepted():
   hj.delayed_nesterov(0.1, buffer_size=4, c=0.25)
   hj.delayed_nesterov(0.1, num_workers=3)  # N defaults to K
   assert hj.delayed_nesterov(0.1, num_workers=3) is not None
+
+
+def test_outer_momentum_is_found_in_every_async_rule_state():
+  params = {"w": jnp.ones((3,)), "b": jnp.zeros((2,))}
+  delta = {"w": jnp.full((3,), 0.5), "b": jnp.ones((2,))}
+  for tx in (hj.mla(0.7, 0.9), hj.heloco(0.7, 0.9), hj.async_nesterov(0.07, 0.9),
+             hj.delayed_nesterov(0.07, 0.9, buffer_size=1)):
+    state = tx.init(params)
+    _, state = tx.update(delta, state, params, staleness=0)
+    momentum = hj.outer_momentum(state)
+    assert jax.tree.structure(momentum) == jax.tree.structure(params)
+    assert float(jnp.abs(momentum["w"]).sum()) > 0  # the arrival went into m
+  with pytest.raises(ValueError, match="outer_momentum: .* holds 0"):
+    hj.outer_momentum(optax.sgd(1.0).init(params))

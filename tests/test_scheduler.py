@@ -138,3 +138,23 @@ def test_simulate_inside_a_running_event_loop_says_what_to_do_instead():
     scheduler.simulate(_config())
   with pytest.raises(RuntimeError, match="await simulation.run"):
     scheduler.asyncio.run(inside())
+
+
+def test_alignment_is_the_mean_over_leaves_of_the_cosine_with_the_momentum():
+  rng = np.random.default_rng(0)
+  delta = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=5), "c": np.zeros(2)}
+  momentum = {"a": rng.normal(size=(3, 4)), "b": -delta["b"] * 2.0, "c": rng.normal(size=2)}
+  cos_a = np.dot(delta["a"].ravel(), momentum["a"].ravel()) / (
+      np.linalg.norm(delta["a"]) * np.linalg.norm(momentum["a"]))
+  expected = (cos_a - 1.0 + 0.0) / 3  # b is exactly opposed; c has Δ = 0
+  got = scheduler._alignment(jax.tree.map(np.float32, delta), jax.tree.map(np.float32, momentum))
+  assert float(got) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("method", ["async_nesterov", "delayed_nesterov", "mla", "heloco"])
+def test_every_async_arrival_row_carries_its_alignment(method):
+  _, rows = _run(_config(method, speeds=[1.0, 1.5, 2.0], **{"budget.sim_seconds": 12.0}))
+  cosines = [r["cosine_mean"] for r in rows if r["event"] == "arrival"]
+  assert len(cosines) >= 8
+  assert cosines[0] == 0.0  # the first arrival meets m = 0
+  assert all(-1.0 <= c <= 1.0 for c in cosines) and any(abs(c) > 0.01 for c in cosines[1:])

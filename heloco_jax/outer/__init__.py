@@ -3,7 +3,7 @@
 from heloco_jax.outer.correction import BRANCH_NAMES, CorrectionInfo, block_names, correct
 from heloco_jax.outer.delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from heloco_jax.outer.heloco import HeLoCoState, heloco
-from heloco_jax.outer.lookahead import heloco_diagnostics, lookahead_params
+from heloco_jax.outer.lookahead import heloco_diagnostics, lookahead_params, outer_momentum
 from heloco_jax.outer.mla import MLAState, mla
 from heloco_jax.outer.nesterov import async_nesterov
 from heloco_jax.outer.weighting import arrival_weight, scale_by_arrival_weight
@@ -11,5 +11,5 @@ from heloco_jax.outer.weighting import arrival_weight, scale_by_arrival_weight
 __all__ = [
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
     "arrival_weight", "async_nesterov", "block_names", "correct", "delayed_nesterov", "heloco",
-    "heloco_diagnostics", "lookahead_params", "mla", "scale_by_arrival_weight",
+    "heloco_diagnostics", "lookahead_params", "outer_momentum", "mla", "scale_by_arrival_weight",
 ]

@@ -11,7 +11,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import optax
+
 from heloco_jax.outer.correction import BRANCH_NAMES, block_names
+from heloco_jax.outer.delayed_nesterov import DelayedNesterovState
 from heloco_jax.outer.heloco import HeLoCoState
 from heloco_jax.outer.mla import MLAState
 
@@ -24,8 +27,7 @@ def find_state(state: Any, types: tuple[type, ...], fn: str) -> Any:
   if len(found) != 1:
     raise ValueError(
         f"{fn}: state={type(state).__name__} holds {len(found)} {names} "
-        f"sub-states; allowed: exactly one (the state of hj.mla or hj.heloco, "
-        "alone or inside an optax.chain).")
+        f"sub-states; allowed: exactly one, alone or inside an optax.chain's state.")
   return found[0]
 
 
@@ -48,6 +50,22 @@ def lookahead_params(params: Any, state: Any) -> Any:
   step = outer.learning_rate * outer.decay
   return jax.tree.map(lambda p, m: (p - step * m).astype(jnp.result_type(p)),
                       params, outer.momentum)
+
+
+def outer_momentum(state: Any) -> Any:
+  """The outer momentum m inside an outer state, for alignment diagnostics.
+
+  Args:
+    state: the state of ``hj.mla``, ``hj.heloco``, ``hj.delayed_nesterov`` or
+      ``hj.async_nesterov`` / ``optax.sgd(..., momentum=μ)`` (optax's trace),
+      alone or nested in a chain's state.
+
+  Raises:
+    ValueError: when ``state`` holds no (or several) momenta.
+  """
+  found = find_state(state, (MLAState, HeLoCoState, DelayedNesterovState, optax.TraceState),
+                     "outer_momentum")
+  return found.trace if isinstance(found, optax.TraceState) else found.momentum
 
 
 def heloco_diagnostics(state: Any) -> dict[str, jax.Array]:
