@@ -30,6 +30,7 @@ class Result:
   run: grids.Run
   summary: dict[str, Any]
   evals: list[dict[str, Any]]
+  arrivals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def load(out_dir: str, runs: Sequence[grids.Run]) -> list[Result]:
@@ -42,8 +43,9 @@ def load(out_dir: str, runs: Sequence[grids.Run]) -> list[Result]:
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      evals = [row for row in map(json.loads, f) if row["event"] == "eval"]
-    results.append(Result(run, summary, evals))
+      rows = [json.loads(line) for line in f]
+    results.append(Result(run, summary, [r for r in rows if r["event"] == "eval"],
+                          [r for r in rows if r["event"] == "arrival"]))
   return results
 
 
@@ -142,6 +144,122 @@ def palsgd_table(results: Sequence[Result]) -> str:
   return "\n".join(lines)
 
 
+def ablation_table(results: Sequence[Result]) -> str:
+  """Markdown: each ablation variant's final val loss next to the paper grid's run it varies."""
+  lines = ["| ablation | variant | method | final val loss | base (paper grid, severe) | change |",
+           "|---|---|---|---|---|---|"]
+  tables = sorted({r.run.table for r in results if r.run.table.startswith("ablation/")})
+  for table in tables:
+    _, ablation, variant = table.split("/")
+    for method in grids.METHODS:
+      losses = _losses(results, table, "severe", method)
+      base = _losses(results, "tokens", "severe", method)
+      if losses.size == 0:
+        continue
+      base_cell = f"{base.mean():.4f} ± {base.std():.4f}" if base.size else "–"
+      change = f"{-_improvement(base.mean(), losses.mean()):+.2f}%" if base.size else "–"
+      lines.append(f"| {ablation} | {variant} | {method} | {losses.mean():.4f} ± "
+                   f"{losses.std():.4f} (n={losses.size}) | {base_cell} | {change} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def update_share_table(results: Sequence[Result]) -> str:
+  """Markdown: each worker's share of the applied arrivals (token table, mean over seeds)."""
+  lines = ["| preset | method | " + " | ".join(f"w{i}" for i in range(5)) + " |",
+           "|" + "---|" * 7]
+  for preset in grids.PRESETS:
+    for method in grids.METHODS:
+      chosen = [r for r in results if (r.run.table, r.run.preset, r.run.method) == (
+          "tokens", preset, method) and r.arrivals]
+      if not chosen:
+        continue
+      shares = np.mean([np.bincount([a["worker"] for a in r.arrivals], minlength=5)[:5]
+                        / len(r.arrivals) for r in chosen], axis=0)
+      lines.append(f"| {preset} | {method} | " + " | ".join(f"{x:.1%}" for x in shares) + " |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _rolling(values: Sequence[float], window: int = 10) -> np.ndarray:
+  values = np.asarray(values, float)
+  if values.size < window:
+    return values
+  return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) -> list[str]:
+  """Staleness per worker and preset; alignment over time per method; HeLoCo's branches, λ, β."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  os.makedirs(fig_dir, exist_ok=True)
+  paths = []
+  pick = lambda preset, method: next((r for r in results if (
+      r.run.table, r.run.preset, r.run.method, r.run.seed) == ("tokens", preset, method, seed)
+      and r.arrivals), None)
+
+  presets = [p for p in grids.PRESETS if pick(p, "heloco")]
+  if presets:
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.2), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+      arrivals = pick(preset, "heloco").arrivals
+      top = max(a["staleness"] for a in arrivals)
+      by_worker = [[a["staleness"] for a in arrivals if a["worker"] == w] for w in range(5)]
+      ax.hist(by_worker, bins=np.arange(top + 2) - 0.5, stacked=True,
+              label=[f"worker {w}" for w in range(5)])
+      ax.set_title(f"HeLoCo, {preset}")
+      ax.set_xlabel("staleness τ")
+      ax.set_ylabel("arrivals")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(fig_dir, "staleness_per_worker.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+  async_methods = [m for m in grids.METHODS if m != "diloco"]
+  presets = [p for p in grids.PRESETS if any(pick(p, m) for m in async_methods)]
+  if presets:
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.2), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+      for color, method in enumerate(grids.METHODS):
+        r = pick(preset, method)
+        if r is None or method == "diloco" or "cosine_mean" not in r.arrivals[0]:
+          continue
+        times = [a["sim_time"] for a in r.arrivals]
+        cosines = _rolling([a["cosine_mean"] for a in r.arrivals])
+        ax.plot(times[len(times) - len(cosines):], cosines, color=f"C{color}", label=method)
+      ax.axhline(0, color="k", lw=0.5)
+      ax.set_title(f"cos(Δ, m), {preset}")
+      ax.set_xlabel("simulated seconds")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(fig_dir, "alignment_over_time.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+  r = pick("severe", "heloco")
+  if r is not None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    times = [a["sim_time"] for a in r.arrivals]
+    counts = np.array([[a[f"branch_count/{b}"] for b in ("pass", "keep", "shrink", "rotate")]
+                       for a in r.arrivals], float)
+    fractions = counts / counts.sum(axis=1, keepdims=True)
+    left.stackplot(times, fractions.T, labels=["pass", "keep", "shrink", "rotate"])
+    left.set_title("HeLoCo branches per arrival (severe)")
+    left.set_xlabel("simulated seconds")
+    left.set_ylabel("fraction of blocks")
+    left.legend(fontsize=7, loc="lower right")
+    right.plot(times, [a["rotation_mean"] for a in r.arrivals], label="λ (rotation, mean)")
+    right.plot(times, [a["shrinkage_mean"] for a in r.arrivals], label="β (shrinkage, mean)")
+    right.set_title("HeLoCo λ and β (severe)")
+    right.set_xlabel("simulated seconds")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(fig_dir, "heloco_branches.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+  return paths
+
+
 def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
   """PNG figures: val loss vs tokens (token budget) and vs simulated time (time budget)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -179,7 +297,8 @@ def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
                   scale_note: str) -> None:
   """Writes the RESULTS.md of ``results`` with its figures under ``fig_dir``."""
-  figures = curves(results, fig_dir)
+  figures = curves(results, fig_dir) + diagnostics_figures(results, fig_dir)
+  ablations, shares = ablation_table(results), update_share_table(results)
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
   tuned = tune_table(results)
   parts = [
@@ -200,6 +319,9 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       *(["## Per-language validation loss (fixed token budget, severe)", "",
          language_table(results, "tokens", "severe"), ""]
         if language_table(results, "tokens", "severe") else []),
+      *(["## Ablations (severe preset, token budget)", "", ablations, ""] if ablations else []),
+      *(["## Per-worker share of the outer updates (token budget)", "", shares, ""]
+        if shares else []),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], ""]
   with open(path, "w") as f:

@@ -156,10 +156,41 @@ GRIDS = {
     "smoke": lambda: main_grid(SMOKE, presets=("homogeneous", "severe")),
     "tune": lambda: tune_grid(PAPER),
     "palsgd": lambda: palsgd_grid(PAPER),
+    "ablations": lambda: ablation_grid(PAPER),
 }
 
 
-SCALES = {"paper": PAPER, "smoke": SMOKE, "tune": PAPER, "palsgd": PAPER}
+# Ablations (issue "Reproduction and analysis", item 4), all at the severe preset and the token
+# budget; each variant is compared with the paper grid's run of the same method and seed.
+ABLATIONS: dict[str, tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...]] = {
+    "rotate_schedule": (("eq14", ("heloco",), {"outer.rotate_schedule": "eq14"}),),
+    "weight_order": (("after", ("heloco",), {"outer.weight_order": "after"}),),
+    "lookahead_dispatch": (("on", ("mla",), {"lookahead_dispatch": 1}),),
+    "partition": tuple((name, ("heloco", "mla"), overrides) for name, overrides in (
+        ("iid", {"data.partition": "iid"}),
+        ("dirichlet0.1", {"data.partition": "dirichlet", "data.dirichlet_alpha": 0.1}),
+        ("dirichlet1", {"data.partition": "dirichlet", "data.dirichlet_alpha": 1.0}),
+        ("dirichlet10", {"data.partition": "dirichlet", "data.dirichlet_alpha": 10.0}))),
+    "num_workers": tuple((f"K{k}", ("heloco", "mla"), {"num_workers": k}) for k in (16, 64)),
+}
+
+
+def ablation_grid(scale: Scale) -> list[Run]:
+  """Every ablation variant × its methods × seed (the baselines are the paper grid's runs)."""
+  runs = []
+  for ablation, variants in ABLATIONS.items():
+    for variant, methods, changes in variants:
+      for method in methods:
+        for seed in scale.seeds:
+          overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": "severe",
+                       "budget.tokens": scale.tokens, **changes}
+          runs.append(Run(f"ablation/{ablation}/{variant}/{method}/seed{seed}",
+                          f"ablation/{ablation}/{variant}", "severe", method, seed,
+                          tuple(overrides.items())))
+  return runs
+
+
+SCALES = {"paper": PAPER, "smoke": SMOKE, "tune": PAPER, "palsgd": PAPER, "ablations": PAPER}
 
 
 def grid(name: str) -> list[Run]:

@@ -47,7 +47,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations"):
     grids.grid("huge")
 
 
@@ -63,7 +63,8 @@ def test_smoke_grid_runs_writes_results_and_skips_finished_runs(tmp_path, capsys
   for heading in ("## Fixed token budget", "## Fixed wall-clock (simulated) budget",
                   "## Per-language validation loss", "HeLoCo vs mla", "up to 7.5%"):
     assert heading in results_md
-  for figure in ("loss_vs_tokens.png", "loss_vs_sim_time.png"):
+  for figure in ("loss_vs_tokens.png", "loss_vs_sim_time.png", "staleness_per_worker.png",
+                 "alignment_over_time.png", "heloco_branches.png"):
     path = os.path.join(out, "figures", figure)
     assert os.path.getsize(path) > 10_000 and f"figures/{figure}" in results_md
   results = analysis.load(out, grids.grid("smoke"))
@@ -103,3 +104,37 @@ def test_time_to_loss_interpolates_between_evals():
   assert analysis.time_to_loss(evals, 3.0) == pytest.approx(10.0)
   assert analysis.time_to_loss(evals, 1.0) == float("inf")
   assert analysis.time_to_loss(evals, 6.0) == 0.0
+
+
+def test_ablation_grid_varies_one_thing_of_the_severe_token_runs():
+  runs = grids.grid("ablations")
+  assert len({r.name for r in runs}) == len(runs) == 45
+  paper = {(r.method, r.seed): dict(r.overrides) for r in grids.grid("paper")
+           if (r.table, r.preset) == ("tokens", "severe")}
+  for run in runs:
+    keys = dict(run.overrides)
+    base = paper[(run.method, run.seed)]
+    changed = {k for k in keys if keys[k] != base.get(k)}
+    ablation, variant = run.table.split("/")[1:]
+    expected = dict((v, c) for v, _, c in grids.ABLATIONS[ablation])[variant]
+    assert changed == set(expected), (run.name, changed)
+
+
+def _result(table, preset, method, seed, loss, arrivals=()):
+  run = grids.Run(f"{table}/{preset}/{method}/seed{seed}", table, preset, method, seed, ())
+  return analysis.Result(run, {"final_val_loss": loss}, [], list(arrivals))
+
+
+def test_ablation_table_compares_each_variant_with_its_paper_grid_run():
+  results = [_result("tokens", "severe", "heloco", s, loss) for s, loss in enumerate((3.0, 3.2))]
+  results += [_result("ablation/weight_order/after", "severe", "heloco", s, loss)
+              for s, loss in enumerate((3.3, 3.3))]
+  table = analysis.ablation_table(results)
+  assert "| weight_order | after | heloco | 3.3000 ± 0.0000 (n=2) | 3.1000 ± 0.1000 |" in table
+  assert "+6.45%" in table  # (3.3 − 3.1) / 3.1: the variant's loss is higher
+
+
+def test_update_share_counts_each_workers_arrivals():
+  arrivals = [{"worker": w} for w in (0, 0, 0, 1, 4)]
+  table = analysis.update_share_table([_result("tokens", "severe", "mla", 0, 3.0, arrivals)])
+  assert "| severe | mla | 60.0% | 20.0% | 0.0% | 0.0% | 20.0% |" in table
