@@ -186,12 +186,27 @@ def _rolling(values: Sequence[float], window: int = 10) -> np.ndarray:
   return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
-def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) -> list[str]:
-  """Staleness per worker and preset; alignment over time per method; HeLoCo's branches, λ, β."""
+def _pyplot(fig_dir: str):
+  """matplotlib.pyplot on the file-only Agg backend, with ``fig_dir`` created."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   os.makedirs(fig_dir, exist_ok=True)
+  return plt
+
+
+def _save(fig, path: str) -> str:
+  """Lays out, writes and closes ``fig``; returns ``path``."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt.close(fig)
+  return path
+
+
+def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) -> list[str]:
+  """Staleness per worker and preset; alignment over time per method; HeLoCo's branches, λ, β."""
+  plt = _pyplot(fig_dir)
   paths = []
   pick = lambda preset, method: next((r for r in results if (
       r.run.table, r.run.preset, r.run.method, r.run.seed) == ("tokens", preset, method, seed)
@@ -210,10 +225,7 @@ def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) 
       ax.set_xlabel("staleness τ")
       ax.set_ylabel("arrivals")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "staleness_per_worker.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, os.path.join(fig_dir, "staleness_per_worker.png")))
 
   async_methods = [m for m in grids.METHODS if m != "diloco"]
   presets = [p for p in grids.PRESETS if any(pick(p, m) for m in async_methods)]
@@ -231,10 +243,7 @@ def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) 
       ax.set_title(f"cos(Δ, m), {preset}")
       ax.set_xlabel("simulated seconds")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "alignment_over_time.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, os.path.join(fig_dir, "alignment_over_time.png")))
 
   r = pick("severe", "heloco")
   if r is not None:
@@ -253,19 +262,13 @@ def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) 
     right.set_title("HeLoCo λ and β (severe)")
     right.set_xlabel("simulated seconds")
     right.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "heloco_branches.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, os.path.join(fig_dir, "heloco_branches.png")))
   return paths
 
 
 def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
   """PNG figures: val loss vs tokens (token budget) and vs simulated time (time budget)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  os.makedirs(fig_dir, exist_ok=True)
+  plt = _pyplot(fig_dir)
   paths = []
   for table, axis, label in (("tokens", "tokens", "tokens"),
                              ("time", "sim_time", "simulated seconds")):
@@ -286,11 +289,7 @@ def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
       ax.set_ylabel("validation loss")
       ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(fig_dir, f"loss_vs_{axis}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(_save(fig, os.path.join(fig_dir, f"loss_vs_{axis}.png")))
   return paths
 
 

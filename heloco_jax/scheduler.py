@@ -382,8 +382,10 @@ class Simulation:
       applied = [(w, job, tau) for w, job, tau, reason in zip(group, arrived, taus, reasons)
                  if reason is None]
       # Alignment of each Δ with the momentum it meets (HeLoCo logs its own per block).
-      cosines = ({w: float(_alignment(job.delta, outer.outer_momentum(self.outer_state)))
-                  for w, job, _ in applied} if config.method != "heloco" else {})
+      cosines = {}
+      if config.method != "heloco" and applied:
+        momentum = outer.outer_momentum(self.outer_state)
+        cosines = {w: float(_alignment(job.delta, momentum)) for w, job, _ in applied}
       if len(applied) == 1:
         self._apply(applied[0][1].delta, applied[0][2])
       elif applied:
