@@ -1,12 +1,15 @@
-"""The scheduler: any method of the registry on simulated heterogeneous workers.
+"""The scheduler: any method of the registry on heterogeneous workers.
 
 Simulated runtime (DESIGN.md, "Runtimes"): one process; a worker's inner
 steps are computed when it is dispatched and its result is delivered at its
 simulated finish time. Arrivals are taken from a heap ordered by (finish
 time, worker), so ties break deterministically and a run reproduces bit for
 bit. ``Simulation.run`` is an asyncio coroutine that yields to the event loop
-after every event, so progress displays (and, for the real-device runtime,
-device futures) interleave with it.
+after every event, so progress displays interleave with it.
+
+Devices runtime (``runtime=devices``, ``heloco_jax.devices``): the same loop,
+with each worker's steps on its own device group and the server on one
+device; arrivals come in the order the devices finish them, on the real clock.
 
 Synchrony (``heloco_jax.methods``):
   * async: one outer update per arrival with staleness τ = v − s; the worker
@@ -62,7 +65,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, model as model_lib
+from heloco_jax import clock, data as data_lib, devices as devices_lib, evaluate
+from heloco_jax import inner as inner_lib, model as model_lib
 from heloco_jax import outer
 from heloco_jax.methods import METHODS
 
@@ -76,6 +80,36 @@ class _Job:
   version: int
   tokens: int
   finish: float
+
+
+class _SimulatedArrivals:
+  """Jobs in flight on the simulated clock, popped by (finish time, worker).
+
+  (finish, worker) pairs are unique, so a heap rebuilt from restored jobs pops
+  in the same order as the one it replaces.
+  """
+
+  def __init__(self):
+    self._heap: list[tuple[float, int]] = []
+
+  def __len__(self) -> int:
+    return len(self._heap)
+
+  def push(self, worker: int, job: _Job) -> None:
+    heapq.heappush(self._heap, (job.finish, worker))
+
+  async def pop(self, grace_window: float) -> tuple[float, list[int]]:
+    """(finish time of the group's last arrival, its workers in arrival order)."""
+    first, worker = heapq.heappop(self._heap)
+    group, now = [worker], first
+    # A grace window of 0 (default) is off: simultaneous arrivals stay separate updates.
+    while grace_window > 0 and self._heap and self._heap[0][0] <= first + grace_window:
+      now, other = heapq.heappop(self._heap)
+      group.append(other)
+    return now, group
+
+  def close(self) -> None:
+    self._heap.clear()
 
 
 def _poison(tree: Any, value: str, worker: Optional[int] = None) -> Any:
@@ -152,6 +186,17 @@ class Simulation:
     self.outer_state = self.outer_tx.init(self.params) if self.outer_tx else None
     self.lookahead = (self.method.lookahead_dispatch if config.lookahead_dispatch < 0
                       else bool(config.lookahead_dispatch))
+    if config.runtime == "devices":
+      groups = devices_lib.group_devices(
+          k, config.batch_size, config.devices.group_sizes, config.devices.server,
+          config.devices.slowdown)
+      self.placement = devices_lib.DevicePlacement(self.inner, groups)
+      if self.method.synchrony == "round":
+        self.placement.require_round_mesh()
+      self.params = self.placement.to_server(self.params)
+      self.outer_state = self.placement.to_server(self.outer_state)
+    else:
+      self.placement = devices_lib.HostPlacement(self.inner)
     self.seconds = clock.seconds_per_step(config.speeds, k)
     self.step_clock = clock.StepClock(self.seconds, config.jitter, config.seed)
     self.comm = clock.CommModel(config.comm.latency, config.comm.bandwidth or math.inf)
@@ -261,8 +306,9 @@ class Simulation:
     self._last_eval = row
     self._emit(row)
 
-  def _batches(self, worker: int, steps: int) -> jax.Array:
-    return jnp.asarray(np.stack([next(self.iterators[worker]) for _ in range(steps)]))
+  def _batches(self, worker: int, steps: int) -> np.ndarray:
+    """Worker ``worker``'s next ``steps`` batches, (steps, batch, context + 1) on the host."""
+    return np.stack([next(self.iterators[worker]) for _ in range(steps)])
 
   def _next_key(self) -> jax.Array:
     self.key, key = jax.random.split(self.key)
@@ -308,6 +354,7 @@ class Simulation:
       self._on_row = on_row
     self._on_checkpoint = on_checkpoint
     self._wall_start = time.perf_counter()
+    self._real_start = self._wall_start - self.sim_time  # runtime=devices: time is real
     if self.phase is None:
       self._evaluate(force=True)
       self.initial_val_loss = self._last_eval["val_loss"]
@@ -331,39 +378,48 @@ class Simulation:
   def _dispatch_point(self) -> Any:
     return outer.lookahead_params(self.params, self.outer_state) if self.lookahead else self.params
 
+  def _real_time(self) -> float:
+    """Seconds of real time this run has trained (all resumed parts together)."""
+    return time.perf_counter() - self._real_start
+
   async def _run_async(self) -> None:
     config, k = self.config, self.config.num_workers
     steps = (clock.dylu_steps(self.seconds, config.inner_steps) if config.dylu
              else np.full(k, config.inner_steps))
     message = self.comm.message_seconds(self.model_bytes)
+    real = self.placement.real_clock
+    queue = (devices_lib.DeviceArrivals(self._real_time, self.placement.groups.slowdown)
+             if real else _SimulatedArrivals())
 
     def dispatch(worker: int, now: float) -> None:
       start = self._dispatch_point()
       state = self.inner.start(start, self.workers[worker])
-      state, _ = self.inner.run_jit(state, self._batches(worker, int(steps[worker])),
-                                    self._next_key())
+      state, delta = self.placement.run_worker(
+          worker, state, start, self._batches(worker, int(steps[worker])), self._next_key())
       self.workers[worker] = state
-      finish = now + message + self.step_clock.duration(worker, int(steps[worker])) + message
-      self.jobs[worker] = _Job(jax.tree.map(jnp.subtract, start, state.params), self.version,
-                               int(steps[worker]) * self.tokens_per_step, finish)
-      heapq.heappush(heap, (finish, worker))
+      # Simulated: message + compute + message; real devices: when the result is ready.
+      finish = now if real else (
+          now + message + self.step_clock.duration(worker, int(steps[worker])) + message)
+      self.jobs[worker] = _Job(delta, self.version, int(steps[worker]) * self.tokens_per_step,
+                               finish)
+      queue.push(worker, self.jobs[worker])
 
-    # (finish, worker) pairs are unique, so a heap rebuilt from restored jobs pops
-    # in the same order as the one it replaces.
-    heap = [(job.finish, worker) for worker, job in self.jobs.items()]
-    heapq.heapify(heap)
+    for worker in sorted(self.jobs, key=lambda w: (self.jobs[w].finish, w)):  # restored jobs
+      queue.push(worker, self.jobs[worker])
     if self.phase is None:
       self.phase, self.workers = "async", [None] * k
       for worker in range(k):
         dispatch(worker, 0.0)
-    while heap:
-      first, worker = heapq.heappop(heap)
-      group = [worker]
-      now = first
-      # A grace window of 0 (default) is off: simultaneous arrivals stay separate updates.
-      while config.grace_window > 0 and heap and heap[0][0] <= first + config.grace_window:
-        now, other = heapq.heappop(heap)
-        group.append(other)
+    try:
+      await self._async_loop(queue, dispatch)
+    finally:
+      queue.close()
+
+  async def _async_loop(self, queue, dispatch: Callable[[int, float], None]) -> None:
+    """Takes arrivals from ``queue`` until it is empty or a budget ends."""
+    config = self.config
+    while len(queue):
+      now, group = await queue.pop(config.grace_window)
       arrived = [self.jobs.pop(w) for w in group]
       tokens = self.tokens + sum(job.tokens for job in arrived)
       if self._over_budget(tokens, now):
@@ -446,15 +502,20 @@ class Simulation:
       # Every worker restarts from θ, keeping its own step count (and its AdamW
       # moments unless reset_optimizer).
       own = lambda i: None if self.workers is None else jax.tree.map(lambda x: x[i], self.workers)
-      starts = [self.inner.start(self.params, own(i)) for i in range(k)]
-      batches = jnp.stack([self._batches(i, h) for i in range(k)])
+      theta = self.placement.to_rounds(self.params)
+      starts = [self.inner.start(theta, own(i)) for i in range(k)]
+      batches = np.stack([self._batches(i, h) for i in range(k)])
       keys = jnp.stack([self._next_key() for _ in range(k)])
-      anchor = self.params if palsgd else None
-      states, metrics = self.inner.run_many(jax.tree.map(stack, *starts), batches, keys, anchor)
+      states, metrics = self.placement.run_round(jax.tree.map(stack, *starts), batches, keys,
+                                                 theta if palsgd else None)
       # PALSGD: pseudo-sync steps read no tokens and cost no compute time.
       real_steps = h - np.asarray(metrics.pseudo_sync).sum(axis=1)
       tokens = self.tokens + int(real_steps.sum()) * self.tokens_per_step
-      duration = max(self.step_clock.duration(i, int(real_steps[i])) for i in range(k)) + allreduce
+      if self.placement.real_clock:  # the fetch above waited for the round
+        duration = self._real_time() - self.sim_time
+      else:
+        duration = (max(self.step_clock.duration(i, int(real_steps[i])) for i in range(k))
+                    + allreduce)
       if self._over_budget(tokens, self.sim_time + duration):
         return
       self.tokens, self.sim_time = tokens, self.sim_time + duration
@@ -473,7 +534,8 @@ class Simulation:
       if accepted:
         ends = (states.params if len(accepted) == k
                 else jax.tree.map(lambda x: x[np.asarray(accepted)], states.params))
-        self._apply(jax.tree.map(lambda p, end: p - jnp.mean(end, axis=0), self.params, ends), 0)
+        mean_end = self.placement.to_server(jax.tree.map(lambda end: jnp.mean(end, axis=0), ends))
+        self._apply(jax.tree.map(jnp.subtract, self.params, mean_end), 0)
       self._evaluate()
       self._maybe_checkpoint()
       await asyncio.sleep(0)
@@ -491,20 +553,25 @@ class Simulation:
                                                                          self.ddp_remaining)
       if config.budget.tokens > 0:
         chunk = min(chunk, (config.budget.tokens - self.tokens) // step_tokens)
-      if chunk <= 0:
+      if chunk <= 0 or (self.placement.real_clock and config.budget.sim_seconds > 0
+                        and self._real_time() >= config.budget.sim_seconds):
         break
       step_seconds = [max(self.step_clock.duration(i, 1) for i in range(k)) + allreduce
                       for _ in range(chunk)]
-      if config.budget.sim_seconds > 0:  # only the steps that end within the budget
+      if config.budget.sim_seconds > 0 and not self.placement.real_clock:
+        # only the steps that end within the budget
         ends = self.sim_time + np.cumsum(step_seconds)
         chunk = int(np.sum(ends <= config.budget.sim_seconds))
         step_seconds = step_seconds[:chunk]
         if chunk == 0:
           break
       # Averaging K workers' gradients = one step on their K batches together.
-      batches = jnp.concatenate([self._batches(i, chunk) for i in range(k)], axis=1)
-      self.workers, _ = self.inner.run_jit(self.workers, batches, self._next_key())
-      self.params = jax.tree.map(jnp.array, self.workers.params)
+      batches = np.concatenate([self._batches(i, chunk) for i in range(k)], axis=1)
+      self.workers = self.placement.run_ddp(self.workers, batches, self._next_key())
+      self.params = self.placement.to_server(jax.tree.map(jnp.array, self.workers.params))
+      if self.placement.real_clock:
+        jax.block_until_ready(self.params)
+        step_seconds = [self._real_time() - self.sim_time]
       self.version += chunk
       self.tokens += chunk * step_tokens
       self.sim_time += sum(step_seconds)

@@ -1,4 +1,4 @@
-"""``heloco-jax train``: train with any method on simulated workers (DESIGN.md, "Command line").
+"""``heloco-jax train``: any method, on simulated workers or device groups (DESIGN.md, CLI).
 
   heloco-jax train --workdir=DIR [--config=PATH.py] [--config.KEY=VALUE ...]
   python -m heloco_jax.train --workdir=DIR ...          # the same
@@ -130,6 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     validation.validate(config)
   except validation.ConfigError as error:
     return _error(str(error))
+  seconds = "real s" if config.runtime == "devices" else "simulated s"
   if os.path.exists(os.path.join(workdir, "summary.json")):
     return _error(f"--workdir={workdir!r} already holds a finished run (summary.json); "
                   "allowed: a new directory, or one holding an unfinished run to resume.")
@@ -179,11 +180,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if restored is not None:
     simulation.load_state(restored[1], restored[2])
     print(f"heloco-jax train: resuming from checkpoint {restored[0]} ({simulation.tokens} "
-          f"tokens, {simulation.sim_time:.0f} simulated s)", file=sys.stderr)
+          f"tokens, {simulation.sim_time:.0f} {seconds})", file=sys.stderr)
   elif rows_before:
     print(f"heloco-jax train: no checkpoint in {workdir}: starting the run over", file=sys.stderr)
-  print(f"heloco-jax train: {config.method} on {config.num_workers} simulated workers "
-        f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds), "
+  if config.runtime == "devices":
+    groups = simulation.placement.groups
+    where = (f"workers on devices ({'/'.join(str(len(g)) for g in groups.groups)} "
+             f"{groups.server.platform} devices each, server on {groups.server})")
+  else:
+    where = (f"simulated workers "
+             f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds)")
+  print(f"heloco-jax train: {config.method} on {config.num_workers} {where}, "
         f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
         f"{config.data.partition} ({', '.join(simulation.data.languages)}); writing {workdir}",
         file=sys.stderr)
@@ -236,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if checkpointer is not None:
       checkpointer.close()
   print(f"heloco-jax train: done: {summary['tokens']} tokens, {summary['outer_updates']} outer "
-        f"updates, {summary['sim_time']:.0f} simulated s, val_loss "
+        f"updates, {summary['sim_time']:.0f} {seconds}, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "
         f"({summary['wall_seconds']:.0f} s, {summary['tokens_per_second']:.0f} tokens/s)",
         file=sys.stderr)

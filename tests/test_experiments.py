@@ -47,8 +47,19 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all"):
     grids.grid("huge")
+
+
+def test_all_grid_is_every_paper_scale_grid_once_tuning_first():
+  runs = grids.grid("all")
+  names = [r.name for r in runs]
+  assert len(set(names)) == len(names) == 6 + 120 + 9 + 15
+  for name in ("tune", "paper", "palsgd", "ablations"):
+    assert {r.name for r in grids.grid(name)} <= set(names)
+    assert grids.family(name) == runs  # RESULTS.md of any of them reports them all
+  assert all(r.table == "tune" for r in runs[:6])
+  assert grids.family("smoke") == grids.grid("smoke")
 
 
 def test_improvement_is_relative_to_the_baseline():
@@ -108,7 +119,7 @@ def test_time_to_loss_interpolates_between_evals():
 
 def test_ablation_grid_varies_one_thing_of_the_severe_token_runs():
   runs = grids.grid("ablations")
-  assert len({r.name for r in runs}) == len(runs) == 45
+  assert len({r.name for r in runs}) == len(runs) == 15
   paper = {(r.method, r.seed): dict(r.overrides) for r in grids.grid("paper")
            if (r.table, r.preset) == ("tokens", "severe")}
   for run in runs:
@@ -134,7 +145,51 @@ def test_ablation_table_compares_each_variant_with_its_paper_grid_run():
   assert "+6.45%" in table  # (3.3 − 3.1) / 3.1: the variant's loss is higher
 
 
-def test_update_share_counts_each_workers_arrivals():
-  arrivals = [{"worker": w} for w in (0, 0, 0, 1, 4)]
-  table = analysis.update_share_table([_result("tokens", "severe", "mla", 0, 3.0, arrivals)])
-  assert "| severe | mla | 60.0% | 20.0% | 0.0% | 0.0% | 20.0% |" in table
+def test_update_share_counts_each_workers_arrivals_staleness_and_corrections():
+  def arrival(worker, tau, shrink, rotate):
+    return {"worker": worker, "staleness": tau, "branch_count/pass": 0,
+            "branch_count/keep": 4 - shrink - rotate, "branch_count/shrink": shrink,
+            "branch_count/rotate": rotate}
+  arrivals = [arrival(0, 0, 0, 0), arrival(0, 1, 0, 0), arrival(0, 0, 1, 0),
+              arrival(1, 3, 1, 1), arrival(4, 2, 0, 0)]
+  table = analysis.update_share_table([_result("tokens", "severe", "heloco", 0, 3.0, arrivals)])
+  assert "| severe | 0 | 60.0% | 0.33 | 8.3% |" in table
+  assert "| severe | 1 | 20.0% | 3.00 | 50.0% |" in table
+  assert "| severe | 2 | 0.0% | nan | 0.0% |" in table
+  assert "| severe | 4 | 20.0% | 2.00 | 0.0% |" in table
+
+
+def test_compare_says_whether_the_difference_is_beyond_seed_noise():
+  clear = [_result("time", "severe", "heloco", s, x) for s, x in enumerate((3.0, 3.01, 2.99))]
+  clear += [_result("time", "severe", "diloco", s, x) for s, x in enumerate((4.0, 4.01, 3.99))]
+  improvement, beyond = analysis.compare(clear, "time", "severe", "diloco")
+  assert improvement == pytest.approx(25.0) and beyond
+  noisy = [_result("time", "severe", "heloco", s, x) for s, x in enumerate((3.0, 3.5, 2.5))]
+  noisy += [_result("time", "severe", "mla", s, x) for s, x in enumerate((3.1, 3.6, 2.6))]
+  improvement, beyond = analysis.compare(noisy, "time", "severe", "mla")
+  assert improvement == pytest.approx(100 * 0.1 / 3.1) and not beyond
+  assert analysis.compare(noisy, "time", "mild", "mla") is None
+
+
+def test_claims_table_reports_the_best_comparison_and_the_losses():
+  results = [_result("tokens", p, m, s, loss + 0.001 * s) for p, m, loss in (
+      ("mild", "heloco", 3.0), ("mild", "async_nesterov", 3.3), ("mild", "delayed_nesterov", 2.9),
+      ("severe", "heloco", 3.0), ("severe", "async_nesterov", 3.1)) for s in range(3)]
+  claims = analysis.claims_table(results)
+  row = next(line for line in claims.splitlines() if "async DiLoCo" in line)
+  assert "+9.09% (mild, vs async_nesterov, beyond seed noise)" in row
+  assert "HeLoCo lower in 2 of 3; beyond noise: 2 better, 1 worse" in row
+  assert "| HeLoCo vs MLA, wall-clock budget | up to +3.3% | – | – |" in claims
+
+
+def test_palsgd_table_marks_a_target_never_reached():
+  def run(method, seed, losses):
+    r = _result("palsgd", "homogeneous", method, seed, losses[-1])
+    r.evals = [{"sim_time": 100.0 * i, "val_loss": x} for i, x in enumerate(losses)]
+    return r
+  results = [run("ddp", 0, (5.0, 3.0, 2.0)), run("palsgd", 0, (5.0, 2.0, 1.5)),
+             run("diloco", 0, (5.0, 4.0, 3.0))]
+  assert analysis.palsgd_speedups(results)["palsgd"] == pytest.approx(50.0)
+  table = analysis.palsgd_table(results)
+  assert "| palsgd | 1.5000 ± 0.0000 | 100 | +50.0% |" in table
+  assert "| diloco | 3.0000 ± 0.0000 | not reached in 1 of 1 seeds | – |" in table

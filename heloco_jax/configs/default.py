@@ -77,6 +77,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.fault.arrival = 1
   c.fault.value = "nan"        # nan | inf
 
+  # runtime="devices" (DESIGN.md, "Runtimes"): real devices and the real clock
+  # (speeds and jitter are then unused; slowdown gives controlled heterogeneity).
+  c.devices = ml_collections.ConfigDict()
+  c.devices.group_sizes = ""   # "" = jax.devices() split evenly; or K sizes, e.g. "1,1,2,4"
+  c.devices.server = 0         # index into jax.devices() of the outer step's device
+  c.devices.slowdown = ""      # "" = none; or K factors >= 1 (worker i waits (f_i - 1)x its compute)
+
   c.comm = ml_collections.ConfigDict()
   c.comm.latency = 0.0         # seconds per message or all-reduce
   c.comm.bandwidth = 0.0       # bytes per second; 0 = free transfers

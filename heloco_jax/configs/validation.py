@@ -17,11 +17,11 @@ from typing import Any
 
 import ml_collections
 
-from heloco_jax import clock, data, inner, model
+from heloco_jax import clock, data, devices, inner, model
 from heloco_jax.methods import METHODS
 from heloco_jax.outer import _validation
 
-RUNTIMES_AVAILABLE = ("simulated",)
+RUNTIMES_AVAILABLE = ("simulated", "devices")
 # Arguments of the outer factories whose config key differs from their name.
 _OUTER_KEYS = {"c": "dn_c"}
 
@@ -72,8 +72,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _integer("batch_size", config.batch_size, 1)
   _integer("eval_every_tokens", config.eval_every_tokens, 0)
   if config.runtime not in RUNTIMES_AVAILABLE:
-    _fail("runtime", config.runtime, "'simulated' (the devices and ray runtimes are not "
+    _fail("runtime", config.runtime, "'simulated' or 'devices' (the ray runtime is not "
           "available yet)")
+  if config.runtime == "devices":
+    try:
+      groups = devices.group_devices(config.num_workers, config.batch_size,
+                                     config.devices.group_sizes, config.devices.server,
+                                     config.devices.slowdown)
+    except devices.DeviceConfigError as error:
+      raise ConfigError(str(error)) from None
+    if method.synchrony == "round" and len({len(g) for g in groups.groups}) > 1:
+      _fail("devices.group_sizes", config.devices.group_sizes, f"equal sizes with method="
+            f"{config.method!r} (synchronous replicas share one workers × data mesh)")
   _integer("checkpoint_every", config.checkpoint_every, 0)
   _integer("keep_checkpoints", config.keep_checkpoints, 1)
   _number("grace_window", config.grace_window, 0.0)

@@ -1,0 +1,265 @@
+"""Where a run's compute happens: one host device, or groups of real devices.
+
+DESIGN.md, "Runtimes". The scheduler (``heloco_jax.scheduler``) runs every
+method through one of two placements with the same interface:
+
+  * ``HostPlacement`` (``runtime=simulated``): everything on the default
+    device; time is the simulated clock.
+  * ``DevicePlacement`` (``runtime=devices``): worker i owns a disjoint group
+    of ``jax.devices()``. Its inner loop is compiled for its group's mesh
+    (axis ``data``): θ and the AdamW state are replicated on the group and
+    every batch is split over it, so a worker with more devices is faster.
+    The server's θ, outer state and outer step live on one chosen device.
+    Synchronous methods stack the K replicas on a ``workers`` × ``data``
+    mesh and run them as one program (``vmap`` partitioned by XLA over
+    ``workers``); DDP splits its K·B batch over all the workers' devices.
+    Time is the real clock, and asynchronous arrivals (``DeviceArrivals``)
+    are taken in the order the devices finish them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from heloco_jax import inner as inner_lib
+
+
+class DeviceConfigError(ValueError):
+  """``config.devices`` does not fit the devices this process has."""
+
+
+def _numbers(key: str, value: Any, num_workers: int, kind: type) -> Optional[list]:
+  """"2,2,4" (or a list) as ``num_workers`` numbers; None for ""."""
+  if value in ("", None):
+    return None
+  items = value.split(",") if isinstance(value, str) else list(value)
+  try:
+    numbers = [kind(x) for x in items]
+  except (TypeError, ValueError):
+    raise DeviceConfigError(f"config.{key}={value!r} is not allowed; allowed: "
+                            f"{num_workers} comma-separated numbers, one per worker") from None
+  if len(numbers) != num_workers:
+    raise DeviceConfigError(f"config.{key}={value!r} is not allowed; allowed: one number per "
+                            f"worker ({num_workers}), got {len(numbers)}")
+  return numbers
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroups:
+  """The workers' disjoint device groups, the server's device and per-worker slow-downs."""
+  groups: tuple[tuple[jax.Device, ...], ...]
+  server: jax.Device
+  slowdown: tuple[float, ...]
+
+
+def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
+                  server: int = 0, slowdown: Any = "",
+                  devices: Optional[Sequence[jax.Device]] = None) -> DeviceGroups:
+  """Splits ``devices`` (default ``jax.devices()``) into one group per worker.
+
+  Args:
+    num_workers: K.
+    batch_size: sequences per inner step; each group splits it, so it must be
+      a multiple of every group's size.
+    group_sizes: "" (the devices split evenly; leftovers unused) or K sizes,
+      e.g. "1,1,2,4", taken in ``jax.devices()`` order.
+    server: index into ``devices`` of the device holding θ and the outer state.
+    slowdown: "" or K factors ≥ 1: worker i waits (f_i − 1)× its compute
+      time before its result arrives (controlled heterogeneity).
+    devices: the devices to use.
+
+  Raises:
+    DeviceConfigError: naming the key, the value and what is allowed.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = _numbers("devices.group_sizes", group_sizes, num_workers, int)
+  if sizes is None:
+    if len(devices) < num_workers:
+      raise DeviceConfigError(
+          f"config.runtime='devices' needs a device per worker: num_workers={num_workers} but "
+          f"this process has {len(devices)} device(s); lower "
+          "num_workers or, on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    sizes = [len(devices) // num_workers] * num_workers
+  if min(sizes) < 1 or sum(sizes) > len(devices):
+    raise DeviceConfigError(
+        f"config.devices.group_sizes={group_sizes!r} is not allowed; allowed: sizes ≥ 1 adding "
+        f"up to at most the {len(devices)} device(s) of this process")
+  for size in sizes:
+    if batch_size % size:
+      raise DeviceConfigError(
+          f"config.batch_size={batch_size} is not allowed with devices.group_sizes "
+          f"{sizes}; allowed: a multiple of every group's size (each group splits the batch)")
+  if not 0 <= server < len(devices):
+    raise DeviceConfigError(f"config.devices.server={server} is not allowed; allowed: 0 to "
+                            f"{len(devices) - 1} (an index into jax.devices())")
+  factors = _numbers("devices.slowdown", slowdown, num_workers, float) or [1.0] * num_workers
+  if min(factors) < 1.0:
+    raise DeviceConfigError(f"config.devices.slowdown={slowdown!r} is not allowed; allowed: "
+                            "factors ≥ 1 (1 = full speed)")
+  bounds = np.cumsum([0, *sizes])
+  groups = tuple(tuple(devices[a:b]) for a, b in zip(bounds, bounds[1:]))
+  return DeviceGroups(groups, devices[server], tuple(factors))
+
+
+class HostPlacement:
+  """``runtime=simulated``: every computation on the default device, simulated time."""
+
+  real_clock = False
+
+  def __init__(self, inner: inner_lib.InnerLoop):
+    self.inner = inner
+
+  def to_server(self, tree: Any) -> Any:
+    return tree
+
+  def to_rounds(self, tree: Any) -> Any:
+    return tree
+
+  def run_worker(self, worker: int, state: inner_lib.InnerState, start: Any,
+                 batches: np.ndarray, key: jax.Array) -> tuple[inner_lib.InnerState, Any]:
+    """Worker ``worker``'s H steps from ``state``; returns (end state, Δ = start − end)."""
+    del worker
+    state, _ = self.inner.run_jit(state, batches, key)
+    return state, jax.tree.map(jnp.subtract, start, state.params)
+
+  def run_round(self, states: inner_lib.InnerState, batches: np.ndarray, keys: jax.Array,
+                anchor: Any) -> tuple[inner_lib.InnerState, inner_lib.InnerMetrics]:
+    """The K stacked workers' H steps as one ``vmap``ped program."""
+    return self.inner.run_many(states, batches, keys, anchor)
+
+  def run_ddp(self, state: inner_lib.InnerState, batches: np.ndarray,
+              key: jax.Array) -> inner_lib.InnerState:
+    """DDP steps on the K workers' batches together (one AdamW step each)."""
+    state, _ = self.inner.run_jit(state, batches, key)
+    return state
+
+
+class DevicePlacement(HostPlacement):
+  """``runtime=devices``: each worker on its own device group, the server on one device."""
+
+  real_clock = True
+
+  def __init__(self, inner: inner_lib.InnerLoop, groups: DeviceGroups):
+    super().__init__(inner)
+    self.groups = groups
+    meshes = [Mesh(np.array(group), ("data",)) for group in groups.groups]
+    self._replicated = [NamedSharding(mesh, P()) for mesh in meshes]
+    self._split = [NamedSharding(mesh, P(None, "data")) for mesh in meshes]  # (H, B, T)
+    self._server = jax.sharding.SingleDeviceSharding(groups.server)
+    sizes = {len(group) for group in groups.groups}
+    self._round_mesh = None
+    if len(sizes) == 1:  # synchronous methods: one program on a workers × data mesh
+      self._round_mesh = Mesh(np.array(groups.groups), ("workers", "data"))
+    everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
+    self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
+
+  def require_round_mesh(self) -> None:
+    if self._round_mesh is None:
+      raise DeviceConfigError(
+          "config.devices.group_sizes="
+          f"{[len(g) for g in self.groups.groups]} is not allowed for a synchronous method; "
+          "allowed: equal group sizes (the replicas are stacked on one workers × data mesh)")
+
+  def to_server(self, tree: Any) -> Any:
+    return jax.device_put(tree, self._server)
+
+  def to_rounds(self, tree: Any) -> Any:
+    """``tree`` replicated on the workers × data mesh (θ for the round's start states)."""
+    self.require_round_mesh()
+    return jax.device_put(tree, NamedSharding(self._round_mesh, P()))
+
+  def run_worker(self, worker, state, start, batches, key):
+    replicated = self._replicated[worker]
+    start = jax.device_put(start, replicated)
+    state, _ = self.inner.run_jit(jax.device_put(state, replicated),
+                                  jax.device_put(batches, self._split[worker]),
+                                  jax.device_put(key, replicated))
+    return state, self.to_server(jax.tree.map(jnp.subtract, start, state.params))
+
+  def run_round(self, states, batches, keys, anchor):
+    self.require_round_mesh()
+    by_worker = NamedSharding(self._round_mesh, P("workers"))
+    return self.inner.run_many(
+        jax.device_put(states, by_worker),
+        jax.device_put(batches, NamedSharding(self._round_mesh, P("workers", None, "data"))),
+        jax.device_put(keys, by_worker),
+        None if anchor is None else jax.device_put(anchor,
+                                                   NamedSharding(self._round_mesh, P())))
+
+  def run_ddp(self, state, batches, key):
+    replicated, split = self._ddp
+    state, _ = self.inner.run_jit(jax.device_put(state, replicated),
+                                  jax.device_put(batches, split), jax.device_put(key, replicated))
+    return state
+
+
+class DeviceArrivals:
+  """Asynchronous results in flight on real devices, taken in the order they finish.
+
+  ``push`` starts a task that waits, in a thread, for the worker's Δ to be
+  computed (so the event loop never blocks on a device), then for its
+  slow-down; ``pop`` returns the earliest finished worker (and, with a grace
+  window, every other worker that finished within it).
+
+  Args:
+    clock: the run's real clock (seconds since the run began).
+    slowdown: per-worker factors ≥ 1.
+  """
+
+  def __init__(self, clock: Callable[[], float], slowdown: Sequence[float]):
+    self._clock = clock
+    self._slowdown = slowdown
+    self._tasks: dict[int, asyncio.Task] = {}
+    self._threads = concurrent.futures.ThreadPoolExecutor(max(1, len(slowdown)),
+                                                          thread_name_prefix="heloco-arrivals")
+
+  def __len__(self) -> int:
+    return len(self._tasks)
+
+  async def _finish(self, worker: int, delta: Any, dispatched: float) -> float:
+    await asyncio.get_running_loop().run_in_executor(self._threads, jax.block_until_ready,
+                                                     delta)
+    compute = time.perf_counter() - dispatched
+    if self._slowdown[worker] > 1.0:
+      await asyncio.sleep((self._slowdown[worker] - 1.0) * compute)
+    return self._clock()
+
+  def push(self, worker: int, job: Any) -> None:
+    """Waits for ``job.delta`` (a ``scheduler._Job``) of ``worker``."""
+    self._tasks[worker] = asyncio.ensure_future(
+        self._finish(worker, job.delta, time.perf_counter()))
+
+  async def pop(self, grace_window: float) -> tuple[float, list[int]]:
+    """(real time of the group's last arrival, its workers in arrival order)."""
+    await asyncio.wait(self._tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+    done = {w: t.result() for w, t in self._tasks.items() if t.done()}
+    first = min(done.values())
+    if grace_window > 0:
+      pending = [t for t in self._tasks.values() if not t.done()]
+      wait = first + grace_window - self._clock()
+      if pending and wait > 0:
+        await asyncio.wait(pending, timeout=wait)
+      done = {w: t.result() for w, t in self._tasks.items() if t.done()}
+      group = sorted((w for w, at in done.items() if at <= first + grace_window),
+                     key=lambda w: (done[w], w))
+    else:
+      group = [min(done, key=lambda w: (done[w], w))]
+    for worker in group:
+      del self._tasks[worker]
+    return done[group[-1]], group
+
+  def close(self) -> None:
+    """Drops whatever is still in flight (a budget ended)."""
+    for task in self._tasks.values():
+      task.cancel()
+    self._tasks.clear()
+    self._threads.shutdown(wait=False)

@@ -1,0 +1,54 @@
+"""Runs the devices runtime on 8 host CPU devices and prints what tests/test_devices.py checks.
+
+Run as ``python tests/devices_probe.py OUT.json`` (a subprocess: the device
+count is fixed when JAX starts, so the test process itself cannot have 8).
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+import tiny  # pylint: disable=g-import-not-at-top
+from heloco_jax import scheduler  # pylint: disable=g-import-not-at-top
+from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
+
+
+def run(config):
+  validation.validate(config)
+  simulation = scheduler.Simulation(config, tiny.dataset(config.num_workers))
+  summary = scheduler.asyncio.run(simulation.run())
+  params = [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(simulation.params))]
+  devices = sorted({d.id for x in jax.tree.leaves(simulation.params) for d in x.devices()})
+  return {"summary": summary, "rows": simulation.rows, "params": params,
+          "param_devices": devices}
+
+
+def main(out):
+  budget = {"budget.tokens": 6_000, "eval_every_tokens": 3_000}
+  result = {"num_devices": jax.device_count()}
+  # Async HeLoCo, 4 workers × 2 devices; worker 3 waits twice its compute.
+  result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget,
+                                     **{"devices.slowdown": "1,1,1,3", "devices.server": 7}))
+  # Unequal groups (1, 1, 2, 4 devices) for an async method.
+  result["mla_unequal"] = run(tiny.config("mla", 4, runtime="devices", **budget,
+                                          **{"devices.group_sizes": "1,1,2,4"}))
+  # Sync DiLoCo on a workers mesh (one device each, then two: the batch split over them),
+  # and on the simulated runtime.
+  result["diloco_simulated"] = run(tiny.config("diloco", 4, **budget))
+  result["diloco_devices"] = run(tiny.config("diloco", 4, runtime="devices", **budget,
+                                             **{"devices.group_sizes": "1,1,1,1"}))
+  result["diloco_devices_split"] = run(tiny.config("diloco", 4, runtime="devices", **budget))
+  with open(out, "w") as f:
+    json.dump(result, f)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
