@@ -139,15 +139,18 @@ ALLREDUCE_SECONDS = 0.25
 
 
 def palsgd_grid(scale: Scale) -> list[Run]:
-  """ddp, diloco and palsgd at the token budget with the communication cost above."""
+  """ddp at the token budget; diloco and palsgd at twice it, so that the time at which they
+  reach DDP's final loss can be measured even where they need more tokens than DDP. The
+  schedule (``inner_total_steps``) is unchanged, so their first ``tokens`` are the 1× run's."""
   runs = []
-  for method in ("ddp", "diloco", "palsgd"):
+  for method, factor in (("ddp", 1), ("diloco", 2), ("palsgd", 2)):
     for seed in scale.seeds:
       overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": "homogeneous",
-                   "comm.latency": ALLREDUCE_SECONDS, "budget.tokens": scale.tokens,
+                   "comm.latency": ALLREDUCE_SECONDS, "budget.tokens": factor * scale.tokens,
                    "eval_every_tokens": scale.eval_every_tokens // 4}
-      runs.append(Run(f"palsgd/{method}/seed{seed}", "palsgd", "homogeneous", method, seed,
-                      tuple(overrides.items())))
+      name = f"palsgd/{method}/seed{seed}" if factor == 1 else (
+          f"palsgd/{method}_x{factor}/seed{seed}")
+      runs.append(Run(name, "palsgd", "homogeneous", method, seed, tuple(overrides.items())))
   return runs
 
 
