@@ -397,7 +397,8 @@ class Simulation:
       state, delta = self.placement.run_worker(
           worker, state, start, self._batches(worker, int(steps[worker])), self._next_key())
       self.workers[worker] = state
-      # Simulated: message + compute + message; real devices: when the result is ready.
+      # Simulated: message + compute + message. Real devices: the dispatch time (the queue
+      # takes arrivals when the devices finish them).
       finish = now if real else (
           now + message + self.step_clock.duration(worker, int(steps[worker])) + message)
       self.jobs[worker] = _Job(delta, self.version, int(steps[worker]) * self.tokens_per_step,
