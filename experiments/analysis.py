@@ -186,14 +186,17 @@ def _palsgd_times(results: Sequence[Result]) -> dict[str, list[float]]:
           for m in ("ddp", "diloco", "palsgd")}
 
 
-def palsgd_speedups(results: Sequence[Result]) -> dict[str, float]:
-  """How much sooner (%) than DDP each method reaches DDP's final val loss (mean over seeds);
-  −inf for a method that does not reach it in some seed."""
-  times = _palsgd_times(results)
+def _speedups(times: dict[str, list[float]]) -> dict[str, float]:
   if not times:
     return {}
   reference = np.mean(times["ddp"])
   return {m: float(100 * (reference - np.mean(v)) / reference) for m, v in times.items() if v}
+
+
+def palsgd_speedups(results: Sequence[Result]) -> dict[str, float]:
+  """How much sooner (%) than DDP each method reaches DDP's final val loss (mean over seeds);
+  −inf for a method that does not reach it in some seed."""
+  return _speedups(_palsgd_times(results))
 
 
 def palsgd_table(results: Sequence[Result]) -> str:
@@ -202,7 +205,7 @@ def palsgd_table(results: Sequence[Result]) -> str:
   times = _palsgd_times(results)
   if not times:
     return ""
-  speedups = palsgd_speedups(results)
+  speedups = _speedups(times)
   lines = ["Target: each seed's DDP final validation loss (DDP reads the token budget; DiLoCo "
            "and PALSGD may read up to twice as many tokens to reach it).", "",
            "| method | tokens | final val loss | simulated s to target | faster than DDP |",
@@ -384,39 +387,40 @@ def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
   return paths
 
 
+def _section(title: str, body: str, intro: str = "") -> list[str]:
+  """A RESULTS.md section's lines; none when ``body`` is empty (no runs for it)."""
+  if not body:
+    return []
+  return [f"## {title}", "", *([intro, ""] if intro else []), body, ""]
+
+
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
                   scale_note: str) -> None:
   """Writes the RESULTS.md of ``results`` with its figures under ``fig_dir``."""
   figures = curves(results, fig_dir) + diagnostics_figures(results, fig_dir)
-  ablations, shares = ablation_table(results), update_share_table(results)
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
-  tuned = tune_table(results)
-  claims = claims_table(results)
   parts = [
       "# Results", "",
       f"Regenerate with `{command}`.", "", scale_note, "",
-      "## The paper's claims, measured", "",
-      "Improvement = (L_baseline − L_HeLoCo) / L_baseline of the mean final validation loss "
-      "over seeds (ALGORITHMS.md). *Beyond seed noise*: the difference of the means exceeds "
-      "twice its standard error.", "", claims, "",
-      *(["## Inner learning rate (tuned once: sync DiLoCo, homogeneous, seed 100)", "", tuned,
-         ""] if tuned else []),
-      *(["## Fixed token budget", "",
-         f"Paper: HeLoCo {PAPER_CLAIMS[('tokens', 'async')]}.", "",
-         loss_table(results, "tokens"), ""] if loss_table(results, "tokens") else []),
-      *(["## Fixed wall-clock (simulated) budget", "",
-         f"Paper: HeLoCo {PAPER_CLAIMS[('time', 'mla')]} and "
-         f"{PAPER_CLAIMS[('time', 'diloco')]}.", "",
-         loss_table(results, "time"), ""] if loss_table(results, "time") else []),
-      *(["## PALSGD vs DDP vs DiLoCo (all-reduce = 25% of a DDP step)", "",
-         "Paper: PALSGD trains 21.1–24.4% faster than DDP (TinyStories).", "",
-         palsgd_table(results), ""] if palsgd_table(results) else []),
-      *(["## Per-language validation loss (fixed token budget, severe)", "",
-         language_table(results, "tokens", "severe"), ""]
-        if language_table(results, "tokens", "severe") else []),
-      *(["## Ablations (severe preset, token budget)", "", ablations, ""] if ablations else []),
-      *(["## Per-worker share of the outer updates (token budget, HeLoCo)", "", shares, ""]
-        if shares else []),
+      *_section("The paper's claims, measured", claims_table(results),
+                "Improvement = (L_baseline − L_HeLoCo) / L_baseline of the mean final validation "
+                "loss over seeds (ALGORITHMS.md). *Beyond seed noise*: the difference of the "
+                "means exceeds twice its standard error."),
+      *_section("Inner learning rate (tuned once: sync DiLoCo, homogeneous, seed 100)",
+                tune_table(results)),
+      *_section("Fixed token budget", loss_table(results, "tokens"),
+                f"Paper: HeLoCo {PAPER_CLAIMS[('tokens', 'async')]}."),
+      *_section("Fixed wall-clock (simulated) budget", loss_table(results, "time"),
+                f"Paper: HeLoCo {PAPER_CLAIMS[('time', 'mla')]} and "
+                f"{PAPER_CLAIMS[('time', 'diloco')]}."),
+      *_section("PALSGD vs DDP vs DiLoCo (all-reduce = 25% of a DDP step)",
+                palsgd_table(results),
+                "Paper: PALSGD trains 21.1–24.4% faster than DDP (TinyStories)."),
+      *_section("Per-language validation loss (fixed token budget, severe)",
+                language_table(results, "tokens", "severe")),
+      *_section("Ablations (severe preset, token budget)", ablation_table(results)),
+      *_section("Per-worker share of the outer updates (token budget, HeLoCo)",
+                update_share_table(results)),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], ""]
   with open(path, "w") as f:
