@@ -61,9 +61,16 @@ class DeviceGroups:
   slowdown: tuple[float, ...]
 
 
+def _unequal_groups(sizes: Sequence[int]) -> DeviceConfigError:
+  return DeviceConfigError(
+      f"config.devices.group_sizes={list(sizes)} is not allowed for a synchronous method; "
+      "allowed: equal group sizes (the replicas are stacked on one workers × data mesh)")
+
+
 def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
                   server: int = 0, slowdown: Any = "",
-                  devices: Optional[Sequence[jax.Device]] = None) -> DeviceGroups:
+                  devices: Optional[Sequence[jax.Device]] = None,
+                  synchronous: bool = False) -> DeviceGroups:
   """Splits ``devices`` (default ``jax.devices()``) into one group per worker.
 
   Args:
@@ -76,6 +83,7 @@ def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
     slowdown: "" or K factors ≥ 1: worker i waits (f_i − 1)× its compute
       time before its result arrives (controlled heterogeneity).
     devices: the devices to use.
+    synchronous: the method runs rounds, so every group must have the same size.
 
   Raises:
     DeviceConfigError: naming the key, the value and what is allowed.
@@ -101,6 +109,8 @@ def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
   if not 0 <= server < len(devices):
     raise DeviceConfigError(f"config.devices.server={server} is not allowed; allowed: 0 to "
                             f"{len(devices) - 1} (an index into jax.devices())")
+  if synchronous and len(set(sizes)) > 1:
+    raise _unequal_groups(sizes)
   factors = _numbers("devices.slowdown", slowdown, num_workers, float) or [1.0] * num_workers
   if min(factors) < 1.0:
     raise DeviceConfigError(f"config.devices.slowdown={slowdown!r} is not allowed; allowed: "
@@ -164,10 +174,7 @@ class DevicePlacement(HostPlacement):
 
   def require_round_mesh(self) -> None:
     if self._round_mesh is None:
-      raise DeviceConfigError(
-          "config.devices.group_sizes="
-          f"{[len(g) for g in self.groups.groups]} is not allowed for a synchronous method; "
-          "allowed: equal group sizes (the replicas are stacked on one workers × data mesh)")
+      raise _unequal_groups([len(g) for g in self.groups.groups])
 
   def to_server(self, tree: Any) -> Any:
     return jax.device_put(tree, self._server)
@@ -177,29 +184,28 @@ class DevicePlacement(HostPlacement):
     self.require_round_mesh()
     return jax.device_put(tree, NamedSharding(self._round_mesh, P()))
 
+  # Each runs the host version on inputs placed on the worker's (or all workers') devices.
+
   def run_worker(self, worker, state, start, batches, key):
     replicated = self._replicated[worker]
-    start = jax.device_put(start, replicated)
-    state, _ = self.inner.run_jit(jax.device_put(state, replicated),
-                                  jax.device_put(batches, self._split[worker]),
-                                  jax.device_put(key, replicated))
-    return state, self.to_server(jax.tree.map(jnp.subtract, start, state.params))
+    state, delta = super().run_worker(
+        worker, jax.device_put(state, replicated), jax.device_put(start, replicated),
+        jax.device_put(batches, self._split[worker]), jax.device_put(key, replicated))
+    return state, self.to_server(delta)
 
   def run_round(self, states, batches, keys, anchor):
     self.require_round_mesh()
     by_worker = NamedSharding(self._round_mesh, P("workers"))
-    return self.inner.run_many(
+    return super().run_round(
         jax.device_put(states, by_worker),
         jax.device_put(batches, NamedSharding(self._round_mesh, P("workers", None, "data"))),
         jax.device_put(keys, by_worker),
-        None if anchor is None else jax.device_put(anchor,
-                                                   NamedSharding(self._round_mesh, P())))
+        None if anchor is None else self.to_rounds(anchor))
 
   def run_ddp(self, state, batches, key):
     replicated, split = self._ddp
-    state, _ = self.inner.run_jit(jax.device_put(state, replicated),
-                                  jax.device_put(batches, split), jax.device_put(key, replicated))
-    return state
+    return super().run_ddp(jax.device_put(state, replicated), jax.device_put(batches, split),
+                           jax.device_put(key, replicated))
 
 
 class DeviceArrivals:

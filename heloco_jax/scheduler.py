@@ -189,10 +189,8 @@ class Simulation:
     if config.runtime == "devices":
       groups = devices_lib.group_devices(
           k, config.batch_size, config.devices.group_sizes, config.devices.server,
-          config.devices.slowdown)
+          config.devices.slowdown, synchronous=self.method.synchrony == "round")
       self.placement = devices_lib.DevicePlacement(self.inner, groups)
-      if self.method.synchrony == "round":
-        self.placement.require_round_mesh()
       self.params = self.placement.to_server(self.params)
       self.outer_state = self.placement.to_server(self.outer_state)
     else:

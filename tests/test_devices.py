@@ -37,6 +37,8 @@ def test_groups_split_the_devices_evenly_by_default_and_follow_explicit_sizes():
     (dict(group_sizes="1,1,3"), "batch_size=4 is not allowed with devices.group_sizes [1, 1, 3]"),
     (dict(server=8), "devices.server=8 is not allowed; allowed: 0 to 7"),
     (dict(slowdown="1,0.5,1"), "slowdown='1,0.5,1' is not allowed; allowed: factors ≥ 1"),
+    (dict(group_sizes="1,1,2", synchronous=True),
+     "group_sizes=[1, 1, 2] is not allowed for a synchronous method; allowed: equal group"),
 ])
 def test_bad_device_settings_fail_with_one_clear_line(kwargs, message):
   args = {**dict(num_workers=3, batch_size=4, devices=FAKE), **kwargs}

@@ -76,14 +76,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
           "available yet)")
   if config.runtime == "devices":
     try:
-      groups = devices.group_devices(config.num_workers, config.batch_size,
-                                     config.devices.group_sizes, config.devices.server,
-                                     config.devices.slowdown)
+      devices.group_devices(config.num_workers, config.batch_size, config.devices.group_sizes,
+                            config.devices.server, config.devices.slowdown,
+                            synchronous=method.synchrony == "round")
     except devices.DeviceConfigError as error:
       raise ConfigError(str(error)) from None
-    if method.synchrony == "round" and len({len(g) for g in groups.groups}) > 1:
-      _fail("devices.group_sizes", config.devices.group_sizes, f"equal sizes with method="
-            f"{config.method!r} (synchronous replicas share one workers × data mesh)")
   _integer("checkpoint_every", config.checkpoint_every, 0)
   _integer("keep_checkpoints", config.keep_checkpoints, 1)
   _number("grace_window", config.grace_window, 0.0)
