@@ -28,9 +28,10 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from heloco_jax import inner as inner_lib
+from heloco_jax import inner as inner_lib, server as server_lib
 
 
 class DeviceConfigError(ValueError):
@@ -120,6 +121,31 @@ def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
   return DeviceGroups(groups, devices[server], tuple(factors))
 
 
+def initialize_distributed(config: Any) -> None:
+  """``jax.distributed.initialize`` per ``config.distributed`` (before any other JAX call).
+
+  "auto" lets JAX find the coordinator (Cloud TPU VMs, SLURM, Open MPI);
+  HOST:PORT with ``num_processes`` and ``process_id`` names it.
+  """
+  dist = config.distributed
+  if not dist.coordinator:
+    return
+  if dist.coordinator == "auto":
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
+                               process_id=dist.process_id)
+
+
+def _round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
+  """A round's Δ = θ − mean of the accepted workers' end parameters (stacked on axis 0)."""
+  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
+  def mean(end):  # a rejected worker's end may hold NaN: 0·NaN is NaN, so it is dropped first
+    kept = jnp.where(accepted.reshape((-1,) + (1,) * (end.ndim - 1)), end, 0)
+    return jnp.tensordot(weights.astype(end.dtype), kept, axes=1)
+  return jax.tree.map(lambda theta, end: theta - mean(end), params, ends)
+
+
 class HostPlacement:
   """``runtime=simulated``: every computation on the default device, simulated time."""
 
@@ -127,18 +153,67 @@ class HostPlacement:
 
   def __init__(self, inner: inner_lib.InnerLoop):
     self.inner = inner
+    self._round_delta = jax.jit(_round_delta)
+
+  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
+    """θ − the mean end parameters of the ``accepted`` (bool, K) workers, on the server."""
+    return self.to_server(
+        self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
+
+  def make_server(self, config: Any, params: Any) -> server_lib.OuterServer:
+    """The run's θ, outer state and outer rule, on the server's device."""
+    return server_lib.OuterServer(config, params, place=self.to_server)
 
   def to_server(self, tree: Any) -> Any:
     return tree
 
+  def close(self) -> None:
+    """Releases what the placement holds (``runtime=ray``: its actors)."""
+
+  def to_host(self, x: Any) -> np.ndarray:
+    """``x`` as a NumPy array (all of it, also when other processes hold parts)."""
+    return np.asarray(x)
+
+  def agree(self, value: float) -> float:
+    """``value`` as every process sees it: process 0's (one process: itself)."""
+    return value
+
+  def kill_worker(self, worker: int) -> None:
+    """Only Ray workers can be killed (``fault.kill_worker``)."""
+    raise NotImplementedError(f"fault.kill_worker={worker} needs runtime='ray'")
+
+  def fetch(self, tree: Any, what: str) -> Any:
+    """``tree`` (worker states or a pending Δ, ``what``) as values; here they are."""
+    del what
+    return tree
+
+  def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
+    """``state`` with fresh AdamW moments (its step count kept): after a rejected Δ."""
+    return state._replace(opt_state=self.inner.direction.init(state.params))
+
   def to_rounds(self, tree: Any) -> Any:
     return tree
 
-  def run_worker(self, worker: int, state: inner_lib.InnerState, start: Any,
-                 batches: np.ndarray, key: jax.Array) -> tuple[inner_lib.InnerState, Any]:
-    """Worker ``worker``'s H steps from ``state``; returns (end state, Δ = start − end)."""
-    del worker
-    state, _ = self.inner.run_jit(state, batches, key)
+  def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
+                 batches: np.ndarray, key: jax.Array,
+                 position: Any = None) -> tuple[inner_lib.InnerState, Any]:
+    """Worker ``worker``'s H steps from ``start``.
+
+    Args:
+      worker: its index.
+      previous: its inner state after its last dispatch (None at first):
+        the step count and, unless reset, the AdamW moments carry over.
+      start: the dispatch point.
+      batches: (H, B, T + 1) tokens.
+      key: its PRNG key.
+      position: its data iterator's state before ``batches`` (``runtime=ray``
+        workers read their own data from it).
+
+    Returns:
+      (end state, Δ = start − end).
+    """
+    del worker, position
+    state, _ = self.inner.run_jit(self.inner.start(start, previous), batches, key)
     return state, jax.tree.map(jnp.subtract, start, state.params)
 
   def run_round(self, states: inner_lib.InnerState, batches: np.ndarray, keys: jax.Array,
@@ -164,48 +239,88 @@ class DevicePlacement(HostPlacement):
     meshes = [Mesh(np.array(group), ("data",)) for group in groups.groups]
     self._replicated = [NamedSharding(mesh, P()) for mesh in meshes]
     self._split = [NamedSharding(mesh, P(None, "data")) for mesh in meshes]  # (H, B, T)
-    self._server = jax.sharding.SingleDeviceSharding(groups.server)
     sizes = {len(group) for group in groups.groups}
     self._round_mesh = None
     if len(sizes) == 1:  # synchronous methods: one program on a workers × data mesh
       self._round_mesh = Mesh(np.array(groups.groups), ("workers", "data"))
-    everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
-    self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
+    self.process_count = jax.process_count()
+    self.multiprocess = self.process_count > 1
+    if self.multiprocess:
+      # jax.distributed (synchronous methods): everything lives on the one workers × data
+      # mesh, θ replicated and the outer step SPMD, so that no array ever moves between
+      # meshes (an eager reshard across processes can deadlock).
+      self.require_round_mesh()
+      self._server = NamedSharding(self._round_mesh, P())
+      self._ddp = (self._server, NamedSharding(self._round_mesh, P(None, ("workers", "data"))))
+    else:
+      self._server = jax.sharding.SingleDeviceSharding(groups.server)
+      everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
+      self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
+    if self.multiprocess:  # straight onto the server's sharding, in the same program
+      self._round_delta = jax.jit(_round_delta, out_shardings=self._server)
+
+  def arrivals(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> "DeviceArrivals":
+    """The queue of asynchronous results in flight, taken as the devices finish them."""
+    del emit
+    return DeviceArrivals(clock, self.groups.slowdown)
 
   def require_round_mesh(self) -> None:
     if self._round_mesh is None:
       raise _unequal_groups([len(g) for g in self.groups.groups])
 
+  def _put(self, tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """``jax.device_put``; across processes, host-local leaves go through the host."""
+    if not self.multiprocess:
+      return jax.device_put(tree, sharding)
+    def put(x):
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)  # already global: reshard
+      if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(
+            jax.device_put(np.asarray(jax.random.key_data(x)), sharding))
+      return jax.device_put(np.asarray(x), sharding)  # the same value in every process
+    return jax.tree.map(put, tree)
+
   def to_server(self, tree: Any) -> Any:
-    return jax.device_put(tree, self._server)
+    return self._put(tree, self._server)
 
   def to_rounds(self, tree: Any) -> Any:
     """``tree`` replicated on the workers × data mesh (θ for the round's start states)."""
     self.require_round_mesh()
-    return jax.device_put(tree, NamedSharding(self._round_mesh, P()))
+    return self._put(tree, NamedSharding(self._round_mesh, P()))
+
+  def to_host(self, x: Any) -> np.ndarray:
+    if self.multiprocess and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+  def agree(self, value: float) -> float:
+    if not self.multiprocess:
+      return value
+    return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
 
   # Each runs the host version on inputs placed on the worker's (or all workers') devices.
 
-  def run_worker(self, worker, state, start, batches, key):
+  def run_worker(self, worker, previous, start, batches, key, position=None):
     replicated = self._replicated[worker]
     state, delta = super().run_worker(
-        worker, jax.device_put(state, replicated), jax.device_put(start, replicated),
-        jax.device_put(batches, self._split[worker]), jax.device_put(key, replicated))
+        worker, self._put(previous, replicated), self._put(start, replicated),
+        self._put(batches, self._split[worker]), self._put(key, replicated))
     return state, self.to_server(delta)
 
   def run_round(self, states, batches, keys, anchor):
     self.require_round_mesh()
     by_worker = NamedSharding(self._round_mesh, P("workers"))
     return super().run_round(
-        jax.device_put(states, by_worker),
-        jax.device_put(batches, NamedSharding(self._round_mesh, P("workers", None, "data"))),
-        jax.device_put(keys, by_worker),
+        self._put(states, by_worker),
+        self._put(batches, NamedSharding(self._round_mesh, P("workers", None, "data"))),
+        self._put(keys, by_worker),
         None if anchor is None else self.to_rounds(anchor))
 
   def run_ddp(self, state, batches, key):
     replicated, split = self._ddp
-    return super().run_ddp(jax.device_put(state, replicated), jax.device_put(batches, split),
-                           jax.device_put(key, replicated))
+    return super().run_ddp(self._put(state, replicated), self._put(batches, split),
+                           self._put(key, replicated))
 
 
 class DeviceArrivals:
@@ -231,9 +346,14 @@ class DeviceArrivals:
   def __len__(self) -> int:
     return len(self._tasks)
 
-  async def _finish(self, worker: int, delta: Any, dispatched: float) -> float:
+  async def _ready(self, worker: int, job: Any) -> None:
+    """Returns once ``job``'s Δ is computed (in a thread: the event loop never blocks)."""
+    del worker
     await asyncio.get_running_loop().run_in_executor(self._threads, jax.block_until_ready,
-                                                     delta)
+                                                     job.delta)
+
+  async def _finish(self, worker: int, job: Any, dispatched: float) -> float:
+    await self._ready(worker, job)
     compute = time.perf_counter() - dispatched
     if self._slowdown[worker] > 1.0:
       await asyncio.sleep((self._slowdown[worker] - 1.0) * compute)
@@ -241,8 +361,7 @@ class DeviceArrivals:
 
   def push(self, worker: int, job: Any) -> None:
     """Waits for ``job.delta`` (a ``scheduler._Job``) of ``worker``."""
-    self._tasks[worker] = asyncio.ensure_future(
-        self._finish(worker, job.delta, time.perf_counter()))
+    self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
 
   async def pop(self, grace_window: float) -> tuple[float, list[int]]:
     """(real time of the group's last arrival, its workers in arrival order)."""

@@ -153,6 +153,8 @@ class InnerLoop:
     )
     self.run_jit = jax.jit(self.run, donate_argnums=0)
     self.run_many = jax.jit(jax.vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
+    self.start_many = jax.jit(self._start_many, static_argnums=2)
+    self.reset_moments = jax.jit(self._reset_moments)
 
   def start(self, params: Any, previous: Optional[InnerState] = None) -> InnerState:
     """The state for a dispatch from ``params``.
@@ -167,6 +169,24 @@ class InnerLoop:
     opt_state = (self.direction.init(params) if self.config.reset_optimizer
                  else previous.opt_state)
     return InnerState(params, opt_state, previous.step)
+
+  def _start_many(self, params: Any, previous: Optional[InnerState],
+                  num_workers: int) -> InnerState:
+    """``start`` for K workers at once (a round), stacked on a leading axis.
+
+    One compiled program, so that processes of a ``jax.distributed`` run
+    execute the same collective program instead of many small eager ones.
+    """
+    if previous is None:
+      return jax.tree.map(lambda x: jnp.stack([x] * num_workers), self.start(params))
+    return jax.vmap(self.start, in_axes=(None, 0))(params, previous)
+
+  def _reset_moments(self, states: InnerState, rejected: jax.Array) -> InnerState:
+    """K stacked states with fresh AdamW moments where ``rejected`` (bool, K); steps kept."""
+    fresh = jax.vmap(self.direction.init)(states.params)
+    def pick(new, old):
+      return jnp.where(rejected.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+    return states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state))
 
   def adamw_step(self, state: InnerState, batch: jax.Array,
                  lr_scale: Any = 1.0) -> tuple[InnerState, jax.Array]:

@@ -63,11 +63,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from heloco_jax import clock, data as data_lib, devices as devices_lib, evaluate
 from heloco_jax import inner as inner_lib, model as model_lib
-from heloco_jax import outer
+from heloco_jax import server as server_lib
 from heloco_jax.methods import METHODS
 
 Row = dict[str, Any]
@@ -112,45 +111,34 @@ class _SimulatedArrivals:
     self._heap.clear()
 
 
-def _poison(tree: Any, value: str, worker: Optional[int] = None) -> Any:
-  """``tree`` with its first leaf's first element (of ``worker``'s slice) set to NaN or Inf."""
-  leaves, treedef = jax.tree.flatten(tree)
-  index = (0,) * leaves[0].ndim if worker is None else (worker,) + (0,) * (leaves[0].ndim - 1)
-  leaves[0] = leaves[0].at[index].set(jnp.nan if value == "nan" else jnp.inf)
-  return jax.tree.unflatten(treedef, leaves)
-
-
-@functools.partial(jax.jit, static_argnames="per_worker")
-def _nonfinite(tree: Any, per_worker: bool = False) -> tuple[jax.Array, jax.Array]:
-  """(has NaN, has ±Inf) over ``tree``; per slice of the leading axis if ``per_worker``."""
-  def any_of(test):
-    flags = [test(x).reshape((x.shape[0], -1) if per_worker else (-1,)).any(axis=-1)
-             for x in jax.tree.leaves(tree)]
-    return jnp.any(jnp.stack(flags), axis=0)
-  return any_of(jnp.isnan), any_of(jnp.isinf)
-
-
-@jax.jit
-def _alignment(delta: Any, momentum: Any) -> jax.Array:
-  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0."""
-  cosines = []
-  for d, m in zip(jax.tree.leaves(delta), jax.tree.leaves(momentum)):
-    d, m = d.astype(jnp.float32).ravel(), m.astype(jnp.float32).ravel()
-    norms = jnp.linalg.norm(d) * jnp.linalg.norm(m)
-    cosines.append(jnp.where(norms > 0, jnp.dot(d, m) / jnp.where(norms > 0, norms, 1.0), 0.0))
-  return jnp.mean(jnp.stack(cosines))
-
-
-def _reasons(has_nan: Any, has_inf: Any) -> list[Optional[str]]:
-  """Per pseudo-gradient: None if finite, else "nan" or "inf"."""
-  has_nan, has_inf = np.atleast_1d(has_nan), np.atleast_1d(has_inf)
-  return ["nan" if n else "inf" if i else None for n, i in zip(has_nan, has_inf)]
+@functools.partial(jax.jit, static_argnums=1)
+def _stack_copies(tree: Any, k: int) -> Any:
+  """``k`` copies of ``tree`` stacked on a new leading axis (one compiled program)."""
+  return jax.tree.map(lambda x: jnp.stack([x] * k), tree)
 
 
 def _languages(value: Any) -> Optional[list[str]]:
   if not value:
     return None
   return [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+
+
+def make_dataset(config: ml_collections.ConfigDict) -> data_lib.Data:
+  """The run's data (languages, per-worker iterators, validation set) from ``config.data``."""
+  return data_lib.make_data(
+      source=config.data.source, path=config.data.path or None,
+      languages=_languages(config.data.languages), partition=config.data.partition,
+      dirichlet_alpha=config.data.dirichlet_alpha, num_workers=config.num_workers,
+      context=config.model.context, batch_size=config.batch_size,
+      val_sequences_per_language=config.data.val_sequences_per_language, seed=config.seed,
+      max_bytes_per_language=config.data.max_bytes_per_language or None)
+
+
+def make_inner_loop(config: ml_collections.ConfigDict, graphdef: Any) -> inner_lib.InnerLoop:
+  """The workers' compiled inner loop; AdamW moments reset per the method unless set."""
+  reset = (METHODS[config.method].reset_optimizer if config.inner.reset_optimizer < 0
+           else bool(config.inner.reset_optimizer))
+  return inner_lib.InnerLoop(graphdef, inner_lib.config_from(config.inner, reset))
 
 
 class Simulation:
@@ -167,34 +155,25 @@ class Simulation:
     self.config = config
     self.method = METHODS[config.method]
     k = config.num_workers
-    self.graphdef, self.params = model_lib.init(model_lib.config_from(config.model), config.seed)
-    self.num_params = model_lib.num_params(self.params)
-    self.model_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
-    self.data = dataset or data_lib.make_data(
-        source=config.data.source, path=config.data.path or None,
-        languages=_languages(config.data.languages), partition=config.data.partition,
-        dirichlet_alpha=config.data.dirichlet_alpha, num_workers=k,
-        context=config.model.context, batch_size=config.batch_size,
-        val_sequences_per_language=config.data.val_sequences_per_language, seed=config.seed,
-        max_bytes_per_language=config.data.max_bytes_per_language or None)
+    self.graphdef, params = model_lib.init(model_lib.config_from(config.model), config.seed)
+    self.num_params = model_lib.num_params(params)
+    self.model_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    self.data = dataset or make_dataset(config)
     self.evaluator = evaluate.Evaluator(self.graphdef, self.data.validation_tokens,
                                         self.data.validation_language_ids, self.data.languages)
-    reset = (self.method.reset_optimizer if config.inner.reset_optimizer < 0
-             else bool(config.inner.reset_optimizer))
-    self.inner = inner_lib.InnerLoop(self.graphdef, inner_lib.config_from(config.inner, reset))
-    self.outer_tx = self.method.make_outer(config) if self.method.make_outer else None
-    self.outer_state = self.outer_tx.init(self.params) if self.outer_tx else None
-    self.lookahead = (self.method.lookahead_dispatch if config.lookahead_dispatch < 0
-                      else bool(config.lookahead_dispatch))
+    self.inner = make_inner_loop(config, self.graphdef)
     if config.runtime == "devices":
       groups = devices_lib.group_devices(
           k, config.batch_size, config.devices.group_sizes, config.devices.server,
           config.devices.slowdown, synchronous=self.method.synchrony == "round")
       self.placement = devices_lib.DevicePlacement(self.inner, groups)
-      self.params = self.placement.to_server(self.params)
-      self.outer_state = self.placement.to_server(self.outer_state)
+    elif config.runtime == "ray":
+      from heloco_jax import ray_runtime  # pylint: disable=g-import-not-at-top
+      self.placement = ray_runtime.RayPlacement(config, self.inner)
     else:
       self.placement = devices_lib.HostPlacement(self.inner)
+    # θ, the outer state and the outer rule (a Ray actor for runtime=ray).
+    self.server = self.placement.make_server(config, params)
     self.seconds = clock.seconds_per_step(config.speeds, k)
     self.step_clock = clock.StepClock(self.seconds, config.jitter, config.seed)
     self.comm = clock.CommModel(config.comm.latency, config.comm.bandwidth or math.inf)
@@ -221,18 +200,34 @@ class Simulation:
     self._on_row: Callable[[Row], None] = lambda row: None
     self._on_checkpoint: Optional[Callable[[Simulation], None]] = None
 
-    def outer_step(params, state, delta, staleness):
-      updates, state = self.outer_tx.update(delta, state, params, staleness=staleness)
-      return optax.apply_updates(params, updates), state
-    self._outer_step = jax.jit(outer_step, donate_argnums=(0, 1)) if self.outer_tx else None
+  # θ and the outer state live on the server (``heloco_jax.server``).
+
+  @property
+  def params(self) -> Any:
+    return self.server.params
+
+  @params.setter
+  def params(self, value: Any) -> None:
+    self.server.params = value
+
+  @property
+  def outer_state(self) -> Any:
+    return self.server.outer_state
+
+  @outer_state.setter
+  def outer_state(self, value: Any) -> None:
+    self.server.outer_state = value
 
   # ------------------------------------------------------------ checkpoints
 
   def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole run state at a loop boundary: (arrays, JSON-serialisable meta)."""
-    arrays = {"params": self.params, "outer_state": self.outer_state,
-              "key": jax.random.key_data(self.key), "workers": self.workers,
-              "pending": [self.jobs[w].delta for w in sorted(self.jobs)]}
+    params, outer_state = self.server.get()
+    fetch = self.placement.fetch  # runtime=ray: waits for work still in flight
+    arrays = {"params": params, "outer_state": outer_state,
+              "key": jax.random.key_data(self.key),
+              "workers": fetch(self.workers, "state"),
+              "pending": [fetch(self.jobs[w].delta, "delta") for w in sorted(self.jobs)]}
     meta = {
         "phase": self.phase,
         "jobs": [[w, job.version, job.tokens, job.finish] for w, job in sorted(self.jobs.items())],
@@ -260,7 +255,7 @@ class Simulation:
 
   def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Continues from a ``state()`` of a run with the same config."""
-    self.params, self.outer_state = arrays["params"], arrays["outer_state"]
+    self.server.set(arrays["params"], arrays["outer_state"])
     self.key = jax.random.wrap_key_data(arrays["key"])
     self.workers = arrays["workers"]
     self.jobs = {w: _Job(delta, version, tokens, finish)
@@ -317,15 +312,16 @@ class Simulation:
     return ((budget.tokens > 0 and tokens > budget.tokens)
             or (budget.sim_seconds > 0 and sim_time > budget.sim_seconds))
 
-  def _apply(self, delta: Any, staleness: int) -> None:
-    self.params, self.outer_state = self._outer_step(self.params, self.outer_state, delta,
-                                                     jnp.int32(staleness))
-    self.version += 1
-
   def _faulty(self, worker: int) -> bool:
-    """Counts ``worker``'s arrival; True if the fault switch poisons this one."""
+    """Counts ``worker``'s arrival; True if the fault switch poisons this one.
+
+    ``fault.kill_worker`` (``runtime=ray``) kills that worker's actor at its
+    ``fault.arrival``-th arrival instead.
+    """
     self.arrivals[worker] += 1
     fault = self.config.fault
+    if fault.kill_worker == worker and fault.arrival == self.arrivals[worker]:
+      self.placement.kill_worker(worker)
     return fault.worker == worker and fault.arrival == self.arrivals[worker]
 
   def _reject(self, worker: int, reason: str, staleness: int) -> None:
@@ -373,12 +369,17 @@ class Simulation:
             "wall_seconds": wall, "tokens_per_second": self.tokens / wall,
             "num_params": self.num_params}
 
-  def _dispatch_point(self) -> Any:
-    return outer.lookahead_params(self.params, self.outer_state) if self.lookahead else self.params
+  def close(self) -> None:
+    """Releases the runtime's resources (``runtime=ray``: its actors); θ is gone after."""
+    self.placement.close()
 
   def _real_time(self) -> float:
-    """Seconds of real time this run has trained (all resumed parts together)."""
-    return time.perf_counter() - self._real_start
+    """Seconds of real time this run has trained (all resumed parts together).
+
+    Across processes (jax.distributed) process 0's clock, so that every
+    process takes the same budget decisions.
+    """
+    return self.placement.agree(time.perf_counter() - self._real_start)
 
   async def _run_async(self) -> None:
     config, k = self.config, self.config.num_workers
@@ -386,15 +387,13 @@ class Simulation:
              else np.full(k, config.inner_steps))
     message = self.comm.message_seconds(self.model_bytes)
     real = self.placement.real_clock
-    queue = (devices_lib.DeviceArrivals(self._real_time, self.placement.groups.slowdown)
-             if real else _SimulatedArrivals())
+    queue = self.placement.arrivals(self._real_time, self._emit) if real else _SimulatedArrivals()
 
     def dispatch(worker: int, now: float) -> None:
-      start = self._dispatch_point()
-      state = self.inner.start(start, self.workers[worker])
-      state, delta = self.placement.run_worker(
-          worker, state, start, self._batches(worker, int(steps[worker])), self._next_key())
-      self.workers[worker] = state
+      position = self.iterators[worker].get_state()
+      self.workers[worker], delta = self.placement.run_worker(
+          worker, self.workers[worker], self.server.dispatch_point(),
+          self._batches(worker, int(steps[worker])), self._next_key(), position)
       # Simulated: message + compute + message. Real devices: the dispatch time (the queue
       # takes arrivals when the devices finish them).
       finish = now if real else (
@@ -424,64 +423,25 @@ class Simulation:
       if self._over_budget(tokens, now):
         break  # this group and everything still in flight are discarded
       self.tokens, self.sim_time = tokens, now
-      for w, job in zip(group, arrived):
-        if self._faulty(w):
-          job.delta = _poison(job.delta, config.fault.value)
-      reasons = [_reasons(*_nonfinite(job.delta))[0] for job in arrived]
       taus = [self.version - job.version for job in arrived]
-      for w, reason, tau in zip(group, reasons, taus):
-        if reason is not None:
-          self._reject(w, reason, tau)
-          self.workers[w] = self.workers[w]._replace(
-              opt_state=self.inner.direction.init(self.workers[w].params))
-      applied = [(w, job, tau) for w, job, tau, reason in zip(group, arrived, taus, reasons)
-                 if reason is None]
-      # Alignment of each Δ with the momentum it meets (HeLoCo logs its own per block).
-      cosines = {}
-      if config.method != "heloco" and applied:
-        momentum = outer.outer_momentum(self.outer_state)
-        cosines = {w: float(_alignment(job.delta, momentum)) for w, job, _ in applied}
-      if len(applied) == 1:
-        self._apply(applied[0][1].delta, applied[0][2])
-      elif applied:
-        taus_applied = [tau for _, _, tau in applied]
-        self._apply(self._combine([job.delta for _, job, _ in applied], taus_applied),
-                    max(taus_applied))
-      if applied:
-        diagnostics = self._diagnostics()
-        for w, _, tau in applied:
+      poisons = [config.fault.value if self._faulty(w) else None for w in group]
+      results = self.server.update(taus, poisons, *(job.delta for job in arrived))
+      for w, tau, result in zip(group, taus, results):
+        if result["reason"] is not None:
+          self._reject(w, result["reason"], tau)
+          self.workers[w] = self.placement.fresh_moments(self.workers[w])
+      if any(result["reason"] is None for result in results):
+        self.version += 1
+      for w, tau, result in zip(group, taus, results):
+        if result.pop("reason") is None:
           self.staleness.append(tau)
-          alignment = {"cosine_mean": cosines[w]} if w in cosines else {}
           self._emit({"event": "arrival", "worker": w, "staleness": tau, "sim_time": now,
-                      "outer_updates": self.version, **alignment, **diagnostics})
+                      "outer_updates": self.version, **result})
       self._evaluate()
       for w in group:
         dispatch(w, now)
       self._maybe_checkpoint()
       await asyncio.sleep(0)
-
-  def _combine(self, deltas: list[Any], taus: list[int]) -> Any:
-    """Grace window: Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j (see the module docstring)."""
-    weight = lambda tau: float(outer.arrival_weight(
-        tau, num_workers=self.config.num_workers, weighting=self.config.outer.weighting))
-    scales = [weight(tau) / weight(max(taus)) / len(deltas) for tau in taus]
-    return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
-
-  def _diagnostics(self) -> Row:
-    """HeLoCo's per-arrival diagnostics, summarised over blocks (one host transfer)."""
-    if self.config.method != "heloco":
-      return {}
-    info = jax.device_get(self.outer_state.info)
-    rotated, shrunk = info.branch == 3, info.branch == 2
-    row = {f"branch_count/{name}": int(info.branch_counts[i])
-           for i, name in enumerate(outer.BRANCH_NAMES)}
-    row.update({
-        "cosine_mean": float(np.mean(info.cosine)),
-        "rotation_mean": float(info.rotation[rotated].mean()) if rotated.any() else 0.0,
-        "shrinkage_mean": float(info.shrinkage[shrunk].mean()) if shrunk.any() else 0.0,
-        "relative_correction": float(info.total_relative_correction),
-        "weight": float(self.outer_state.weight)})
-    return row
 
   async def _run_rounds(self) -> None:
     config, k, h = self.config, self.config.num_workers, self.config.inner_steps
@@ -493,22 +453,19 @@ class Simulation:
         if self._over_budget(self.tokens, self.sim_time):
           return
         # The first round continues the warm-up's step count and AdamW moments.
-        self.workers = jax.tree.map(lambda x: jnp.stack([x] * k), warm)
+        self.workers = _stack_copies(warm, k)
     self.phase = "rounds"
     allreduce = self.comm.allreduce_seconds(self.model_bytes, k)
-    stack = lambda *xs: jnp.stack(xs)
     while True:
       # Every worker restarts from θ, keeping its own step count (and its AdamW
       # moments unless reset_optimizer).
-      own = lambda i: None if self.workers is None else jax.tree.map(lambda x: x[i], self.workers)
       theta = self.placement.to_rounds(self.params)
-      starts = [self.inner.start(theta, own(i)) for i in range(k)]
+      starts = self.inner.start_many(theta, self.workers, k)
       batches = np.stack([self._batches(i, h) for i in range(k)])
       keys = jnp.stack([self._next_key() for _ in range(k)])
-      states, metrics = self.placement.run_round(jax.tree.map(stack, *starts), batches, keys,
-                                                 theta if palsgd else None)
+      states, metrics = self.placement.run_round(starts, batches, keys, theta if palsgd else None)
       # PALSGD: pseudo-sync steps read no tokens and cost no compute time.
-      real_steps = h - np.asarray(metrics.pseudo_sync).sum(axis=1)
+      real_steps = h - self.placement.to_host(metrics.pseudo_sync).sum(axis=1)
       tokens = self.tokens + int(real_steps.sum()) * self.tokens_per_step
       if self.placement.real_clock:  # the fetch above waited for the round
         duration = self._real_time() - self.sim_time
@@ -520,21 +477,20 @@ class Simulation:
       self.tokens, self.sim_time = tokens, self.sim_time + duration
       for i in range(k):
         if self._faulty(i):
-          states = states._replace(params=_poison(states.params, config.fault.value, worker=i))
-      reasons = _reasons(*_nonfinite(states.params, per_worker=True))
+          states = states._replace(
+              params=server_lib.poison(states.params, config.fault.value, worker=i))
+      reasons = server_lib.reasons(*map(self.placement.to_host,
+                                        server_lib.nonfinite(states.params, per_worker=True)))
+      accepted = np.array([reason is None for reason in reasons])
       for i, reason in enumerate(reasons):
         if reason is not None:
           self._reject(i, reason, 0)
-          fresh = self.inner.direction.init(jax.tree.map(lambda x: x[i], states.params))
-          states = states._replace(opt_state=jax.tree.map(
-              lambda s, f: s.at[i].set(f), states.opt_state, fresh))
+      if not accepted.all():
+        states = self.inner.reset_moments(states, self.placement.to_rounds(~accepted))
       self.workers = states
-      accepted = [i for i, reason in enumerate(reasons) if reason is None]
-      if accepted:
-        ends = (states.params if len(accepted) == k
-                else jax.tree.map(lambda x: x[np.asarray(accepted)], states.params))
-        mean_end = self.placement.to_server(jax.tree.map(lambda end: jnp.mean(end, axis=0), ends))
-        self._apply(jax.tree.map(jnp.subtract, self.params, mean_end), 0)
+      if accepted.any():
+        self.server.apply(self.placement.round_delta(self.params, states.params, accepted), 0)
+        self.version += 1
       self._evaluate()
       self._maybe_checkpoint()
       await asyncio.sleep(0)

@@ -124,13 +124,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _error(f"--workdir is required; {USAGE}")
 
   # Validation before any work (and before importing JAX-heavy modules).
-  from heloco_jax import checkpoint, scheduler  # pylint: disable=g-import-not-at-top
+  from heloco_jax import checkpoint, devices, scheduler  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
+    validation.validate_distributed(config)  # before JAX starts
+    devices.initialize_distributed(config)
     validation.validate(config)
   except validation.ConfigError as error:
     return _error(str(error))
-  seconds = "real s" if config.runtime == "devices" else "simulated s"
+  if config.distributed.coordinator:
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_index() > 0:  # process 0 writes the workdir
+      workdir = os.path.join(workdir, f"process_{jax.process_index()}")
+  seconds = "simulated s" if config.runtime == "simulated" else "real s"
   if os.path.exists(os.path.join(workdir, "summary.json")):
     return _error(f"--workdir={workdir!r} already holds a finished run (summary.json); "
                   "allowed: a new directory, or one holding an unfinished run to resume.")
@@ -185,8 +191,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"heloco-jax train: no checkpoint in {workdir}: starting the run over", file=sys.stderr)
   if config.runtime == "devices":
     groups = simulation.placement.groups
+    server = (f"θ replicated over {simulation.placement.process_count} processes"
+              if simulation.placement.multiprocess else f"server on {groups.server}")
     where = (f"workers on devices ({'/'.join(str(len(g)) for g in groups.groups)} "
-             f"{groups.server.platform} devices each, server on {groups.server})")
+             f"{groups.server.platform} devices each, {server})")
+  elif config.runtime == "ray":
+    devices = simulation.placement.actor_devices
+    where = (f"Ray worker actors ({'/'.join(str(len(d)) for d in devices)} "
+             f"{devices[0][0].split(':')[0]} devices each)")
   else:
     where = (f"simulated workers "
              f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds)")
@@ -242,6 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       bar.close()
     if checkpointer is not None:
       checkpointer.close()
+    simulation.close()
   print(f"heloco-jax train: done: {summary['tokens']} tokens, {summary['outer_updates']} outer "
         f"updates, {summary['sim_time']:.0f} {seconds}, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from heloco_jax import scheduler
+from heloco_jax import scheduler, server
 from heloco_jax.configs.validation import ConfigError, validate
 
 import tiny
@@ -327,35 +327,35 @@ def _tree():
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_nonfinite_and_reasons_on_one_tree(value):
   tree = _tree()
-  assert scheduler._reasons(*scheduler._nonfinite(tree)) == [None]
+  assert server.reasons(*server.nonfinite(tree)) == [None]
   bad = dict(tree, b=tree["b"].at[2].set(jnp.nan if value == "nan" else -jnp.inf))
-  has_nan, has_inf = scheduler._nonfinite(bad)
+  has_nan, has_inf = server.nonfinite(bad)
   assert (bool(has_nan), bool(has_inf)) == (value == "nan", value == "inf")
-  assert scheduler._reasons(has_nan, has_inf) == [value]
+  assert server.reasons(has_nan, has_inf) == [value]
   # A NaN wins over an Inf.
   both = dict(bad, a=tree["a"].at[0, 0].set(jnp.inf if value == "nan" else jnp.nan))
-  assert scheduler._reasons(*scheduler._nonfinite(both)) == ["nan"]
+  assert server.reasons(*server.nonfinite(both)) == ["nan"]
 
 
 def test_nonfinite_per_worker_flags_only_the_poisoned_slice():
   k = 4
   stacked = jax.tree.map(lambda x: jnp.stack([x + i for i in range(k)]), _tree())
-  assert scheduler._reasons(*scheduler._nonfinite(stacked, per_worker=True)) == [None] * k
-  poisoned = scheduler._poison(stacked, "inf", worker=2)
-  assert scheduler._reasons(*scheduler._nonfinite(poisoned, per_worker=True)) == [
+  assert server.reasons(*server.nonfinite(stacked, per_worker=True)) == [None] * k
+  poisoned = server.poison(stacked, "inf", worker=2)
+  assert server.reasons(*server.nonfinite(poisoned, per_worker=True)) == [
       None, None, "inf", None]
-  both = scheduler._poison(poisoned, "nan", worker=0)
-  assert scheduler._reasons(*scheduler._nonfinite(both, per_worker=True)) == [
+  both = server.poison(poisoned, "nan", worker=0)
+  assert server.reasons(*server.nonfinite(both, per_worker=True)) == [
       "nan", None, "inf", None]
   # Without per_worker the whole tree is one pseudo-gradient.
-  assert scheduler._reasons(*scheduler._nonfinite(both)) == ["nan"]
+  assert server.reasons(*server.nonfinite(both)) == ["nan"]
 
 
 def test_poison_changes_one_element_of_one_slice():
   k = 3
   stacked = jax.tree.map(lambda x: jnp.stack([x + i for i in range(k)]), _tree())
   for i in range(k):
-    poisoned = scheduler._poison(stacked, "nan", worker=i)
+    poisoned = server.poison(stacked, "nan", worker=i)
     a, b = np.asarray(poisoned["a"]), np.asarray(poisoned["b"])
     expected = np.asarray(stacked["a"]).copy()
     expected[i, 0, 0] = np.nan
@@ -363,7 +363,7 @@ def test_poison_changes_one_element_of_one_slice():
     assert np.isnan(a).sum() == 1
     np.testing.assert_array_equal(b, np.asarray(stacked["b"]))
   assert np.isfinite(np.asarray(stacked["a"])).all()  # the input is left as it was
-  single = scheduler._poison(_tree(), "inf")
+  single = server.poison(_tree(), "inf")
   assert np.isposinf(np.asarray(single["a"])[0, 0])
   assert np.isfinite(np.asarray(single["a"])).sum() == 5
   np.testing.assert_array_equal(single["b"], _tree()["b"])

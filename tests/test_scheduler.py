@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from heloco_jax import scheduler
+from heloco_jax import scheduler, server
 
 import tiny
 
@@ -147,7 +147,7 @@ def test_alignment_is_the_mean_over_leaves_of_the_cosine_with_the_momentum():
   cos_a = np.dot(delta["a"].ravel(), momentum["a"].ravel()) / (
       np.linalg.norm(delta["a"]) * np.linalg.norm(momentum["a"]))
   expected = (cos_a - 1.0 + 0.0) / 3  # b is exactly opposed; c has Δ = 0
-  got = scheduler._alignment(jax.tree.map(np.float32, delta), jax.tree.map(np.float32, momentum))
+  got = server.alignment(jax.tree.map(np.float32, delta), jax.tree.map(np.float32, momentum))
   assert float(got) == pytest.approx(expected, abs=1e-6)
 
 

@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.fault.worker = -1          # -1 = off
   c.fault.arrival = 1
   c.fault.value = "nan"        # nan | inf
+  c.fault.kill_worker = -1     # runtime="ray": kill this worker's actor at its `arrival`-th arrival
 
   # runtime="devices" (DESIGN.md, "Runtimes"): real devices and the real clock
   # (speeds and jitter are then unused; slowdown gives controlled heterogeneity).
@@ -83,6 +84,22 @@ def get_config() -> ml_collections.ConfigDict:
   c.devices.group_sizes = ""   # "" = jax.devices() split evenly; or K sizes, e.g. "1,1,2,4"
   c.devices.server = 0         # index into jax.devices() of the outer step's device
   c.devices.slowdown = ""      # "" = none; or K factors >= 1 (worker i waits (f_i - 1)x its compute)
+
+  # Synchronous methods on runtime="devices" across processes (jax.distributed): every
+  # process runs the same command; process 0 writes the workdir, process i DIR/process_i.
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator = ""  # "" = one process; "auto" = detect (Cloud TPU, SLURM); HOST:PORT
+  c.distributed.num_processes = 0  # with HOST:PORT: how many processes
+  c.distributed.process_id = -1    # with HOST:PORT: this process's index
+
+  # runtime="ray": a parameter-server actor and one actor per worker (heloco_jax.ray_runtime).
+  c.ray = ml_collections.ConfigDict()
+  c.ray.address = ""           # "" = start a local Ray instance; "auto" or "HOST:6379" = join one
+  c.ray.num_cpus = 0           # a local instance's CPUs; 0 = all of this machine's
+  c.ray.cpus_per_worker = 0.0  # resources each worker actor reserves; 0 = Ray's default
+  c.ray.gpus_per_worker = 0.0
+  c.ray.server_gpus = 0.0      # the parameter server's GPUs (0: it runs on its node's CPU)
+  c.ray.log_to_driver = False  # the actors' stdout/stderr in this terminal
 
   c.comm = ml_collections.ConfigDict()
   c.comm.latency = 0.0         # seconds per message or all-reduce

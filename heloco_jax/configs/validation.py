@@ -11,6 +11,7 @@ objects and re-labelling their errors with the config key.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 from typing import Any
@@ -21,7 +22,7 @@ from heloco_jax import clock, data, devices, inner, model
 from heloco_jax.methods import METHODS
 from heloco_jax.outer import _validation
 
-RUNTIMES_AVAILABLE = ("simulated", "devices")
+RUNTIMES_AVAILABLE = ("simulated", "devices", "ray")
 # Arguments of the outer factories whose config key differs from their name.
 _OUTER_KEYS = {"c": "dn_c"}
 
@@ -57,6 +58,46 @@ def _relabel(error: ValueError, prefix: str, rename: dict[str, str] | None = Non
   return ConfigError(f"config.{prefix}{name}={match.group(2)}")
 
 
+def _validate_ray(config: ml_collections.ConfigDict, method: Any) -> None:
+  if method.synchrony != "async":
+    _fail("runtime", "ray", f"'simulated' or 'devices' with method={config.method!r}; "
+          "runtime='ray' runs the asynchronous methods (async_nesterov, delayed_nesterov, mla, "
+          "heloco). Synchronous methods run across processes with jax.distributed: "
+          "runtime='devices' and the distributed.* keys")
+  for key in ("num_cpus", "cpus_per_worker", "gpus_per_worker", "server_gpus"):
+    _number(f"ray.{key}", config.ray[key], 0.0)
+  try:
+    devices._numbers("devices.slowdown", config.devices.slowdown,  # pylint: disable=protected-access
+                     config.num_workers, float)
+  except devices.DeviceConfigError as error:
+    raise ConfigError(str(error)) from None
+  if importlib.util.find_spec("ray") is None:
+    _fail("runtime", "ray", "'simulated' or 'devices': Ray is not installed "
+          "(pip install 'heloco-jax[ray]')")
+
+
+def validate_distributed(config: ml_collections.ConfigDict) -> None:
+  """The ``distributed.*`` keys; runs before ``jax.distributed.initialize`` (no JAX calls)."""
+  dist = config.distributed
+  if not dist.coordinator:
+    return
+  if config.runtime != "devices" or METHODS[config.method].synchrony == "async":
+    _fail("distributed.coordinator", dist.coordinator, "'' (one process) with "
+          f"runtime={config.runtime!r} and method={config.method!r}; several processes run "
+          "the synchronous methods (ddp, local_sgd, diloco, palsgd) on runtime='devices'")
+  if config.checkpoint_every:
+    _fail("checkpoint_every", config.checkpoint_every, "0 with distributed.coordinator set "
+          "(checkpoints of multi-process runs are not supported yet)")
+  if dist.coordinator != "auto":
+    if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", dist.coordinator):
+      _fail("distributed.coordinator", dist.coordinator, "'', 'auto' or HOST:PORT")
+    _integer("distributed.num_processes", dist.num_processes, 1)
+    _integer("distributed.process_id", dist.process_id, 0)
+    if dist.process_id >= dist.num_processes:
+      _fail("distributed.process_id", dist.process_id,
+            f"0 to {dist.num_processes - 1} (distributed.num_processes - 1)")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   _choice("method", config.method, list(METHODS))
@@ -71,9 +112,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _number("jitter", config.jitter, 0.0, 1.0, high_open=True)
   _integer("batch_size", config.batch_size, 1)
   _integer("eval_every_tokens", config.eval_every_tokens, 0)
+  validate_distributed(config)
   if config.runtime not in RUNTIMES_AVAILABLE:
-    _fail("runtime", config.runtime, "'simulated' or 'devices' (the ray runtime is not "
-          "available yet)")
+    _fail("runtime", config.runtime, "'simulated', 'devices' or 'ray'")
   if config.runtime == "devices":
     try:
       devices.group_devices(config.num_workers, config.batch_size, config.devices.group_sizes,
@@ -81,6 +122,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                             synchronous=method.synchrony == "round")
     except devices.DeviceConfigError as error:
       raise ConfigError(str(error)) from None
+  if config.runtime == "ray":
+    _validate_ray(config, method)
   _integer("checkpoint_every", config.checkpoint_every, 0)
   _integer("keep_checkpoints", config.keep_checkpoints, 1)
   _number("grace_window", config.grace_window, 0.0)
@@ -141,6 +184,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.fault.worker >= 0 and method.synchrony == "step":
     _fail("fault.worker", config.fault.worker, f"-1 with method={config.method!r} (DDP "
           "averages gradients every step: there is no pseudo-gradient to reject)")
+  _integer("fault.kill_worker", config.fault.kill_worker, -1)
+  if config.fault.kill_worker >= 0 and (config.runtime != "ray"
+                                        or config.fault.kill_worker >= config.num_workers):
+    _fail("fault.kill_worker", config.fault.kill_worker, f"-1 (off), or with runtime='ray' a "
+          f"worker in [0, {config.num_workers})")
 
   _number("comm.latency", config.comm.latency, 0.0)
   _number("comm.bandwidth", config.comm.bandwidth, 0.0)

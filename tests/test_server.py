@@ -1,0 +1,85 @@
+"""The server side of every runtime (heloco_jax/server.py): one update per arrival group."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import heloco_jax as hj
+import tiny
+from heloco_jax import outer, server
+
+
+def _tree(seed, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(4, 3)) * scale, jnp.float32),
+          "b": jnp.asarray(rng.normal(size=3) * scale, jnp.float32)}
+
+
+def _by_hand(tx, params, deltas_and_taus):
+  """θ after applying ``tx`` to each (Δ, τ) in turn, with optax directly."""
+  state = tx.init(params)
+  for delta, tau in deltas_and_taus:
+    updates, state = tx.update(delta, state, params, staleness=tau)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def _close(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_single_arrivals_apply_the_rule_and_log_the_cosine_with_the_momentum_they_meet():
+  config = tiny.config("mla", 3)
+  params = _tree(0)
+  srv = server.OuterServer(config, params)
+  deltas = [(_tree(1, 0.1), 0), (_tree(2, 0.1), 1)]
+  rows = [srv.update([tau], [None], delta) for delta, tau in deltas]
+  expected, state = _by_hand(hj.mla(0.7, 0.9, num_workers=3), params, deltas)
+  _close(srv.params, expected)
+  assert rows[0] == [{"reason": None, "cosine_mean": 0.0}]  # m = 0 at the first arrival
+  # the second Δ meets m after the first update: cos per leaf, averaged (NumPy)
+  momentum = outer.outer_momentum(_by_hand(hj.mla(0.7, 0.9, num_workers=3), params,
+                                           deltas[:1])[1])
+  cos = [np.dot(np.ravel(d), np.ravel(m)) / np.linalg.norm(d) / np.linalg.norm(m)
+         for d, m in zip(jax.tree.leaves(deltas[1][0]), jax.tree.leaves(momentum))]
+  assert rows[1][0]["cosine_mean"] == pytest.approx(np.mean(cos), abs=1e-6)
+  _close(srv.dispatch_point(), srv.params)  # mla dispatches from θ by default
+  assert server.OuterServer(tiny.config("heloco", 3), params).lookahead
+
+
+def test_a_grace_group_is_one_update_with_the_weighted_mean_pseudo_gradient():
+  config = tiny.config("mla", 3, **{"outer.weighting": "polynomial"})
+  params = _tree(0)
+  srv = server.OuterServer(config, params)
+  deltas, taus = [_tree(1, 0.1), _tree(2, 0.1)], [1, 3]
+  rho = [float(outer.arrival_weight(t, num_workers=3, weighting="polynomial")) for t in taus]
+  assert rho[0] != rho[1]
+  # ρ(τ_max)·Δ must equal mean_j ρ_j·Δ_j (scheduler docstring, "async")
+  combined = jax.tree.map(lambda a, b: (rho[0] * a + rho[1] * b) / (2 * rho[1]), *deltas)
+  rows = srv.update(taus, [None, None], *deltas)
+  expected, _ = _by_hand(hj.mla(0.7, 0.9, num_workers=3, weighting="polynomial"), params,
+                         [(combined, 3)])
+  _close(srv.params, expected)
+  assert [r["reason"] for r in rows] == [None, None]
+
+
+def test_non_finite_pseudo_gradients_are_rejected_and_never_touch_theta():
+  config = tiny.config("heloco", 3)
+  params = _tree(0)
+  srv = server.OuterServer(config, params)
+  before = jax.device_get((srv.params, srv.outer_state))
+  rows = srv.update([0, 0], ["nan", "inf"], _tree(1, 0.1), _tree(2, 0.1))
+  assert [r["reason"] for r in rows] == ["nan", "inf"] and all(len(r) == 1 for r in rows)
+  after = jax.device_get((srv.params, srv.outer_state))
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                   jax.tree.leaves(after)))
+  # One bad and one good arrival: only the good one is applied, as a single update.
+  rows = srv.update([0, 0], [None, "nan"], _tree(1, 0.1), _tree(2, 0.1))
+  assert rows[0]["reason"] is None and rows[1] == {"reason": "nan"}
+  assert "branch_count/keep" in rows[0]
+  alone = server.OuterServer(config, params)
+  alone.update([0], [None], _tree(1, 0.1))
+  _close(srv.params, alone.params)
