@@ -14,7 +14,10 @@ method through one of two placements with the same interface:
     mesh and run them as one program (``vmap`` partitioned by XLA over
     ``workers``); DDP splits its K·B batch over all the workers' devices.
     Time is the real clock, and asynchronous arrivals (``DeviceArrivals``)
-    are taken in the order the devices finish them.
+    are taken in the order the devices finish them. With ``jax.distributed``
+    (``initialize_distributed``) the groups come from every process's devices
+    and synchronous methods run SPMD: θ replicated on the workers × data mesh,
+    the outer step in every process.
 """
 
 from __future__ import annotations
@@ -252,12 +255,12 @@ class DevicePlacement(HostPlacement):
       self.require_round_mesh()
       self._server = NamedSharding(self._round_mesh, P())
       self._ddp = (self._server, NamedSharding(self._round_mesh, P(None, ("workers", "data"))))
+      # A round's Δ straight onto the server's sharding, in the same program.
+      self._round_delta = jax.jit(_round_delta, out_shardings=self._server)
     else:
       self._server = jax.sharding.SingleDeviceSharding(groups.server)
       everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
       self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
-    if self.multiprocess:  # straight onto the server's sharding, in the same program
-      self._round_delta = jax.jit(_round_delta, out_shardings=self._server)
 
   def arrivals(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> "DeviceArrivals":
     """The queue of asynchronous results in flight, taken as the devices finish them."""

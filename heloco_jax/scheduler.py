@@ -10,6 +10,10 @@ after every event, so progress displays interleave with it.
 Devices runtime (``runtime=devices``, ``heloco_jax.devices``): the same loop,
 with each worker's steps on its own device group and the server on one
 device; arrivals come in the order the devices finish them, on the real clock.
+With ``distributed.*`` set, synchronous methods run SPMD across processes.
+Ray runtime (``runtime=ray``, ``heloco_jax.ray_runtime``): the same loop, with
+the server and the workers as Ray actors. Everything that touches θ goes
+through ``self.server`` (``heloco_jax.server.OuterServer`` or its actor).
 
 Synchrony (``heloco_jax.methods``):
   * async: one outer update per arrival with staleness τ = v − s; the worker

@@ -132,6 +132,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     validation.validate(config)
   except validation.ConfigError as error:
     return _error(str(error))
+  except RuntimeError as error:  # jax.distributed could not reach the coordinator
+    return _error(f"config.distributed.coordinator={config.distributed.coordinator!r}: "
+                  f"{str(error).splitlines()[0]}")
   if config.distributed.coordinator:
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_index() > 0:  # process 0 writes the workdir
@@ -196,9 +199,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     where = (f"workers on devices ({'/'.join(str(len(g)) for g in groups.groups)} "
              f"{groups.server.platform} devices each, {server})")
   elif config.runtime == "ray":
-    devices = simulation.placement.actor_devices
-    where = (f"Ray worker actors ({'/'.join(str(len(d)) for d in devices)} "
-             f"{devices[0][0].split(':')[0]} devices each)")
+    actor_devices = simulation.placement.actor_devices
+    where = (f"Ray worker actors ({'/'.join(str(len(d)) for d in actor_devices)} "
+             f"{actor_devices[0][0].split(':')[0]} devices each)")
   else:
     where = (f"simulated workers "
              f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds)")
