@@ -44,10 +44,9 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import heloco_jax as hj
-from heloco_jax import inner, model as model_lib
+from heloco_jax import inner, model as model_lib, server
 
 try:  # python -m benchmarks.device_step
   from benchmarks.outer_step import tinygpt_shaped_tree
@@ -216,10 +215,7 @@ def bench_outer(sizes: dict, num_workers: int) -> dict:
   rules = {"heloco": hj.heloco(num_workers=num_workers), "mla": hj.mla(num_workers=num_workers)}
   steps, states, current, counts = {}, {}, {}, {}
   for name, tx in rules.items():
-    def step(params, state, delta, tau, tx=tx):
-      updates, state = tx.update(delta, state, params, staleness=tau)
-      return optax.apply_updates(params, updates), state
-    steps[name] = jax.jit(step, donate_argnums=(0, 1))
+    steps[name] = server.jit_outer_step(tx)
     current[name] = jax.tree.map(jnp.copy, params)
     states[name] = tx.init(current[name])
     param_b, state_b = _nbytes(current[name]), _nbytes(states[name])

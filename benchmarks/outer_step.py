@@ -19,9 +19,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import heloco_jax as hj
+from heloco_jax import server
 
 
 def tinygpt_shaped_tree(vocab: int, d_model: int = 128, num_layers: int = 8,
@@ -59,10 +59,7 @@ def time_rules(vocab: int, repeats: int, num_workers: int = 5) -> dict[str, floa
   }
   steps, states, current = {}, {}, {}
   for name, tx in rules.items():
-    def step(params, state, delta, tau, tx=tx):
-      updates, state = tx.update(delta, state, params, staleness=tau)
-      return optax.apply_updates(params, updates), state
-    steps[name] = jax.jit(step, donate_argnums=(0, 1))
+    steps[name] = server.jit_outer_step(tx)
     current[name] = jax.tree.map(jnp.copy, params)
     states[name] = tx.init(current[name])
     for i in range(3):  # compile and warm up; momentum becomes non-zero

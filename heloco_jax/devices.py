@@ -57,6 +57,15 @@ def _numbers(key: str, value: Any, num_workers: int, kind: type) -> Optional[lis
   return numbers
 
 
+def slowdown_factors(slowdown: Any, num_workers: int) -> tuple[float, ...]:
+  """``devices.slowdown`` ("" or K factors ≥ 1) as K factors (runtime=devices and ray)."""
+  factors = _numbers("devices.slowdown", slowdown, num_workers, float) or [1.0] * num_workers
+  if min(factors) < 1.0:
+    raise DeviceConfigError(f"config.devices.slowdown={slowdown!r} is not allowed; allowed: "
+                            "factors ≥ 1 (1 = full speed)")
+  return tuple(factors)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceGroups:
   """The workers' disjoint device groups, the server's device and per-worker slow-downs."""
@@ -115,13 +124,10 @@ def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
                             f"{len(devices) - 1} (an index into jax.devices())")
   if synchronous and len(set(sizes)) > 1:
     raise _unequal_groups(sizes)
-  factors = _numbers("devices.slowdown", slowdown, num_workers, float) or [1.0] * num_workers
-  if min(factors) < 1.0:
-    raise DeviceConfigError(f"config.devices.slowdown={slowdown!r} is not allowed; allowed: "
-                            "factors ≥ 1 (1 = full speed)")
+  factors = slowdown_factors(slowdown, num_workers)
   bounds = np.cumsum([0, *sizes])
   groups = tuple(tuple(devices[a:b]) for a, b in zip(bounds, bounds[1:]))
-  return DeviceGroups(groups, devices[server], tuple(factors))
+  return DeviceGroups(groups, devices[server], factors)
 
 
 def initialize_distributed(config: Any) -> None:
@@ -153,6 +159,7 @@ class HostPlacement:
   """``runtime=simulated``: every computation on the default device, simulated time."""
 
   real_clock = False
+  reads_own_data = False  # runtime=ray: workers read their data from a dispatch's position
 
   def __init__(self, inner: inner_lib.InnerLoop):
     self.inner = inner

@@ -61,6 +61,9 @@ class ServerActor(server_lib.OuterServer):
   def dispatch_point(self) -> Any:
     return jax.device_get(super().dispatch_point())
 
+  def get_params(self) -> Any:
+    return jax.device_get(self.params)
+
 
 class WorkerActor:
   """One Ray worker: the compiled inner loop on this actor's devices and its own data."""
@@ -103,8 +106,8 @@ class RayServer:
     self._ray = import_ray()
 
   @property
-  def params(self) -> Any:
-    return self.get()[0]
+  def params(self) -> Any:  # θ alone: what an evaluation needs
+    return self._ray.get(self.actor.get_params.remote())
 
   @property
   def outer_state(self) -> Any:
@@ -150,6 +153,7 @@ class RayPlacement(devices_lib.HostPlacement):
   """
 
   real_clock = True
+  reads_own_data = True
 
   def __init__(self, config: ml_collections.ConfigDict, inner: inner_lib.InnerLoop):
     super().__init__(inner)
@@ -162,9 +166,7 @@ class RayPlacement(devices_lib.HostPlacement):
                  include_dashboard=False, log_to_driver=config.ray.log_to_driver,
                  configure_logging=False)
     self.config = config
-    self.slowdown = tuple(devices_lib._numbers(  # pylint: disable=protected-access
-        "devices.slowdown", config.devices.slowdown, config.num_workers, float)
-                          or [1.0] * config.num_workers)
+    self.slowdown = devices_lib.slowdown_factors(config.devices.slowdown, config.num_workers)
     resources = lambda cpus, gpus: {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus))
                                     if v > 0}
     worker = ray.remote(WorkerActor).options(

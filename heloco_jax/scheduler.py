@@ -394,7 +394,8 @@ class Simulation:
     queue = self.placement.arrivals(self._real_time, self._emit) if real else _SimulatedArrivals()
 
     def dispatch(worker: int, now: float) -> None:
-      position = self.iterators[worker].get_state()
+      position = (self.iterators[worker].get_state() if self.placement.reads_own_data
+                  else None)
       self.workers[worker], delta = self.placement.run_worker(
           worker, self.workers[worker], self.server.dispatch_point(),
           self._batches(worker, int(steps[worker])), self._next_key(), position)

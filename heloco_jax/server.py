@@ -61,6 +61,14 @@ def alignment(delta: Any, momentum: Any) -> jax.Array:
   return jnp.mean(jnp.stack(cosines))
 
 
+def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., Any]:
+  """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated."""
+  def step(params, state, delta, staleness):
+    updates, state = tx.update(delta, state, params, staleness=staleness)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 def lookahead_default(config: ml_collections.ConfigDict) -> bool:
   """Whether ``config``'s method dispatches from the look-ahead point."""
   if config.lookahead_dispatch < 0:
@@ -86,11 +94,7 @@ class OuterServer:
     self.outer_state = place(self.outer_tx.init(params)) if self.outer_tx else None
     self.params = place(jax.tree.map(jnp.array, params))
     self.lookahead = lookahead_default(config)
-
-    def step(params, state, delta, staleness):
-      updates, state = self.outer_tx.update(delta, state, params, staleness=staleness)
-      return optax.apply_updates(params, updates), state
-    self._step = jax.jit(step, donate_argnums=(0, 1)) if self.outer_tx else None
+    self._step = jit_outer_step(self.outer_tx) if self.outer_tx else None
 
   def get(self) -> tuple[Any, Any]:
     """(θ, outer state) on the host."""

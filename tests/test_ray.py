@@ -65,6 +65,8 @@ def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrup
      "runtime='ray' runs the asynchronous methods (async_nesterov, delayed_nesterov, mla, "
      "heloco). Synchronous methods run across processes with jax.distributed"),
     ({"runtime": "ray", "devices.slowdown": "1,2"}, "config.devices.slowdown='1,2' is not allowed"),
+    ({"runtime": "ray", "devices.slowdown": "1,0.5,1"},
+     "config.devices.slowdown='1,0.5,1' is not allowed; allowed: factors ≥ 1"),
     ({"runtime": "ray", "ray.gpus_per_worker": -1.0}, "config.ray.gpus_per_worker=-1.0"),
     ({"fault.kill_worker": 0}, "config.fault.kill_worker=0 is not allowed; allowed: -1 (off), "
                                "or with runtime='ray'"),

@@ -67,8 +67,7 @@ def _validate_ray(config: ml_collections.ConfigDict, method: Any) -> None:
   for key in ("num_cpus", "cpus_per_worker", "gpus_per_worker", "server_gpus"):
     _number(f"ray.{key}", config.ray[key], 0.0)
   try:
-    devices._numbers("devices.slowdown", config.devices.slowdown,  # pylint: disable=protected-access
-                     config.num_workers, float)
+    devices.slowdown_factors(config.devices.slowdown, config.num_workers)
   except devices.DeviceConfigError as error:
     raise ConfigError(str(error)) from None
   if importlib.util.find_spec("ray") is None:
