@@ -37,7 +37,8 @@ def _config(num_workers: int, tokens: int):
   return config
 
 
-def overhead(dispatches: int) -> None:
+def overhead(dispatches: int) -> dict:
+  """Tokens/s of the simulation and of the bare loop; prints them and returns them."""
   config = _config(5, 0)
   tokens_per_dispatch = config.inner_steps * config.batch_size * config.model.context
   config.budget.tokens = (dispatches + 1) * tokens_per_dispatch
@@ -68,6 +69,8 @@ def overhead(dispatches: int) -> None:
   print(f"bare compiled inner loop  {bare:9.0f} tokens/s")
   print(f"async HeLoCo simulation   {simulated:9.0f} tokens/s")
   print(f"ratio simulation / bare   {simulated / bare:9.3f}  (target >= 0.9)")
+  return {"simulation_tokens_per_second": simulated, "bare_tokens_per_second": bare,
+          "ratio": simulated / bare, "arrivals": len(arrivals)}
 
 
 def scale_one(num_workers: int, tokens: int) -> None:
@@ -76,7 +79,16 @@ def scale_one(num_workers: int, tokens: int) -> None:
   summary, _ = scheduler.simulate(_config(num_workers, tokens))
   print(json.dumps({"K": num_workers, "wall_seconds": time.perf_counter() - start,
                     "tokens": summary["tokens"], "outer_updates": summary["outer_updates"],
-                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                    "peak_rss_mb": _peak_rss_mb()}))
+
+
+def _peak_rss_mb() -> float:
+  """This process's peak RSS: VmHWM, which (unlike ru_maxrss) a parent's does not inflate."""
+  try:
+    with open("/proc/self/status") as f:
+      return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+  except (OSError, StopIteration):
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
@@ -90,16 +102,23 @@ def main() -> None:
     scale_one(args.child, args.scale_tokens)
     return
   overhead(args.dispatches)
-  print(f"\nscaling at {args.scale_tokens} tokens (HeLoCo, severe preset cycled over K):")
-  base = None
-  for k in args.workers:
-    out = subprocess.run([sys.executable, __file__, f"--child={k}",
-                          f"--scale-tokens={args.scale_tokens}"],
+  scaling(args.workers, args.scale_tokens)
+
+
+def scaling(workers: list[int], tokens: int) -> list[dict]:
+  """Wall time and peak RSS per K, each in a fresh process; prints and returns them."""
+  print(f"\nscaling at {tokens} tokens (HeLoCo, severe preset cycled over K):")
+  base, results = None, []
+  for k in workers:
+    out = subprocess.run([sys.executable, __file__, f"--child={k}", f"--scale-tokens={tokens}"],
                          capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     base = base or result["wall_seconds"]
-    print(f"K = {k:3d}: {result['wall_seconds']:6.1f} s ({result['wall_seconds'] / base:.2f}x), "
+    result["ratio"] = result["wall_seconds"] / base
+    results.append(result)
+    print(f"K = {k:3d}: {result['wall_seconds']:6.1f} s ({result['ratio']:.2f}x), "
           f"peak RSS {result['peak_rss_mb']:7.0f} MB, {result['outer_updates']} outer updates")
+  return results
 
 
 if __name__ == "__main__":

@@ -1,10 +1,18 @@
 """The scheduler: any method of the registry on heterogeneous workers.
 
-Simulated runtime (DESIGN.md, "Runtimes"): one process; a worker's inner
-steps are computed when it is dispatched and its result is delivered at its
-simulated finish time. Arrivals are taken from a heap ordered by (finish
-time, worker), so ties break deterministically and a run reproduces bit for
-bit. ``Simulation.run`` is an asyncio coroutine that yields to the event loop
+Simulated runtime (DESIGN.md, "Runtimes"): one process; a worker's inputs
+(dispatch point, batches, PRNG key) are fixed when it is dispatched and its
+result is delivered at its simulated finish time. Its inner steps are
+computed lazily: when the job reaches the head of the arrival heap (so the
+device works on the next arrival while the host handles this one), or when a
+checkpoint needs it. Work still in flight when a budget ends is never
+computed, so K workers cost no more compute than the arrivals they deliver;
+the results are those of computing at dispatch, bit for bit. Arrivals are
+taken from a heap ordered by (finish time, worker), so ties break
+deterministically and a run reproduces bit for bit. The arrival rows'
+diagnostics stay on the device until ``metrics_fetch_every`` rows are
+queued, then come over in one transfer; the one host read per arrival is
+its pseudo-gradient's finiteness, which decides whether θ changes. ``Simulation.run`` is an asyncio coroutine that yields to the event loop
 after every event, so progress displays interleave with it.
 
 Devices runtime (``runtime=devices``, ``heloco_jax.devices``): the same loop,
@@ -78,11 +86,16 @@ Row = dict[str, Any]
 
 @dataclasses.dataclass
 class _Job:
-  """A dispatched worker's result, waiting for its simulated finish time."""
+  """A dispatched worker's result, waiting for its simulated finish time.
+
+  ``delta`` is None while the work is deferred: ``work`` then computes
+  (end state, Δ) from the inputs fixed at dispatch (simulated runtime).
+  """
   delta: Any
   version: int
   tokens: int
   finish: float
+  work: Optional[Callable[[], tuple[Any, Any]]] = None
 
 
 class _SimulatedArrivals:
@@ -100,6 +113,10 @@ class _SimulatedArrivals:
 
   def push(self, worker: int, job: _Job) -> None:
     heapq.heappush(self._heap, (job.finish, worker))
+
+  def head(self) -> Optional[int]:
+    """The worker whose job arrives next, or None when none is in flight."""
+    return self._heap[0][1] if self._heap else None
 
   async def pop(self, grace_window: float) -> tuple[float, list[int]]:
     """(finish time of the group's last arrival, its workers in arrival order)."""
@@ -202,6 +219,7 @@ class Simulation:
     self._next_checkpoint = config.checkpoint_every
     self._wall_before = 0.0
     self._on_row: Callable[[Row], None] = lambda row: None
+    self._unfetched: list[Row] = []  # rows whose diagnostics are still on the device
     self._on_checkpoint: Optional[Callable[[Simulation], None]] = None
 
   # θ and the outer state live on the server (``heloco_jax.server``).
@@ -226,6 +244,8 @@ class Simulation:
 
   def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole run state at a loop boundary: (arrays, JSON-serialisable meta)."""
+    for worker in self.jobs:
+      self._compute(worker)
     params, outer_state = self.server.get()
     fetch = self.placement.fetch  # runtime=ray: waits for work still in flight
     arrays = {"params": params, "outer_state": outer_state,
@@ -282,14 +302,24 @@ class Simulation:
     if every <= 0 or self.version < self._next_checkpoint:
       return
     self._next_checkpoint = (self.version // every + 1) * every
+    self._flush()  # the checkpoint's rows are all written before it
     if self._on_checkpoint is not None:
       self._on_checkpoint(self)
 
   # ------------------------------------------------------------------ helpers
 
   def _emit(self, row: Row) -> None:
-    self.rows.append(row)
-    self._on_row(row)
+    """Queues ``row``; arrival rows are fetched ``metrics_fetch_every`` at a time."""
+    self._unfetched.append(row)
+    if row["event"] != "arrival" or len(self._unfetched) >= self.config.metrics_fetch_every:
+      self._flush()
+
+  def _flush(self) -> None:
+    """Fetches the queued rows' device scalars (one transfer) and hands the rows on."""
+    rows, self._unfetched = server_lib.to_host(self._unfetched), []
+    for row in rows:
+      self.rows.append(row)
+      self._on_row(row)
 
   def _evaluate(self, force: bool = False) -> None:
     """An eval row when the token count has passed the next eval point (or forced)."""
@@ -306,6 +336,14 @@ class Simulation:
   def _batches(self, worker: int, steps: int) -> np.ndarray:
     """Worker ``worker``'s next ``steps`` batches, (steps, batch, context + 1) on the host."""
     return np.stack([next(self.iterators[worker]) for _ in range(steps)])
+
+  def _compute(self, worker: int) -> Any:
+    """``worker``'s pending Δ, running its deferred inner steps first if needed."""
+    job = self.jobs[worker]
+    if job.work is not None:
+      self.workers[worker], job.delta = job.work()
+      job.work = None
+    return job.delta
 
   def _next_key(self) -> jax.Array:
     self.key, key = jax.random.split(self.key)
@@ -362,6 +400,7 @@ class Simulation:
       await self._run_rounds()
     else:
       await self._run_ddp(steps=None)
+    self._flush()
     if self._last_eval["tokens"] != self.tokens or self._last_eval["sim_time"] != self.sim_time:
       self._evaluate(force=True)
     wall = self._wall_before + time.perf_counter() - self._wall_start
@@ -396,15 +435,17 @@ class Simulation:
     def dispatch(worker: int, now: float) -> None:
       position = (self.iterators[worker].get_state() if self.placement.reads_own_data
                   else None)
-      self.workers[worker], delta = self.placement.run_worker(
-          worker, self.workers[worker], self.server.dispatch_point(),
+      work = functools.partial(
+          self.placement.run_worker, worker, self.workers[worker], self.server.dispatch_point(),
           self._batches(worker, int(steps[worker])), self._next_key(), position)
-      # Simulated: message + compute + message. Real devices: the dispatch time (the queue
-      # takes arrivals when the devices finish them).
+      # Simulated: message + compute + message, computed lazily (module docstring). Real
+      # devices: the dispatch time (the queue takes arrivals when the devices finish them).
       finish = now if real else (
           now + message + self.step_clock.duration(worker, int(steps[worker])) + message)
-      self.jobs[worker] = _Job(delta, self.version, int(steps[worker]) * self.tokens_per_step,
-                               finish)
+      self.jobs[worker] = _Job(None, self.version, int(steps[worker]) * self.tokens_per_step,
+                               finish, work)
+      if real:
+        self._compute(worker)
       queue.push(worker, self.jobs[worker])
 
     for worker in sorted(self.jobs, key=lambda w: (self.jobs[w].finish, w)):  # restored jobs
@@ -421,16 +462,21 @@ class Simulation:
   async def _async_loop(self, queue, dispatch: Callable[[int, float], None]) -> None:
     """Takes arrivals from ``queue`` until it is empty or a budget ends."""
     config = self.config
+    lazy = not self.placement.real_clock
     while len(queue):
+      if lazy:
+        self._compute(queue.head())  # usually queued at the end of the last iteration
       now, group = await queue.pop(config.grace_window)
-      arrived = [self.jobs.pop(w) for w in group]
-      tokens = self.tokens + sum(job.tokens for job in arrived)
+      tokens = self.tokens + sum(self.jobs[w].tokens for w in group)
       if self._over_budget(tokens, now):
-        break  # this group and everything still in flight are discarded
+        break  # this group and everything still in flight are discarded, never computed
+      for w in group:
+        self._compute(w)
+      arrived = [self.jobs.pop(w) for w in group]
       self.tokens, self.sim_time = tokens, now
       taus = [self.version - job.version for job in arrived]
       poisons = [config.fault.value if self._faulty(w) else None for w in group]
-      results = self.server.update(taus, poisons, *(job.delta for job in arrived))
+      results = self.server.update(taus, poisons, *(job.delta for job in arrived), fetch=False)
       for w, tau, result in zip(group, taus, results):
         if result["reason"] is not None:
           self._reject(w, result["reason"], tau)
@@ -445,6 +491,8 @@ class Simulation:
       self._evaluate()
       for w in group:
         dispatch(w, now)
+      if lazy and len(queue):
+        self._compute(queue.head())  # the next arrival computes while the host goes on
       self._maybe_checkpoint()
       await asyncio.sleep(0)
 

@@ -61,6 +61,35 @@ def alignment(delta: Any, momentum: Any) -> jax.Array:
   return jnp.mean(jnp.stack(cosines))
 
 
+@jax.jit
+def heloco_diagnostics(info: Any, weight: jax.Array) -> dict[str, jax.Array]:
+  """HeLoCo's per-arrival diagnostics summarised over blocks, as device scalars.
+
+  Fresh buffers, so they outlive the next outer step (which donates the
+  state holding ``info``) and can be fetched later, in a batch (``to_host``).
+  """
+  def masked_mean(values, mask):
+    count = jnp.sum(mask)
+    return jnp.where(count > 0, jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1), 0.0)
+  row = {f"branch_count/{name}": info.branch_counts[i]
+         for i, name in enumerate(outer.BRANCH_NAMES)}
+  branch = outer.BRANCH_NAMES.index
+  row.update({
+      "cosine_mean": jnp.mean(info.cosine),
+      "rotation_mean": masked_mean(info.rotation, info.branch == branch("rotate")),
+      "shrinkage_mean": masked_mean(info.shrinkage, info.branch == branch("shrink")),
+      "relative_correction": info.total_relative_correction,
+      "weight": weight})
+  return row
+
+
+def to_host(rows: list[Row]) -> list[Row]:
+  """``rows`` with their device scalars as Python numbers, in one device-to-host transfer."""
+  fetched = jax.device_get(rows)
+  return [{k: v.item() if isinstance(v, (np.ndarray, np.generic)) else v for k, v in row.items()}
+          for row in fetched]
+
+
 def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., Any]:
   """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated."""
   def step(params, state, delta, staleness):
@@ -105,21 +134,33 @@ class OuterServer:
     self.params, self.outer_state = self._place(params), self._place(outer_state)
 
   def dispatch_point(self) -> Any:
-    """Where a dispatched worker starts: θ, or θ − η·μ·m (look-ahead dispatch)."""
-    return outer.lookahead_params(self.params, self.outer_state) if self.lookahead else self.params
+    """Where a dispatched worker starts: θ, or θ − η·μ·m (look-ahead dispatch).
+
+    New arrays, which later updates (they donate θ) leave intact: the
+    simulated runtime runs a worker's steps when its arrival comes up.
+    """
+    if self.lookahead:
+      return outer.lookahead_params(self.params, self.outer_state)
+    return jax.tree.map(jnp.copy, self.params)
 
   def apply(self, delta: Any, staleness: int) -> None:
     """One outer update with pseudo-gradient ``delta`` of staleness τ."""
     self.params, self.outer_state = self._step(self.params, self.outer_state, delta,
                                                jnp.int32(staleness))
 
-  def update(self, taus: list[int], poisons: list[Optional[str]], *deltas: Any) -> list[Row]:
+  def update(self, taus: list[int], poisons: list[Optional[str]], *deltas: Any,
+             fetch: bool = True) -> list[Row]:
     """One arrival group: at most one outer update (scheduler docstring, "async").
+
+    The only host read is the group's finiteness flags, which decide whether
+    the update happens; with ``fetch=False`` the diagnostics stay device
+    scalars, for the caller to fetch in batches with ``to_host``.
 
     Args:
       taus: each arrival's staleness τ.
       poisons: per arrival, None or "nan"/"inf" (fault injection, tests).
       *deltas: the arrivals' pseudo-gradients.
+      fetch: return the diagnostics as Python numbers (default).
 
     Returns:
       Per arrival, ``{"reason": None | "nan" | "inf"}`` plus, when applied,
@@ -135,16 +176,17 @@ class OuterServer:
     if self.config.method != "heloco":  # HeLoCo logs its own cosines, per block
       momentum = outer.outer_momentum(self.outer_state)
       for i in applied:
-        results[i]["cosine_mean"] = float(alignment(deltas[i], momentum))
+        results[i]["cosine_mean"] = alignment(deltas[i], momentum)
     taus_applied = [taus[i] for i in applied]
     if len(applied) == 1:
       self.apply(deltas[applied[0]], taus_applied[0])
     else:
       self.apply(self._combine([deltas[i] for i in applied], taus_applied), max(taus_applied))
-    diagnostics = self._diagnostics()
-    for i in applied:
-      results[i].update(diagnostics)
-    return results
+    if self.config.method == "heloco":
+      diagnostics = heloco_diagnostics(self.outer_state.info, self.outer_state.weight)
+      for i in applied:
+        results[i].update(diagnostics)
+    return to_host(results) if fetch else results
 
   def _combine(self, deltas: list[Any], taus: list[int]) -> Any:
     """Grace window: Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j (scheduler docstring)."""
@@ -152,19 +194,3 @@ class OuterServer:
         tau, num_workers=self.config.num_workers, weighting=self.config.outer.weighting))
     scales = [weight(tau) / weight(max(taus)) / len(deltas) for tau in taus]
     return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
-
-  def _diagnostics(self) -> Row:
-    """HeLoCo's per-arrival diagnostics, summarised over blocks (one host transfer)."""
-    if self.config.method != "heloco":
-      return {}
-    info = jax.device_get(self.outer_state.info)
-    rotated, shrunk = info.branch == 3, info.branch == 2
-    row = {f"branch_count/{name}": int(info.branch_counts[i])
-           for i, name in enumerate(outer.BRANCH_NAMES)}
-    row.update({
-        "cosine_mean": float(np.mean(info.cosine)),
-        "rotation_mean": float(info.rotation[rotated].mean()) if rotated.any() else 0.0,
-        "shrinkage_mean": float(info.shrinkage[shrunk].mean()) if shrunk.any() else 0.0,
-        "relative_correction": float(info.total_relative_correction),
-        "weight": float(self.outer_state.weight)})
-    return row

@@ -41,7 +41,7 @@ from heloco_jax import configs
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(configs.__file__), "default.py")
 USAGE = ("usage: heloco-jax train --workdir=DIR [--config=PATH.py] [--config.KEY=VALUE ...] "
-         "[--allow_config_change]")
+         "[--allow_config_change] [--compilation_cache=DIR]")
 
 
 def _parse(argv: list[str]):
@@ -56,8 +56,34 @@ def _parse(argv: list[str]):
   allow = flags.DEFINE_bool(
       "allow_config_change", False, "Resume a workdir's run even though its config.json "
       "differs from this config.", flag_values=flag_values)
+  cache = flags.DEFINE_string(
+      "compilation_cache", None, "JAX's persistent compilation cache directory; '' turns it "
+      f"off (default: $JAX_COMPILATION_CACHE_DIR, else {default_cache_dir()}).",
+      flag_values=flag_values)
   flag_values(full_argv)
-  return workdir.value, config.value, allow.value
+  return workdir.value, config.value, allow.value, cache.value
+
+
+def default_cache_dir() -> str:
+  """$JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME (~/.cache)/heloco_jax/xla."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "heloco_jax", "xla")
+
+
+def use_compilation_cache(path: str) -> None:
+  """Keeps compiled programs in ``path`` ("" = off), so that later runs skip compiling.
+
+  JAX's persistent compilation cache: every program is stored (also the small
+  ones, which add up to seconds), keyed by the program, the JAX version and
+  the device.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if not path:
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _error(message: str) -> int:
@@ -112,7 +138,7 @@ def _open_metrics(path: str, meta: Optional[dict]):
 def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   try:
-    workdir, config, allow_config_change = _parse(argv)
+    workdir, config, allow_config_change, compilation_cache = _parse(argv)
   except (KeyError, AttributeError) as error:  # an override of a key the config lacks
     key = str(error).strip("\"'").split("'")[0]
     flag = next((arg.split("=")[0] for arg in argv if f".{key}" in arg), key)
@@ -135,6 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except RuntimeError as error:  # jax.distributed could not reach the coordinator
     return _error(f"config.distributed.coordinator={config.distributed.coordinator!r}: "
                   f"{str(error).splitlines()[0]}")
+  use_compilation_cache(default_cache_dir() if compilation_cache is None else compilation_cache)
   if config.distributed.coordinator:
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_index() > 0:  # process 0 writes the workdir

@@ -61,6 +61,7 @@ _BAD = [
     ("outer.weighting=linear", "config.outer.weighting='linear'"),
     ("outer.scope=layer", "config.outer.scope='layer'"),
     ("comm.latency=-0.5", "config.comm.latency=-0.5"),
+    ("metrics_fetch_every=0", "config.metrics_fetch_every=0"),
 ]
 
 
@@ -118,3 +119,22 @@ def test_module_entry_point_matches_console_script(tmp_path):
                            "--config.num_workers=0"], capture_output=True, text=True,
                           check=False)
   assert result.returncode == 2 and "config.num_workers=0 is not allowed" in result.stderr
+
+
+def test_compilation_cache_directory_fills_and_can_be_turned_off(tmp_path, monkeypatch):
+  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert train.default_cache_dir() == str(tmp_path / "xdg" / "heloco_jax" / "xla")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+  assert train.default_cache_dir() == str(tmp_path / "env")
+  # A fresh process (the cache is set up once per process): one jitted call fills DIR.
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  code = ("import sys, jax, jax.numpy as jnp; from heloco_jax import train; "
+          "train.use_compilation_cache(sys.argv[1]); jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)); "
+          "print(jax.config.jax_compilation_cache_dir)")
+  for path, expected in [(str(tmp_path / "cache"), str(tmp_path / "cache")), ("", "None")]:
+    out = subprocess.run([sys.executable, "-c", code, path], check=True, cwd=tmp_path,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == expected
+  assert any((tmp_path / "cache").iterdir())

@@ -75,14 +75,18 @@ class _Traced:
   """A run whose rows each come with a snapshot of θ, the outer state and the workers."""
 
   def __init__(self, config, dataset=None):
+    config.metrics_fetch_every = 1  # each row is handed on as it happens, with its snapshot
     validate(config)
     self.sim = scheduler.Simulation(config, dataset or _dataset(config.num_workers))
     self.snapshots = []
 
     def on_row(row):
       sim = self.sim
+      # state() runs the steps of work still deferred (lazy in-flight work), so a
+      # worker's state is the one after its last dispatch.
+      workers = None if sim.workers is None else sim.state()[0]["workers"]
       self.snapshots.append({"params": _copy(sim.params), "outer_state": _copy(sim.outer_state),
-                             "workers": None if sim.workers is None else _copy(sim.workers)})
+                             "workers": _copy(workers)})
 
     self.summary = asyncio.run(self.sim.run(on_row))
     self.rows = self.sim.rows

@@ -122,6 +122,47 @@ def test_same_config_and_seed_give_identical_numbers():
   assert first_rows == second_rows
 
 
+def test_rows_fetched_in_batches_equal_rows_fetched_one_by_one():
+  config = _config("heloco", speeds="mixed", num_workers=4, **{"budget.tokens": 9 * 2 * 4 * 16})
+  config.metrics_fetch_every = 4
+  handed_on = []
+  summary, batched = scheduler.simulate(config, _dataset(4), on_row=handed_on.append)
+  config.metrics_fetch_every = 1
+  _, one_by_one = _run(config)
+  assert summary["outer_updates"] == 9 and batched == one_by_one == handed_on
+  arrival = [r for r in batched if r["event"] == "arrival"][-1]
+  assert all(type(v) in (int, float, str, type(None)) for v in arrival.values())
+
+
+def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
+  """In-flight work runs when its arrival comes up: the discarded tail never runs,
+  and the rows equal those of a run that computes every dispatch at once."""
+  config = _config("heloco", speeds="severe", num_workers=8, jitter=0.2,
+                   **{"budget.tokens": 6 * 2 * 4 * 16})
+  runs = []
+  real_run_worker = scheduler.devices_lib.HostPlacement.run_worker
+
+  def counting_run_worker(self, *args, **kwargs):
+    runs.append(args[0])
+    return real_run_worker(self, *args, **kwargs)
+  monkeypatch.setattr(scheduler.devices_lib.HostPlacement, "run_worker", counting_run_worker)
+  summary, lazy_rows = _run(config)
+  arrivals = sum(r["event"] == "arrival" for r in lazy_rows)
+  assert arrivals == 6 and summary["outer_updates"] == 6
+  # 8 dispatched at t = 0, 6 re-dispatched; the next arrival's work runs ahead: 7 of 14.
+  assert len(runs) == arrivals + 1 < 8 + arrivals
+
+  # Eager: state() at every row computes all work in flight, as computing at dispatch does.
+  runs.clear()
+  simulation = scheduler.Simulation(config, _dataset(config.num_workers))
+  def force(row):
+    if simulation.workers is not None:
+      simulation.state()
+  scheduler.asyncio.run(simulation.run(force))
+  assert len(runs) == 8 + arrivals
+  assert simulation.rows == lazy_rows
+
+
 @pytest.mark.parametrize("method", ["ddp", "local_sgd", "diloco", "async_nesterov",
                                     "delayed_nesterov", "mla", "heloco", "palsgd"])
 def test_every_method_learns_on_a_tiny_run(method):

@@ -16,6 +16,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.jitter = 0.0               # relative per-step jitter in [0, 1)
   c.batch_size = 8             # sequences per inner step per worker
   c.eval_every_tokens = 100_000
+  c.metrics_fetch_every = 16   # arrival rows whose diagnostics are fetched from the device
+                               # together (1 = a host read per arrival)
   c.runtime = "simulated"      # simulated | devices | ray
   c.checkpoint_every = 10      # outer updates (DDP: steps); 0 = off
   c.keep_checkpoints = 3       # the newest checkpoints kept in DIR/checkpoints

@@ -111,6 +111,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _number("jitter", config.jitter, 0.0, 1.0, high_open=True)
   _integer("batch_size", config.batch_size, 1)
   _integer("eval_every_tokens", config.eval_every_tokens, 0)
+  _integer("metrics_fetch_every", config.metrics_fetch_every, 1)
   validate_distributed(config)
   if config.runtime not in RUNTIMES_AVAILABLE:
     _fail("runtime", config.runtime, "'simulated', 'devices' or 'ray'")
