@@ -57,7 +57,7 @@ def machine() -> str:
           f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})")
 
 
-def _torch(python: str, dispatches: int) -> dict | None:
+def _torch(python: str, dispatches: int) -> dict:
   out = subprocess.run([python, os.path.join(ROOT, "benchmarks", "torch_reference.py"),
                         f"--dispatches={dispatches}"], capture_output=True, text=True, check=True)
   lines = out.stdout.strip().splitlines()

@@ -464,8 +464,6 @@ class Simulation:
     config = self.config
     lazy = not self.placement.real_clock
     while len(queue):
-      if lazy:
-        self._compute(queue.head())  # usually queued at the end of the last iteration
       now, group = await queue.pop(config.grace_window)
       tokens = self.tokens + sum(self.jobs[w].tokens for w in group)
       if self._over_budget(tokens, now):
@@ -491,8 +489,10 @@ class Simulation:
       self._evaluate()
       for w in group:
         dispatch(w, now)
-      if lazy and len(queue):
-        self._compute(queue.head())  # the next arrival computes while the host goes on
+      if lazy and len(queue):  # the next arrival computes while the host goes on,
+        head = self.jobs[queue.head()]  # unless the budget will discard it
+        if not self._over_budget(self.tokens + head.tokens, head.finish):
+          self._compute(queue.head())
       self._maybe_checkpoint()
       await asyncio.sleep(0)
 

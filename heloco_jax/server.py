@@ -169,7 +169,8 @@ class OuterServer:
       The update happens iff some reason is None.
     """
     deltas = [d if p is None else poison(d, p) for d, p in zip(deltas, poisons)]
-    results = [{"reason": reasons(*nonfinite(d))[0]} for d in deltas]
+    flags = jax.device_get([nonfinite(d) for d in deltas])  # the group's one host read
+    results = [{"reason": reasons(*f)[0]} for f in flags]
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
     if not applied:
       return results
