@@ -374,7 +374,12 @@ class DeviceArrivals:
     self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
 
   async def pop(self, grace_window: float) -> tuple[float, list[int]]:
-    """(real time of the group's last arrival, its workers in arrival order)."""
+    """(real time at which the group is taken, its workers in arrival order).
+
+    The time is read when the group is taken, not when its results were
+    ready: rows emitted while waiting (Ray's ``redispatched``) are then never
+    later in time than the arrival rows logged after them.
+    """
     await asyncio.wait(self._tasks.values(), return_when=asyncio.FIRST_COMPLETED)
     done = {w: t.result() for w, t in self._tasks.items() if t.done()}
     first = min(done.values())
@@ -390,7 +395,7 @@ class DeviceArrivals:
       group = [min(done, key=lambda w: (done[w], w))]
     for worker in group:
       del self._tasks[worker]
-    return done[group[-1]], group
+    return self._clock(), group
 
   def close(self) -> None:
     """Drops whatever is still in flight (a budget ended)."""
