@@ -24,7 +24,7 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
-from heloco_jax import checkpoint, scheduler
+from heloco_jax import checkpoint, harness as scheduler
 from heloco_jax.configs import default
 
 
@@ -34,7 +34,7 @@ def _state() -> tuple[dict, dict]:
   captured = {}
 
   def on_checkpoint(sim):
-    captured["state"] = sim.state()
+    captured["state"] = sim.checkpoint_state()
     raise StopAsyncIteration  # enough: one real mid-run state
   simulation = scheduler.Simulation(config)
   try:
@@ -86,7 +86,7 @@ def run_overhead() -> None:
       ckpt = checkpoint.Checkpointer(root)
       simulation = scheduler.Simulation(config)
       summary = asyncio.run(simulation.run(on_checkpoint=lambda sim: ckpt.save(
-          sim.version, *sim.state())))
+          sim.version, *sim.checkpoint_state())))
       walls[every] = summary["wall_seconds"]
   print(f"quickstart run: {walls[0]:.1f} s without checkpoints, {walls[10]:.1f} s with "
         f"checkpoint_every=10 (ratio {walls[10] / walls[0]:.3f})")

@@ -24,7 +24,7 @@ import time
 
 def _child(cache_dir: str, arrivals: int) -> None:
   import jax  # pylint: disable=g-import-not-at-top
-  from heloco_jax import scheduler, train  # pylint: disable=g-import-not-at-top
+  from heloco_jax import harness as scheduler, train  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   train.use_compilation_cache(cache_dir)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import resource
 import subprocess
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import scheduler
+from heloco_jax import harness as scheduler
 from heloco_jax.configs import default
 
 
@@ -47,8 +48,8 @@ def overhead(dispatches: int) -> dict:
 
   def on_row(row):
     if row["event"] == "arrival":
-      arrivals.append((time.perf_counter(), simulation.tokens))
-  scheduler.asyncio.run(simulation.run(on_row))
+      arrivals.append((time.perf_counter(), simulation.units))
+  asyncio.run(simulation.run(on_row))
   (t0, tokens0), (t1, tokens1) = arrivals[0], arrivals[-1]
   simulated = (tokens1 - tokens0) / (t1 - t0)
 

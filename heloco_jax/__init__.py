@@ -1,11 +1,15 @@
-"""heloco_jax: asynchronous low-communication training of language models in JAX.
+"""heloco_jax: asynchronous low-communication training in JAX.
 
-The outer rules of ALGORITHMS.md as optax transforms::
+The outer rules of docs/ALGORITHMS.md as optax transforms::
 
   import heloco_jax as hj
   tx = hj.heloco(learning_rate=0.7, momentum=0.9, num_workers=5)
   state = tx.init(params)
   updates, state = tx.update(pseudo_grads, state, params, staleness=tau)
+
+and an engine that runs any model, loss, data and optimizers on K
+heterogeneous workers (``hj.simulate``), or a server for a loop of your own
+(``hj.Server``).
 """
 
 from heloco_jax.outer import (
@@ -27,9 +31,27 @@ from heloco_jax.outer import (
     scale_by_arrival_weight,
 )
 
+from heloco_jax.api import (
+    SimulationResult,
+    devices_runtime,
+    make_engine,
+    ray_runtime,
+    simulate,
+)
+from heloco_jax.clock import CommModel
+from heloco_jax.inner import PalsgdState, adamw as inner_adamw, palsgd_inner
+from heloco_jax.inner import scale_by_step_schedule
+from heloco_jax.methods import METHODS
+from heloco_jax.rejection import DivergenceError
+from heloco_jax.server import Server
+from heloco_jax.workdir import WorkdirError
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "METHODS", "CommModel", "DivergenceError", "PalsgdState", "Server", "SimulationResult",
+    "WorkdirError", "devices_runtime", "inner_adamw", "make_engine", "palsgd_inner",
+    "ray_runtime", "scale_by_step_schedule", "simulate",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
     "arrival_weight", "async_nesterov", "block_names", "correct", "delayed_nesterov", "heloco",
     "heloco_diagnostics", "lookahead_params", "mla", "outer_momentum", "scale_by_arrival_weight",

@@ -9,28 +9,26 @@ the mean over sequences when every language has the same share).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
-from heloco_jax import model as model_lib
 
 
 class Evaluator:
   """Jitted validation loss of a model on a fixed held-out set.
 
   Args:
-    graphdef: the model's ``nnx.GraphDef``.
+    token_losses: ``(params, sequences (n, context + 1)) -> (n, context)``
+      next-token losses (e.g. ``functools.partial(model.token_losses, graphdef)``).
     tokens: int tokens (N, context + 1).
     language_ids: int (N,), indices into ``languages``.
     languages: language names, for ``as_metrics``.
     chunk_size: sequences per forward pass (bounds memory).
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, tokens: np.ndarray, language_ids: np.ndarray,
+  def __init__(self, token_losses: Callable[[Any, jax.Array], jax.Array], tokens: np.ndarray, language_ids: np.ndarray,
                languages: list[str], chunk_size: int = 64):
     tokens = np.asarray(tokens, np.int32)
     language_ids = np.asarray(language_ids, np.int32)
@@ -53,7 +51,7 @@ class Evaluator:
     def losses(params):
       def chunk_loss(inputs):
         sequences, one_hot = inputs
-        per_sequence = jnp.mean(model_lib.token_losses(graphdef, params, sequences), axis=-1)
+        per_sequence = jnp.mean(token_losses(params, sequences), axis=-1)
         return one_hot.T @ per_sequence, jnp.sum(one_hot, axis=0)
       totals, counts = jax.lax.map(chunk_loss, (self._tokens, self._one_hot))
       per_language = jnp.sum(totals, axis=0) / jnp.sum(counts, axis=0)

@@ -1,18 +1,26 @@
 """The compiled inner loop: H inner steps of one worker in one ``lax.scan``.
 
-Inner optimizer: AdamW from optax pieces (``scale_by_adam`` + decoupled weight
-decay on matrices, optional global-norm clipping) with a warm-up + cosine
-learning-rate schedule indexed by the worker's *own* step count, which lives
-in ``InnerState.step`` and survives dispatches even when the AdamW moments
-are reset (``InnerConfig.reset_optimizer``, default True).
+The loop runs any ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``)
+with any optax transform ``inner_tx``. Every step calls::
 
-PALSGD (ALGORITHMS.md, "PALSGD"): with an ``anchor`` θ̃ (the worker's stale
-copy of the global model), every step flips a coin. With probability p it is
-a pseudo-synchronization step, θ ← θ − (η_ps·α_t/p)·(θ − θ̃), with no forward
-or backward pass and its batch left unused; otherwise an ordinary AdamW step
-with learning rate α_t/(1 − p). The choice is a ``lax.cond`` inside the
-same scan (under ``vmap`` both branches run and one is selected). Both kinds
-advance the step count.
+  updates, opt_state = inner_tx.update(grads, opt_state, params, step=step, ...)
+
+with ``step`` the worker's *own* step count (``InnerState.step``), which
+survives dispatches even when the optimizer state is reset at a dispatch
+(``reset_optimizer``, the authors' "fresh AdamW state per dispatch"). Plain
+optax transforms ignore it; ``scale_by_step_schedule`` reads its learning
+rate from it, so that a schedule runs on over resets.
+
+The default inner optimizer (``adamw``) is AdamW from optax pieces:
+global-norm clipping, ``scale_by_adam``, decoupled weight decay on matrices
+and a warm-up + cosine schedule indexed by the worker's step count.
+
+PALSGD (docs/ALGORITHMS.md, "PALSGD") is the transform ``palsgd_inner``: with
+an ``anchor`` θ̃ (the worker's stale copy of the global model) each step is,
+with probability p, a pseudo-synchronization θ ← θ − (η_ps·α_t/p)·(θ − θ̃)
+that leaves the optimizer state untouched, and otherwise an ordinary step
+with learning rate α_t/(1 − p). The loop draws one uniform number per step
+from the dispatch's PRNG key and passes it as ``uniform``.
 
 Workers that start together are batched with ``run_many`` (``vmap`` over a
 leading worker axis), as MaxText's DiLoCo stacks its replicas.
@@ -21,19 +29,18 @@ leading worker axis), as MaxText's DiLoCo stacks its replicas.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
-from heloco_jax import model as model_lib
+Schedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
-  """Inner optimizer and PALSGD settings.
+  """Settings of the default inner optimizer (``adamw``) and of PALSGD.
 
   Attributes:
     learning_rate: peak α of the schedule.
@@ -46,7 +53,7 @@ class InnerConfig:
     grad_clip: global-norm clipping threshold; 0 turns it off.
     reset_optimizer: reset the AdamW moments at every dispatch (default);
       the step count, and so the schedule, is never reset.
-    pseudo_sync_prob: PALSGD's p in [0, 1); only read when an anchor is given.
+    pseudo_sync_prob: PALSGD's p in [0, 1).
     pseudo_sync_rate: PALSGD's η_ps >= 0; η_ps·α/p must be <= 1.
   """
   learning_rate: float = 1e-3
@@ -86,27 +93,155 @@ class InnerConfig:
       fail("pseudo_sync_prob", "a number in [0, 1)")
     if not self.pseudo_sync_rate >= 0:
       fail("pseudo_sync_rate", "a number >= 0")
-    if (self.pseudo_sync_prob > 0
-        and self.pseudo_sync_rate * self.learning_rate / self.pseudo_sync_prob > 1):
-      raise ValueError(
-          f"inner.pseudo_sync_rate={self.pseudo_sync_rate!r} is not allowed with "
-          f"learning_rate={self.learning_rate!r} and pseudo_sync_prob={self.pseudo_sync_prob!r}; "
-          "allowed: pseudo_sync_rate·learning_rate/pseudo_sync_prob <= 1 (the pull must be a "
-          "convex combination, ALGORITHMS.md PALSGD).")
+
+  def check_pseudo_sync(self) -> None:
+    """PALSGD's pull must be a convex combination: η_ps·α/p <= 1 (ALGORITHMS.md, PALSGD)."""
+    check_pull(self.pseudo_sync_prob, self.pseudo_sync_rate, self.learning_rate,
+               prefix="inner.")
+
+  @property
+  def schedule(self) -> optax.Schedule:
+    """Warm-up from 0 to α, then cosine decay to ``min_learning_rate_ratio``·α."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=self.learning_rate, warmup_steps=self.warmup_steps,
+        decay_steps=self.total_steps,
+        end_value=self.learning_rate * self.min_learning_rate_ratio)
 
 
-def config_from(inner: Any, reset_optimizer: bool = True) -> InnerConfig:
-  """The ``InnerConfig`` of a run config's ``inner`` section (configs/default.py)."""
-  return InnerConfig(
-      learning_rate=inner.learning_rate, warmup_steps=inner.warmup_steps,
-      total_steps=inner.total_steps, min_learning_rate_ratio=inner.min_learning_rate_ratio,
-      weight_decay=inner.weight_decay, grad_clip=inner.grad_clip,
-      reset_optimizer=reset_optimizer, pseudo_sync_prob=inner.pseudo_sync_prob,
-      pseudo_sync_rate=inner.pseudo_sync_rate)
+def check_pull(prob: float, rate: float, learning_rate: float, prefix: str = "") -> None:
+  """Raises ValueError unless PALSGD's pull η_ps·α/p is at most 1."""
+  if prob > 0 and rate * learning_rate / prob > 1:
+    raise ValueError(
+        f"{prefix}pseudo_sync_rate={rate!r} is not allowed with learning_rate="
+        f"{learning_rate!r} and pseudo_sync_prob={prob!r}; allowed: "
+        "pseudo_sync_rate·learning_rate/pseudo_sync_prob <= 1 (the pull must be a convex "
+        "combination, ALGORITHMS.md PALSGD).")
+
+
+def _as_schedule(learning_rate: Schedule) -> Callable[[jax.Array], jax.Array]:
+  return learning_rate if callable(learning_rate) else (lambda step: jnp.asarray(learning_rate))
+
+
+def scale_by_step_schedule(learning_rate: Schedule) -> optax.GradientTransformationExtraArgs:
+  """Scales updates by −α_t·s, with α_t read at the worker's own step count.
+
+  Args:
+    learning_rate: a float or an optax schedule of the step count.
+
+  Returns:
+    A stateless transform whose ``update`` takes the keyword ``step`` (the
+    worker's own step count, which the inner loop passes and which survives
+    optimizer resets) and an optional ``lr_scale`` s (default 1).
+  """
+  schedule = _as_schedule(learning_rate)
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, *, step, lr_scale=1.0, **extra_args):
+    del params, extra_args
+    lr = schedule(step) * lr_scale
+    return jax.tree.map(lambda u: -lr * u, updates), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _decay_mask(params: Any) -> Any:
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def adamw_direction(config: InnerConfig) -> optax.GradientTransformation:
+  """AdamW's direction without its learning rate: clipping, Adam, decay on matrices."""
+  return optax.chain(
+      optax.clip_by_global_norm(config.grad_clip) if config.grad_clip > 0 else optax.identity(),
+      optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+      optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
+  )
+
+
+def adamw(config: InnerConfig = InnerConfig()) -> optax.GradientTransformationExtraArgs:
+  """The default inner optimizer: AdamW with the schedule at the worker's own step count.
+
+  Args:
+    config: learning rate, schedule, Adam and clipping settings.
+
+  Returns:
+    ``chain(adamw_direction(config), scale_by_step_schedule(config.schedule))``.
+  """
+  return optax.chain(adamw_direction(config), scale_by_step_schedule(config.schedule))
+
+
+class PalsgdState(NamedTuple):
+  """State of ``palsgd_inner``.
+
+  Attributes:
+    inner: the wrapped direction's state (e.g. Adam's moments).
+    pseudo_sync: whether the last step was a pseudo-synchronization (bool).
+  """
+  inner: Any
+  pseudo_sync: jax.Array
+
+
+def palsgd_inner(direction: optax.GradientTransformation, learning_rate: Schedule, *,
+                 pseudo_sync_prob: float = 0.2,
+                 pseudo_sync_rate: float = 0.5) -> optax.GradientTransformationExtraArgs:
+  """PALSGD's inner step as an optax transform (ALGORITHMS.md, "PALSGD").
+
+  Args:
+    direction: the inner optimizer without its learning rate (e.g.
+      ``optax.scale_by_adam()``); its output is scaled by −α_t.
+    learning_rate: α_t, a float or a schedule of the worker's step count.
+    pseudo_sync_prob: p in [0, 1), the probability of a pseudo-sync step.
+    pseudo_sync_rate: η_ps >= 0; the pull η_ps·α_t/p must be <= 1.
+
+  Returns:
+    A transform whose ``update(grads, state, params, *, step, anchor=None,
+    uniform=None)`` takes the worker's step count, its stale global model θ̃
+    (``anchor``) and a uniform number in [0, 1) for the step's coin. Without
+    an anchor (e.g. PALSGD's DDP warm-up) it is the plain step with rate α_t.
+    With one: if ``uniform < p``, updates = −(η_ps·α_t/p)·(θ − θ̃) and the state
+    is unchanged; else the direction's update scaled by −α_t/(1 − p).
+
+  References:
+    Naganuma et al., "Pseudo-Asynchronous Local SGD", TMLR 2025
+    (arXiv 2504.18454).
+  """
+  if not 0 <= pseudo_sync_prob < 1:
+    raise ValueError(f"palsgd_inner: pseudo_sync_prob={pseudo_sync_prob!r} is not allowed; "
+                     "allowed: a number in [0, 1).")
+  if not pseudo_sync_rate >= 0:
+    raise ValueError(f"palsgd_inner: pseudo_sync_rate={pseudo_sync_rate!r} is not allowed; "
+                     "allowed: a number >= 0.")
+  if not callable(learning_rate):
+    check_pull(pseudo_sync_prob, pseudo_sync_rate, learning_rate)
+  schedule = _as_schedule(learning_rate)
+  direction = optax.with_extra_args_support(direction)
+  p = pseudo_sync_prob
+
+  def init_fn(params):
+    return PalsgdState(direction.init(params), jnp.zeros((), bool))
+
+  def update_fn(grads, state, params=None, *, step, anchor=None, uniform=None, **extra_args):
+    del extra_args
+    lr_scale = 1.0 if anchor is None else 1.0 / (1.0 - p)
+    d, inner = direction.update(grads, state.inner, params)
+    lr = schedule(step) * lr_scale
+    step_updates = jax.tree.map(lambda u: -lr * u, d)
+    if anchor is None:
+      return step_updates, PalsgdState(inner, jnp.zeros((), bool))
+    coin = uniform < p
+    pull = pseudo_sync_rate * schedule(step) / p if p > 0 else 0.0
+    pulled = jax.tree.map(lambda x, a: -(pull * (x - a)), params, anchor)
+    pick = lambda new, old: jnp.where(coin, new, old)
+    updates = jax.tree.map(pick, pulled, step_updates)
+    return updates, PalsgdState(jax.tree.map(pick, state.inner, inner), coin)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class InnerState(NamedTuple):
-  """One worker's inner state: θ, AdamW state and its own step count."""
+  """One worker's inner state: θ, the inner optimizer's state and its own step count."""
   params: Any
   opt_state: Any
   step: jax.Array
@@ -118,39 +253,29 @@ class InnerMetrics(NamedTuple):
   Attributes:
     loss: training loss of the step (0 on pseudo-sync steps).
     pseudo_sync: True where the step was a PALSGD pseudo-sync step.
-    learning_rate: α_t of the step (before PALSGD's 1/(1 − p) rescale).
+    step: the worker's step count at the start of the step.
   """
   loss: jax.Array
   pseudo_sync: jax.Array
-  learning_rate: jax.Array
-
-
-def _decay_mask(params: Any) -> Any:
-  return jax.tree.map(lambda x: x.ndim >= 2, params)
+  step: jax.Array
 
 
 class InnerLoop:
-  """H inner steps of the model ``graphdef`` as one compiled call.
+  """H inner steps of ``loss_fn`` with ``inner_tx`` as one compiled call.
 
   Args:
-    graphdef: the model's ``nnx.GraphDef`` (see ``heloco_jax.model.init``).
-    config: the ``InnerConfig``.
+    loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``.
+    inner_tx: any optax transform (default: ``adamw()``).
+    reset_optimizer: start every dispatch with a fresh ``inner_tx`` state
+      (the step count is kept either way).
   """
 
-  def __init__(self, graphdef: nnx.GraphDef, config: InnerConfig = InnerConfig()):
-    self.graphdef = graphdef
-    self.config = config
-    self.schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-        decay_steps=config.total_steps,
-        end_value=config.learning_rate * config.min_learning_rate_ratio)
-    # AdamW's direction (optax.adamw without its learning rate, which comes
-    # from the worker's own step count instead of the optimizer's count).
-    self.direction = optax.chain(
-        optax.clip_by_global_norm(config.grad_clip) if config.grad_clip > 0 else optax.identity(),
-        optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
-        optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
-    )
+  def __init__(self, loss_fn: Callable[..., Any],
+               inner_tx: Optional[optax.GradientTransformation] = None,
+               reset_optimizer: bool = True):
+    self.loss_fn = loss_fn
+    self.tx = optax.with_extra_args_support(adamw() if inner_tx is None else inner_tx)
+    self.reset_optimizer = reset_optimizer
     self.run_jit = jax.jit(self.run, donate_argnums=0)
     self.run_many = jax.jit(jax.vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
@@ -159,16 +284,19 @@ class InnerLoop:
   def start(self, params: Any, previous: Optional[InnerState] = None) -> InnerState:
     """The state for a dispatch from ``params``.
 
-    Keeps ``previous``'s step count, and its AdamW moments unless
+    Keeps ``previous``'s step count, and its optimizer state unless
     ``reset_optimizer``; a first dispatch starts at step 0. ``params`` is
     copied: ``run_jit`` donates the state, and the caller's θ must survive.
     """
     params = jax.tree.map(jnp.array, params)  # jnp.array copies
     if previous is None:
-      return InnerState(params, self.direction.init(params), jnp.zeros((), jnp.int32))
-    opt_state = (self.direction.init(params) if self.config.reset_optimizer
-                 else previous.opt_state)
+      return InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+    opt_state = self.tx.init(params) if self.reset_optimizer else previous.opt_state
     return InnerState(params, opt_state, previous.step)
+
+  def fresh_moments(self, state: InnerState) -> InnerState:
+    """``state`` with a fresh optimizer state (its step count kept): after a rejected Δ."""
+    return state._replace(opt_state=self.tx.init(state.params))
 
   def _start_many(self, params: Any, previous: Optional[InnerState],
                   num_workers: int) -> InnerState:
@@ -182,56 +310,60 @@ class InnerLoop:
     return jax.vmap(self.start, in_axes=(None, 0))(params, previous)
 
   def _reset_moments(self, states: InnerState, rejected: jax.Array) -> InnerState:
-    """K stacked states with fresh AdamW moments where ``rejected`` (bool, K); steps kept."""
-    fresh = jax.vmap(self.direction.init)(states.params)
+    """K stacked states with fresh optimizer states where ``rejected`` (bool, K); steps kept."""
+    fresh = jax.vmap(self.tx.init)(states.params)
     def pick(new, old):
       return jnp.where(rejected.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
     return states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state))
 
-  def adamw_step(self, state: InnerState, batch: jax.Array,
-                 lr_scale: Any = 1.0) -> tuple[InnerState, jax.Array]:
-    """One ordinary AdamW step with learning rate α_t·lr_scale; returns (state, loss)."""
-    loss, grads = jax.value_and_grad(model_lib.loss, argnums=1)(self.graphdef, state.params, batch)
-    direction, opt_state = self.direction.update(grads, state.opt_state, state.params)
-    lr = self.schedule(state.step) * lr_scale
-    params = jax.tree.map(lambda p, d: (p - lr * d).astype(p.dtype), state.params, direction)
-    return InnerState(params, opt_state, state.step + 1), loss
+  def _value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    """(loss, grads); a ``loss_fn`` returning ``(loss, aux)`` has its aux dropped."""
+    out = jax.eval_shape(self.loss_fn, params, batch)
+    if isinstance(out, tuple):
+      (loss, _), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, batch)
+    else:
+      loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
+    return loss, grads
 
-  def pseudo_sync_step(self, state: InnerState, anchor: Any) -> InnerState:
-    """PALSGD pseudo-sync: θ ← θ − (η_ps·α_t/p)·(θ − θ̃); no gradient, AdamW state untouched."""
-    pull = (self.config.pseudo_sync_rate * self.schedule(state.step)
-            / self.config.pseudo_sync_prob)
-    params = jax.tree.map(lambda p, a: (p - pull * (p - a)).astype(p.dtype), state.params, anchor)
-    return InnerState(params, state.opt_state, state.step + 1)
+  def step(self, state: InnerState, batch: Any, **extra_args: Any) -> tuple[InnerState, jax.Array]:
+    """One inner step; ``extra_args`` go to ``inner_tx.update``. Returns (state, loss)."""
+    loss, grads = self._value_and_grad(state.params, batch)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params, step=state.step,
+                                        **extra_args)
+    return InnerState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
 
-  def run(self, state: InnerState, batches: jax.Array, key: jax.Array,
+  def run(self, state: InnerState, batches: Any, key: jax.Array,
           anchor: Any = None) -> tuple[InnerState, InnerMetrics]:
-    """H = len(batches) inner steps in one ``lax.scan``.
+    """H inner steps in one ``lax.scan``, H the leading size of ``batches``' leaves.
 
     Args:
       state: the worker's ``InnerState`` (from ``start``).
-      batches: int tokens (H, batch, context + 1), one batch per step.
-      key: PRNG key for PALSGD's coins (unused without an anchor).
-      anchor: PALSGD's θ̃; None for a plain inner loop.
+      batches: a pytree of arrays with a leading axis of H, one batch per step.
+      key: PRNG key of the dispatch (PALSGD's coins; unused without an anchor).
+      anchor: PALSGD's θ̃, passed to ``inner_tx`` with a uniform number per
+        step; None for a plain inner loop.
 
     Returns:
       The state after H steps, and ``InnerMetrics`` of shape (H,).
     """
-    p = self.config.pseudo_sync_prob
-    coins = jax.random.uniform(key, (batches.shape[0],)) < p
+    steps = jax.tree.leaves(batches)[0].shape[0]
+    uniform = (jnp.zeros((steps,)) if anchor is None
+               else jax.random.uniform(key, (steps,)))  # one coin per step
 
     def body(state, inputs):
-      batch, coin = inputs
-      alpha = self.schedule(state.step)
-      if anchor is None:
-        state, loss = self.adamw_step(state, batch)
-        return state, InnerMetrics(loss, jnp.zeros((), bool), alpha)
-      state, loss = jax.lax.cond(
-          coin,
-          lambda s: (self.pseudo_sync_step(s, anchor), jnp.zeros((), jnp.float32)),
-          lambda s: self.adamw_step(s, batch, 1.0 / (1.0 - p)),
-          state)
-      return state, InnerMetrics(loss, coin, alpha)
+      batch, u = inputs
+      extra = {} if anchor is None else {"anchor": anchor, "uniform": u}
+      new, loss = self.step(state, batch, **extra)
+      pseudo = getattr(new.opt_state, "pseudo_sync", jnp.zeros((), bool))
+      return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step)
 
-    return jax.lax.scan(body, state, (batches, coins))
+    return jax.lax.scan(body, state, (batches, uniform))
 
+
+def config_from(inner: Any) -> InnerConfig:
+  """The ``InnerConfig`` of a run config's ``inner`` section (configs/default.py)."""
+  return InnerConfig(
+      learning_rate=inner.learning_rate, warmup_steps=inner.warmup_steps,
+      total_steps=inner.total_steps, min_learning_rate_ratio=inner.min_learning_rate_ratio,
+      weight_decay=inner.weight_decay, grad_clip=inner.grad_clip,
+      pseudo_sync_prob=inner.pseudo_sync_prob, pseudo_sync_rate=inner.pseudo_sync_rate)

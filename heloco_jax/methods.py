@@ -1,7 +1,7 @@
 """The method registry: every method is data, not a copy of the training loop.
 
 A method is (synchrony, outer rule, dispatch rule, inner variant), run by the
-one scheduler of ``heloco_jax.scheduler`` (DESIGN.md, "The idea in one
+one engine of ``heloco_jax.runtime.engine`` (docs/DESIGN.md, "The idea in one
 picture"):
 
   method            synchrony  outer rule (optax)                         dispatch   inner
@@ -14,21 +14,30 @@ picture"):
   mla               async      hj.mla                                      θ or look-ahead (option)
   heloco            async      hj.heloco                                   look-ahead plain
 
-Default outer learning rates and momenta are those of ALGORITHMS.md.
+Default outer learning rates and momenta are those of docs/ALGORITHMS.md.
+Each entry builds its own outer rule (``Method.make_outer``) and inner
+optimizer (``Method.make_inner``) from keyword options, so the engine and the
+CLI never branch on a method's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax.numpy as jnp
-import ml_collections
 import optax
 
-from heloco_jax import outer
+from heloco_jax import inner as inner_lib, outer
 
 SYNCHRONIES = ("step", "round", "async")
+LOOKAHEAD = ("never", "option", "always")
+# The keyword options of ``hj.heloco`` that ``Method.make_outer`` passes on.
+HELOCO_OPTIONS = ("keep_threshold", "bad_threshold", "shrink_strength", "max_shrink",
+                  "rotate_strength", "confidence_scale", "rotate_schedule", "weight_order",
+                  "scope")
+
+OuterFactory = Callable[[float, int, Mapping[str, Any]], optax.GradientTransformation]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,66 +45,115 @@ class Method:
   """One entry of the registry.
 
   Attributes:
-    name: the config's ``method``.
+    name: the method's name (``hj.simulate(method=...)``, the config's ``method``).
     synchrony: "step" (DDP: every inner step is synchronous), "round" (all
       workers start together, a barrier every H steps) or "async" (one outer
       update per arrival, no barrier).
-    make_outer: builds the outer rule from the config (None for DDP).
-    lookahead_dispatch: dispatch from θ − η·μ·m instead of θ by default.
+    outer: ``(η, K, options) -> optax transform`` (None for DDP).
+    lookahead: dispatch from θ − η·μ·m: "never", "option" (off by default,
+      MLA) or "always" (HeLoCo).
     inner: "plain" or "palsgd" (pseudo-sync steps toward θ̃).
-    reset_optimizer: the inner AdamW moments are reset at every dispatch by
-      default (PALSGD keeps them local).
+    reset_optimizer: the inner optimizer state is reset at every dispatch by
+      default (PALSGD keeps it local).
     learning_rate: the default outer η.
   """
   name: str
   synchrony: str
-  make_outer: Optional[Callable[[ml_collections.ConfigDict], optax.GradientTransformation]]
-  lookahead_dispatch: bool = False
+  outer: Optional[OuterFactory]
+  lookahead: str = "never"
   inner: str = "plain"
   reset_optimizer: bool = True
   learning_rate: float = 0.7
 
+  def make_outer(self, num_workers: int, options: Mapping[str, Any] = None
+                 ) -> Optional[optax.GradientTransformation]:
+    """The method's outer rule for K workers.
 
-def outer_learning_rate(config: ml_collections.ConfigDict, method: Method) -> float:
-  """``outer.learning_rate`` when set (> 0), else the method's default."""
-  return config.outer.learning_rate if config.outer.learning_rate > 0 else method.learning_rate
+    Args:
+      num_workers: K (for ρ = 1/√K and DN's default buffer N = K).
+      options: keyword options, e.g. a config's ``outer`` section:
+        ``learning_rate`` (0 or absent: the method's default), ``momentum``,
+        ``weighting``, DN's ``buffer_size`` (0: K) and ``dn_c``, and HeLoCo's
+        ``HELOCO_OPTIONS``. Options the method does not use are ignored.
+    """
+    if self.outer is None:
+      return None
+    options = dict(options or {})
+    learning_rate = options.get("learning_rate") or self.learning_rate
+    return self.outer(learning_rate, num_workers, options)
+
+  def lookahead_dispatch(self, option: Optional[bool] = None) -> bool:
+    """Whether workers start from the look-ahead point (``option`` None: the default).
+
+    Raises:
+      ValueError: HeLoCo without look-ahead, or look-ahead without an MLA or
+        HeLoCo momentum.
+    """
+    if option is None:
+      return self.lookahead == "always"
+    if self.lookahead == "always" and not option:
+      raise ValueError(f"lookahead_dispatch=False is not allowed with method={self.name!r}; "
+                       "allowed: None or True (it always dispatches from the look-ahead point)")
+    if self.lookahead == "never" and option:
+      raise ValueError(f"lookahead_dispatch=True is not allowed with method={self.name!r}; "
+                       "allowed: methods with an MLA or HeLoCo momentum (mla, heloco)")
+    return bool(option)
+
+  def arrival_weight(self, num_workers: int, weighting: str = "constant"
+                     ) -> Callable[[int], float]:
+    """ρ(τ) of the method's rule, for combining a grace window's arrivals."""
+    return lambda tau: float(outer.arrival_weight(tau, num_workers=num_workers,
+                                                  weighting=weighting))
+
+  def make_inner(self, config: inner_lib.InnerConfig) -> optax.GradientTransformation:
+    """The default inner optimizer: AdamW, or PALSGD's variant of it."""
+    if self.inner == "palsgd":
+      config.check_pseudo_sync()
+      return inner_lib.palsgd_inner(inner_lib.adamw_direction(config), config.schedule,
+                                    pseudo_sync_prob=config.pseudo_sync_prob,
+                                    pseudo_sync_rate=config.pseudo_sync_rate)
+    return inner_lib.adamw(config)
 
 
-def _nesterov(config):
-  return optax.sgd(outer_learning_rate(config, METHODS[config.method]),
-                   momentum=config.outer.momentum, nesterov=True, accumulator_dtype=jnp.float32)
+def _async(options: Mapping[str, Any], num_workers: int) -> dict[str, Any]:
+  return dict(momentum=options.get("momentum", 0.9), num_workers=num_workers,
+              weighting=options.get("weighting", "constant"))
 
 
-def _async_kwargs(config):
-  return dict(num_workers=config.num_workers, weighting=config.outer.weighting)
+def _nesterov(learning_rate, num_workers, options):
+  del num_workers
+  return optax.sgd(learning_rate, momentum=options.get("momentum", 0.9), nesterov=True,
+                   accumulator_dtype=jnp.float32)
+
+
+def _delayed_nesterov(learning_rate, num_workers, options):
+  kwargs = _async(options, num_workers)
+  return outer.delayed_nesterov(learning_rate, kwargs.pop("momentum"),
+                                buffer_size=options.get("buffer_size") or num_workers,
+                                c=options.get("dn_c", 0.0), **kwargs)
+
+
+def _heloco(learning_rate, num_workers, options):
+  kwargs = _async(options, num_workers)
+  kwargs.update({key: options[key] for key in HELOCO_OPTIONS if key in options})
+  return outer.heloco(learning_rate, kwargs.pop("momentum"), **kwargs)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ddp", "step", None),
-    Method("local_sgd", "round", lambda c: optax.sgd(1.0), learning_rate=1.0),
+    Method("local_sgd", "round", lambda lr, k, o: optax.sgd(1.0), learning_rate=1.0),
     Method("diloco", "round", _nesterov),
     Method("palsgd", "round", _nesterov, inner="palsgd", reset_optimizer=False),
     Method("async_nesterov", "async",
-           lambda c: outer.async_nesterov(outer_learning_rate(c, METHODS["async_nesterov"]),
-                                          c.outer.momentum, **_async_kwargs(c)),
-           learning_rate=0.07),
-    Method("delayed_nesterov", "async",
-           lambda c: outer.delayed_nesterov(
-               outer_learning_rate(c, METHODS["delayed_nesterov"]), c.outer.momentum,
-               buffer_size=c.outer.buffer_size or c.num_workers, c=c.outer.dn_c,
-               **_async_kwargs(c)),
-           learning_rate=0.07),
-    Method("mla", "async",
-           lambda c: outer.mla(outer_learning_rate(c, METHODS["mla"]), c.outer.momentum,
-                               **_async_kwargs(c))),
-    Method("heloco", "async",
-           lambda c: outer.heloco(
-               outer_learning_rate(c, METHODS["heloco"]), c.outer.momentum,
-               keep_threshold=c.outer.keep_threshold, bad_threshold=c.outer.bad_threshold,
-               shrink_strength=c.outer.shrink_strength, max_shrink=c.outer.max_shrink,
-               rotate_strength=c.outer.rotate_strength,
-               confidence_scale=c.outer.confidence_scale,
-               rotate_schedule=c.outer.rotate_schedule, weight_order=c.outer.weight_order,
-               scope=c.outer.scope, **_async_kwargs(c)),
-           lookahead_dispatch=True),
+           lambda lr, k, o: outer.async_nesterov(lr, **_async(o, k)), learning_rate=0.07),
+    Method("delayed_nesterov", "async", _delayed_nesterov, learning_rate=0.07),
+    Method("mla", "async", lambda lr, k, o: outer.mla(lr, **_async(o, k)), lookahead="option"),
+    Method("heloco", "async", _heloco, lookahead="always"),
 ]}
+
+
+def get(name: str) -> Method:
+  """The registry entry ``name``, or a ValueError listing the allowed names."""
+  if name not in METHODS:
+    raise ValueError(f"method={name!r} is not allowed; allowed: {', '.join(METHODS)}")
+  return METHODS[name]

@@ -1,53 +1,39 @@
 """The server side of every runtime: θ, the outer state and the jitted outer rule.
 
-``OuterServer`` is what the scheduler (``heloco_jax.scheduler``) calls for
-everything that touches θ: the dispatch point (θ, or the look-ahead point
-θ − η·μ·m, ALGORITHMS.md "MLA"), and one ``update`` per arrival group, which
-rejects non-finite pseudo-gradients, measures cos(Δ, m), combines a grace
-window's arrivals and applies the outer rule. ``runtime=simulated`` and
-``runtime=devices`` run it in the scheduler's process; ``runtime=ray`` runs
-the same class as the parameter-server actor (``heloco_jax.ray_runtime``).
+``OuterServer`` holds θ and the state of any optax outer transform (a
+registry method's, or a user's chain). It gives the dispatch point (θ, or
+the look-ahead point θ − η·μ·m, docs/ALGORITHMS.md "MLA"), and applies one
+``update`` per arrival group: it rejects non-finite pseudo-gradients
+(``heloco_jax.runtime.rejection``), measures cos(Δ, m) with the momentum the
+arrival meets, combines a grace window's arrivals and applies the rule.
+HeLoCo's diagnostics come from the HeLoCo state wherever it sits in the chain.
+
+For a loop of your own, ``dispatch(worker)`` and ``arrive(delta, worker)`` do
+the version and staleness bookkeeping::
+
+  server = hj.Server(hj.heloco(0.7, 0.9, num_workers=2), params, lookahead=True)
+  start = server.dispatch(worker=0)            # θ − η·μ·m
+  ...                                          # H local steps from start
+  row = server.arrive(start_minus_end, worker=0)  # {"staleness": τ, "applied": True, ...}
+
+The engine (``heloco_jax.runtime.engine``) runs it in its own process for the
+simulated and devices runtimes and as the parameter-server actor on Ray.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
 from heloco_jax import outer
-from heloco_jax.methods import METHODS
+from heloco_jax.outer.lookahead import find_state
+from heloco_jax import rejection
 
 Row = dict[str, Any]
-
-
-def poison(tree: Any, value: str, worker: Optional[int] = None) -> Any:
-  """``tree`` with its first leaf's first element (of ``worker``'s slice) set to NaN or Inf."""
-  leaves, treedef = jax.tree.flatten(tree)
-  index = (0,) * leaves[0].ndim if worker is None else (worker,) + (0,) * (leaves[0].ndim - 1)
-  leaves[0] = jnp.asarray(leaves[0]).at[index].set(jnp.nan if value == "nan" else jnp.inf)
-  return jax.tree.unflatten(treedef, leaves)
-
-
-@functools.partial(jax.jit, static_argnames="per_worker")
-def nonfinite(tree: Any, per_worker: bool = False) -> tuple[jax.Array, jax.Array]:
-  """(has NaN, has ±Inf) over ``tree``; per slice of the leading axis if ``per_worker``."""
-  def any_of(test):
-    flags = [test(x).reshape((x.shape[0], -1) if per_worker else (-1,)).any(axis=-1)
-             for x in jax.tree.leaves(tree)]
-    return jnp.any(jnp.stack(flags), axis=0)
-  return any_of(jnp.isnan), any_of(jnp.isinf)
-
-
-def reasons(has_nan: Any, has_inf: Any) -> list[Optional[str]]:
-  """Per pseudo-gradient: None if finite, else "nan" or "inf"."""
-  has_nan, has_inf = np.atleast_1d(has_nan), np.atleast_1d(has_inf)
-  return ["nan" if n else "inf" if i else None for n, i in zip(has_nan, has_inf)]
 
 
 @jax.jit
@@ -92,38 +78,55 @@ def to_host(rows: list[Row]) -> list[Row]:
 
 def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., Any]:
   """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated."""
+  tx = optax.with_extra_args_support(tx)
   def step(params, state, delta, staleness):
     updates, state = tx.update(delta, state, params, staleness=staleness)
     return optax.apply_updates(params, updates), state
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def lookahead_default(config: ml_collections.ConfigDict) -> bool:
-  """Whether ``config``'s method dispatches from the look-ahead point."""
-  if config.lookahead_dispatch < 0:
-    return METHODS[config.method].lookahead_dispatch
-  return bool(config.lookahead_dispatch)
+def _find(state: Any, finder: Callable[[Any], Any]) -> bool:
+  try:
+    finder(state)
+  except ValueError:
+    return False
+  return True
 
 
 class OuterServer:
-  """θ, the outer state and the outer rule of ``config.method``.
+  """θ, the outer state and an outer rule.
 
   Args:
-    config: the run's config (method, outer.*, num_workers, lookahead_dispatch).
+    outer_tx: any optax transform of pseudo-gradients (``hj.heloco(...)``, a
+      chain holding one, ``optax.sgd(...)``); its ``update`` receives the
+      keyword ``staleness``. None: θ changes only through ``params``
+      (DDP).
     params: the initial θ (copied: the outer step donates the server's buffers).
+    lookahead: dispatch from θ − η·μ·m (needs an MLA or HeLoCo state in the chain).
+    arrival_weight: ρ(τ) of the rule, to combine a grace window's arrivals
+      (default: ρ constant, a plain mean).
     place: puts a pytree where the server computes (default: leaves it).
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, params: Any,
+  def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
+               lookahead: bool = False,
+               arrival_weight: Optional[Callable[[int], float]] = None,
                place: Callable[[Any], Any] = lambda tree: tree):
-    self.config = config
     self._place = place
-    method = METHODS[config.method]
-    self.outer_tx = method.make_outer(config) if method.make_outer else None
-    self.outer_state = place(self.outer_tx.init(params)) if self.outer_tx else None
+    self.outer_tx = outer_tx
+    self.outer_state = place(outer_tx.init(params)) if outer_tx is not None else None
     self.params = place(jax.tree.map(jnp.array, params))
-    self.lookahead = lookahead_default(config)
-    self._step = jit_outer_step(self.outer_tx) if self.outer_tx else None
+    self.lookahead = lookahead
+    if lookahead and not _find(self.outer_state, _lookahead_finder):
+      raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
+                       "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
+    self._arrival_weight = arrival_weight or (lambda tau: 1.0)
+    self._step = jit_outer_step(outer_tx) if outer_tx is not None else None
+    # Diagnostics, decided once from the state's structure (no method names).
+    self._heloco = _find(self.outer_state, _heloco_finder)
+    self._momentum = not self._heloco and _find(self.outer_state, outer.outer_momentum)
+    self.version = 0
+    self._dispatched: dict[int, int] = {}
 
   def get(self) -> tuple[Any, Any]:
     """(θ, outer state) on the host."""
@@ -150,7 +153,7 @@ class OuterServer:
 
   def update(self, taus: list[int], poisons: list[Optional[str]], *deltas: Any,
              fetch: bool = True) -> list[Row]:
-    """One arrival group: at most one outer update (scheduler docstring, "async").
+    """One arrival group: at most one outer update.
 
     The only host read is the group's finiteness flags, which decide whether
     the update happens; with ``fetch=False`` the diagnostics stay device
@@ -164,17 +167,17 @@ class OuterServer:
 
     Returns:
       Per arrival, ``{"reason": None | "nan" | "inf"}`` plus, when applied,
-      its arrival-row diagnostics: ``cosine_mean`` (cos(Δ, m) with the
-      momentum it meets) and, for HeLoCo, its block summary after the update.
-      The update happens iff some reason is None.
+      its diagnostics: ``cosine_mean`` (cos(Δ, m) with the momentum it
+      meets) and, when the chain holds HeLoCo, its block summary after the
+      update. The update happens iff some reason is None; several applied
+      arrivals are combined as Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j.
     """
-    deltas = [d if p is None else poison(d, p) for d, p in zip(deltas, poisons)]
-    flags = jax.device_get([nonfinite(d) for d in deltas])  # the group's one host read
-    results = [{"reason": reasons(*f)[0]} for f in flags]
+    deltas = [d if p is None else rejection.poison(d, p) for d, p in zip(deltas, poisons)]
+    results = [{"reason": reason} for reason in rejection.screen(deltas)]
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
     if not applied:
       return results
-    if self.config.method != "heloco":  # HeLoCo logs its own cosines, per block
+    if self._momentum:  # HeLoCo logs its own cosines, per block
       momentum = outer.outer_momentum(self.outer_state)
       for i in applied:
         results[i]["cosine_mean"] = alignment(deltas[i], momentum)
@@ -183,15 +186,55 @@ class OuterServer:
       self.apply(deltas[applied[0]], taus_applied[0])
     else:
       self.apply(self._combine([deltas[i] for i in applied], taus_applied), max(taus_applied))
-    if self.config.method == "heloco":
-      diagnostics = heloco_diagnostics(self.outer_state.info, self.outer_state.weight)
+    self.version += 1
+    if self._heloco:
+      state = _heloco_finder(self.outer_state)
+      diagnostics = heloco_diagnostics(state.info, state.weight)
       for i in applied:
         results[i].update(diagnostics)
     return to_host(results) if fetch else results
 
   def _combine(self, deltas: list[Any], taus: list[int]) -> Any:
-    """Grace window: Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j (scheduler docstring)."""
-    weight = lambda tau: float(outer.arrival_weight(
-        tau, num_workers=self.config.num_workers, weighting=self.config.outer.weighting))
+    """Grace window: Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j."""
+    weight = self._arrival_weight
     scales = [weight(tau) / weight(max(taus)) / len(deltas) for tau in taus]
     return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
+
+  # ------------------------------------------------ a loop of your own
+
+  def dispatch(self, worker: int = 0) -> Any:
+    """The start point for ``worker``; remembers the version it starts from."""
+    self._dispatched[worker] = self.version
+    return self.dispatch_point()
+
+  def arrive(self, delta: Any, worker: int = 0) -> Row:
+    """``worker``'s pseudo-gradient Δ = start − end arrives: one outer update.
+
+    Returns:
+      ``{"worker", "staleness", "applied", "reason", "version", ...}`` with
+      the diagnostics of ``update`` as Python numbers; a non-finite Δ is
+      rejected (``applied`` False, θ unchanged).
+
+    Raises:
+      KeyError: ``worker`` was not dispatched.
+    """
+    if worker not in self._dispatched:
+      raise KeyError(f"arrive(worker={worker}): that worker was not dispatched; call "
+                     "dispatch(worker) first")
+    tau = self.version - self._dispatched.pop(worker)
+    result = self.update([tau], [None], delta)[0]
+    reason = result.pop("reason")
+    return {"worker": worker, "staleness": tau, "applied": reason is None, "reason": reason,
+            "version": self.version, **result}
+
+
+def _lookahead_finder(state: Any) -> Any:
+  return find_state(state, (outer.MLAState, outer.HeLoCoState),
+                                    "lookahead_params")
+
+
+def _heloco_finder(state: Any) -> Any:
+  return find_state(state, (outer.HeLoCoState,), "heloco_diagnostics")
+
+
+Server = OuterServer

@@ -28,10 +28,8 @@ error, 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
-import warnings
 from typing import Optional, Sequence
 
 from absl import flags
@@ -99,42 +97,6 @@ def _progress(total_tokens: int):
   return tqdm(total=total_tokens or None, unit="tok", unit_scale=True, dynamic_ncols=True)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  """{"a": {"b": 1}} -> {"a.b": 1}."""
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
-def config_differences(old: dict, new: dict) -> list[str]:
-  """The keys whose values differ between two configs as JSON, as 'key (old -> new)'."""
-  old, new = _flatten(old), _flatten(new)
-  missing = object()
-  show = lambda v: "absent" if v is missing else json.dumps(v)
-  return [f"{key} ({show(old.get(key, missing))} -> {show(new.get(key, missing))})"
-          for key in sorted(set(old) | set(new)) if old.get(key, missing) != new.get(key, missing)]
-
-
-def _open_metrics(path: str, meta: Optional[dict]):
-  """metrics.jsonl for appending: emptied for a new run, cut back to the checkpoint's rows."""
-  if meta is None:
-    return open(path, "w"), 0
-  size, rows = meta["metrics"]["bytes"], meta["metrics"]["rows"]
-  if not os.path.exists(path) or os.path.getsize(path) < size:
-    raise OSError(f"{path} is shorter than checkpoint {meta['version']} recorded ({size} bytes, "
-                  f"{rows} rows); its rows are lost")
-  with open(path, "r+b") as f:
-    f.truncate(size)
-    f.seek(0)
-    if f.read().count(b"\n") != rows:
-      raise OSError(f"{path} does not hold the {rows} rows checkpoint {meta['version']} recorded")
-  return open(path, "a"), rows
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   try:
@@ -150,7 +112,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _error(f"--workdir is required; {USAGE}")
 
   # Validation before any work (and before importing JAX-heavy modules).
-  from heloco_jax import checkpoint, devices, scheduler  # pylint: disable=g-import-not-at-top
+  from heloco_jax import checkpoint, harness, rejection  # pylint: disable=g-import-not-at-top
+  from heloco_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
     validation.validate_distributed(config)  # before JAX starts
@@ -167,71 +131,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if jax.process_index() > 0:  # process 0 writes the workdir
       workdir = os.path.join(workdir, f"process_{jax.process_index()}")
   seconds = "simulated s" if config.runtime == "simulated" else "real s"
-  if os.path.exists(os.path.join(workdir, "summary.json")):
-    return _error(f"--workdir={workdir!r} already holds a finished run (summary.json); "
-                  "allowed: a new directory, or one holding an unfinished run to resume.")
-  config_path = os.path.join(workdir, "config.json")
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
-  checkpoints_dir = os.path.join(workdir, "checkpoints")
   try:
-    os.makedirs(workdir, exist_ok=True)
-    checkpointer = None
-    if config.checkpoint_every > 0 or os.path.isdir(checkpoints_dir):
-      checkpointer = checkpoint.Checkpointer(checkpoints_dir, keep=config.keep_checkpoints)
-    if checkpointer is not None and checkpointer.steps():
-      if not os.path.exists(config_path):
-        return _error(f"{checkpoints_dir} holds checkpoints but {config_path} is missing; "
-                      "allowed: a workdir written by heloco-jax train")
-      with open(config_path) as f:
-        differences = config_differences(json.load(f), json.loads(config_json))
-      if differences and not allow_config_change:
-        return _error(f"--workdir={workdir!r} holds a run with another config; differing keys: "
-                      f"{', '.join(differences)}. Use a new --workdir, or pass "
-                      "--allow_config_change to resume with the new values.")
-    with open(config_path, "w") as f:
-      f.write(config_json)
-  except (OSError, checkpoint.CheckpointError) as error:
-    return _error(f"--workdir={workdir!r} is not writable: {getattr(error, 'strerror', 0) or error}")
+    directory = workdir_lib.RunDirectory(workdir, config_json, config.checkpoint_every,
+                                         config.keep_checkpoints, allow_config_change)
+  except workdir_lib.WorkdirError as error:
+    return _error(str(error))
 
   try:
-    simulation = scheduler.Simulation(config)
+    simulation = harness.Simulation(config)
   except ValueError as error:  # e.g. a corpus too small for the validation set
+    directory.close()
     return _error(str(error).splitlines()[0])
-  restored = None
-  if checkpointer is not None:
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always", checkpoint.CheckpointFallbackWarning)
-      try:
-        restored = checkpointer.restore(simulation.state_template)
-      except checkpoint.CheckpointError as error:
-        return _error(str(error))
-    for warning in caught:
-      print(f"heloco-jax train: warning: {warning.message}", file=sys.stderr)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  rows_before = os.path.exists(metrics_path) and os.path.getsize(metrics_path) > 0
   try:
-    metrics, rows_written = _open_metrics(metrics_path, restored and restored[2])
+    step, notes = directory.restore(simulation)
+  except checkpoint.CheckpointError as error:
+    directory.close()
+    return _error(str(error))
   except OSError as error:
+    directory.close()
     return _error(f"cannot resume: {error.strerror or error}")
-  if restored is not None:
-    simulation.load_state(restored[1], restored[2])
-    print(f"heloco-jax train: resuming from checkpoint {restored[0]} ({simulation.tokens} "
+  for note in notes:
+    print(f"heloco-jax train: {note}", file=sys.stderr)
+  if step is not None:
+    print(f"heloco-jax train: resuming from checkpoint {step} ({simulation.units} "
           f"tokens, {simulation.sim_time:.0f} {seconds})", file=sys.stderr)
-  elif rows_before:
-    print(f"heloco-jax train: no checkpoint in {workdir}: starting the run over", file=sys.stderr)
-  if config.runtime == "devices":
-    groups = simulation.placement.groups
-    server = (f"θ replicated over {simulation.placement.process_count} processes"
-              if simulation.placement.multiprocess else f"server on {groups.server}")
-    where = (f"workers on devices ({'/'.join(str(len(g)) for g in groups.groups)} "
-             f"{groups.server.platform} devices each, {server})")
-  elif config.runtime == "ray":
-    actor_devices = simulation.placement.actor_devices
-    where = (f"Ray worker actors ({'/'.join(str(len(d)) for d in actor_devices)} "
-             f"{actor_devices[0][0].split(':')[0]} devices each)")
-  else:
-    where = (f"simulated workers "
-             f"({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds)")
+  where = simulation.runtime.describe()
+  if config.runtime == "simulated":
+    where += f" ({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds)"
   print(f"heloco-jax train: {config.method} on {config.num_workers} {where}, "
         f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
         f"{config.data.partition} ({', '.join(simulation.data.languages)}); writing {workdir}",
@@ -240,50 +167,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   last_loss = float("nan")
 
   def on_row(row):
-    nonlocal last_loss, rows_written
-    metrics.write(json.dumps(row) + "\n")
-    metrics.flush()
-    rows_written += 1
+    nonlocal last_loss
+    directory.write_row(row)
     if row["event"] == "eval":
       last_loss = row["val_loss"]
     if bar is not None:
-      bar.n = simulation.tokens
+      bar.n = simulation.units
       bar.set_postfix(sim_time=f"{simulation.sim_time:.0f}s", val_loss=f"{last_loss:.3f}",
                       refresh=False)
       bar.refresh()
 
-  def on_checkpoint(sim):
-    # The rows so far must be on disk before the checkpoint that points past them.
-    os.fsync(metrics.fileno())
-    arrays, meta = sim.state()
-    meta["metrics"] = {"bytes": metrics.tell(), "rows": rows_written}
-    checkpointer.save(sim.version, arrays, meta)
-
   try:
-    with metrics:
-      summary = asyncio.run(simulation.run(
-          on_row, on_checkpoint if checkpointer is not None else None))
-    # Atomic: a summary.json marks a finished run, so it is never half written.
-    with open(os.path.join(workdir, "summary.json.tmp"), "w") as f:
-      json.dump(summary, f, indent=2)
-      f.write("\n")
-    os.replace(os.path.join(workdir, "summary.json.tmp"), os.path.join(workdir, "summary.json"))
-  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt) as error:
-    last = checkpointer.steps()[-1:] if checkpointer is not None else []
-    keep = (f"checkpoint {last[0]} is intact: re-run the same command to resume" if last
-            else "no checkpoint was written")
+    summary = asyncio.run(simulation.run(on_row, directory.on_checkpoint))
+    directory.finish(summary)
+  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt,
+          rejection.DivergenceError) as error:
+    keep = directory.last_checkpoint()
     if isinstance(error, KeyboardInterrupt):
       print(f"heloco-jax train: interrupted; {keep}", file=sys.stderr)
       return 130
-    message = str(error) if isinstance(error, checkpoint.CheckpointError) else (
-        f"cannot write to --workdir={workdir!r}: {error.strerror or error}; {keep}")
+    if isinstance(error, rejection.DivergenceError):
+      message = f"the run stopped: {error}; {keep}"
+    elif isinstance(error, checkpoint.CheckpointError):
+      message = str(error)
+    else:
+      message = f"cannot write to --workdir={workdir!r}: {error.strerror or error}; {keep}"
     print(f"heloco-jax train: {message}", file=sys.stderr)
     return 1
   finally:
     if bar is not None:
       bar.close()
-    if checkpointer is not None:
-      checkpointer.close()
+    directory.close()
     simulation.close()
   print(f"heloco-jax train: done: {summary['tokens']} tokens, {summary['outer_updates']} outer "
         f"updates, {summary['sim_time']:.0f} {seconds}, val_loss "

@@ -4,6 +4,7 @@ Run as ``python tests/devices_probe.py OUT.json`` (a subprocess: the device
 count is fixed when JAX starts, so the test process itself cannot have 8).
 """
 
+import asyncio
 import json
 import os
 import sys
@@ -17,14 +18,14 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import tiny  # pylint: disable=g-import-not-at-top
-from heloco_jax import scheduler  # pylint: disable=g-import-not-at-top
+from heloco_jax import harness as scheduler  # pylint: disable=g-import-not-at-top
 from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
 
 
 def run(config):
   validation.validate(config)
   simulation = scheduler.Simulation(config, tiny.dataset(config.num_workers))
-  summary = scheduler.asyncio.run(simulation.run())
+  summary = asyncio.run(simulation.run())
   params = [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(simulation.params))]
   devices = sorted({d.id for x in jax.tree.leaves(simulation.params) for d in x.devices()})
   return {"summary": summary, "rows": simulation.rows, "params": params,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from heloco_jax import checkpoint, inner, scheduler
+from heloco_jax import checkpoint, harness as scheduler, inner
 
 import tiny
 
@@ -159,7 +159,7 @@ def _run(config, ckpt, restore_step=None):
   rows_at = {}
 
   def on_checkpoint(sim):
-    arrays, meta = sim.state()
+    arrays, meta = sim.checkpoint_state()
     rows_at[sim.version] = len(sim.rows)
     ckpt.save(sim.version, arrays, meta)
   summary = asyncio.run(simulation.run(on_checkpoint=on_checkpoint))

@@ -1,4 +1,4 @@
-"""runtime=devices (heloco_jax/devices.py): device groups, and whole runs on 8 host devices."""
+"""runtime=devices (heloco_jax/runtime/devices.py): device groups, and whole runs on 8 host devices."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tiny
-from heloco_jax import devices
+from heloco_jax.runtime import devices
 from heloco_jax.configs import validation
 
 FAKE = [f"dev{i}" for i in range(8)]  # group_devices only slices the list

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from heloco_jax import scheduler, server
+from heloco_jax import harness as scheduler, rejection
 from heloco_jax.configs.validation import ConfigError, validate
 
 import tiny
@@ -84,7 +84,7 @@ class _Traced:
       sim = self.sim
       # state() runs the steps of work still deferred (lazy in-flight work), so a
       # worker's state is the one after its last dispatch.
-      workers = None if sim.workers is None else sim.state()[0]["workers"]
+      workers = None if sim.state.workers is None else sim.checkpoint_state()[0]["workers"]
       self.snapshots.append({"params": _copy(sim.params), "outer_state": _copy(sim.outer_state),
                              "workers": _copy(workers)})
 
@@ -146,7 +146,7 @@ def _check_async_rejection(run, reason):
 
   # Every arrival row is one outer update; the rejected one adds no staleness entry.
   assert len(arrivals) == summary["outer_updates"] == ASYNC_EVENTS - 1
-  assert len(run.sim.staleness) == summary["outer_updates"]
+  assert len(run.sim.state.staleness) == summary["outer_updates"]
   assert summary["mean_staleness"] == pytest.approx(
       np.mean([rows[i]["staleness"] for i in arrivals]))
   # Its compute was spent: the rejected dispatch's tokens count.
@@ -331,35 +331,35 @@ def _tree():
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_nonfinite_and_reasons_on_one_tree(value):
   tree = _tree()
-  assert server.reasons(*server.nonfinite(tree)) == [None]
+  assert rejection.reasons(*rejection.nonfinite(tree)) == [None]
   bad = dict(tree, b=tree["b"].at[2].set(jnp.nan if value == "nan" else -jnp.inf))
-  has_nan, has_inf = server.nonfinite(bad)
+  has_nan, has_inf = rejection.nonfinite(bad)
   assert (bool(has_nan), bool(has_inf)) == (value == "nan", value == "inf")
-  assert server.reasons(has_nan, has_inf) == [value]
+  assert rejection.reasons(has_nan, has_inf) == [value]
   # A NaN wins over an Inf.
   both = dict(bad, a=tree["a"].at[0, 0].set(jnp.inf if value == "nan" else jnp.nan))
-  assert server.reasons(*server.nonfinite(both)) == ["nan"]
+  assert rejection.reasons(*rejection.nonfinite(both)) == ["nan"]
 
 
 def test_nonfinite_per_worker_flags_only_the_poisoned_slice():
   k = 4
   stacked = jax.tree.map(lambda x: jnp.stack([x + i for i in range(k)]), _tree())
-  assert server.reasons(*server.nonfinite(stacked, per_worker=True)) == [None] * k
-  poisoned = server.poison(stacked, "inf", worker=2)
-  assert server.reasons(*server.nonfinite(poisoned, per_worker=True)) == [
+  assert rejection.reasons(*rejection.nonfinite(stacked, per_worker=True)) == [None] * k
+  poisoned = rejection.poison(stacked, "inf", worker=2)
+  assert rejection.reasons(*rejection.nonfinite(poisoned, per_worker=True)) == [
       None, None, "inf", None]
-  both = server.poison(poisoned, "nan", worker=0)
-  assert server.reasons(*server.nonfinite(both, per_worker=True)) == [
+  both = rejection.poison(poisoned, "nan", worker=0)
+  assert rejection.reasons(*rejection.nonfinite(both, per_worker=True)) == [
       "nan", None, "inf", None]
   # Without per_worker the whole tree is one pseudo-gradient.
-  assert server.reasons(*server.nonfinite(both)) == ["nan"]
+  assert rejection.reasons(*rejection.nonfinite(both)) == ["nan"]
 
 
 def test_poison_changes_one_element_of_one_slice():
   k = 3
   stacked = jax.tree.map(lambda x: jnp.stack([x + i for i in range(k)]), _tree())
   for i in range(k):
-    poisoned = server.poison(stacked, "nan", worker=i)
+    poisoned = rejection.poison(stacked, "nan", worker=i)
     a, b = np.asarray(poisoned["a"]), np.asarray(poisoned["b"])
     expected = np.asarray(stacked["a"]).copy()
     expected[i, 0, 0] = np.nan
@@ -367,7 +367,7 @@ def test_poison_changes_one_element_of_one_slice():
     assert np.isnan(a).sum() == 1
     np.testing.assert_array_equal(b, np.asarray(stacked["b"]))
   assert np.isfinite(np.asarray(stacked["a"])).all()  # the input is left as it was
-  single = server.poison(_tree(), "inf")
+  single = rejection.poison(_tree(), "inf")
   assert np.isposinf(np.asarray(single["a"])[0, 0])
   assert np.isfinite(np.asarray(single["a"])).sum() == 5
   np.testing.assert_array_equal(single["b"], _tree()["b"])

@@ -1,4 +1,4 @@
-"""runtime=ray (heloco_jax/ray_runtime.py): a local Ray cluster of 2 CPUs, from the CLI."""
+"""runtime=ray (heloco_jax/runtime/ray.py): a local Ray cluster of 2 CPUs, from the CLI."""
 
 import collections
 import json

@@ -1,11 +1,14 @@
 """The simulated scheduler: exact schedules, sync rounds, identities, budgets, determinism."""
 
 
+import asyncio
+
 import jax
 import numpy as np
 import pytest
 
-from heloco_jax import scheduler, server
+from heloco_jax import harness as scheduler, server
+from heloco_jax.runtime import simulated
 
 import tiny
 
@@ -140,12 +143,12 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   config = _config("heloco", speeds="severe", num_workers=8, jitter=0.2,
                    **{"budget.tokens": 6 * 2 * 4 * 16})
   runs = []
-  real_run_worker = scheduler.devices_lib.HostPlacement.run_worker
+  real_run_worker = simulated.SimulatedRuntime.run_worker
 
   def counting_run_worker(self, *args, **kwargs):
     runs.append(args[0])
     return real_run_worker(self, *args, **kwargs)
-  monkeypatch.setattr(scheduler.devices_lib.HostPlacement, "run_worker", counting_run_worker)
+  monkeypatch.setattr(simulated.SimulatedRuntime, "run_worker", counting_run_worker)
   summary, lazy_rows = _run(config)
   arrivals = sum(r["event"] == "arrival" for r in lazy_rows)
   assert arrivals == 6 and summary["outer_updates"] == 6
@@ -157,9 +160,9 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   runs.clear()
   simulation = scheduler.Simulation(config, _dataset(config.num_workers))
   def force(row):
-    if simulation.workers is not None:
-      simulation.state()
-  scheduler.asyncio.run(simulation.run(force))
+    if simulation.state.workers is not None:
+      simulation.checkpoint_state()
+  asyncio.run(simulation.run(force))
   assert len(runs) == 8 + arrivals
   assert simulation.rows == lazy_rows
 
@@ -179,7 +182,7 @@ def test_simulate_inside_a_running_event_loop_says_what_to_do_instead():
   async def inside():
     scheduler.simulate(_config())
   with pytest.raises(RuntimeError, match="await simulation.run"):
-    scheduler.asyncio.run(inside())
+    asyncio.run(inside())
 
 
 def test_alignment_is_the_mean_over_leaves_of_the_cosine_with_the_momentum():

@@ -8,7 +8,7 @@ import pytest
 
 import heloco_jax as hj
 import tiny
-from heloco_jax import outer, server
+from heloco_jax import methods, outer, server
 
 
 def _tree(seed, scale=1.0):
@@ -26,6 +26,15 @@ def _by_hand(tx, params, deltas_and_taus):
   return params, state
 
 
+def _server(config, params):
+  """The server the harness builds for ``config``'s method (through the registry)."""
+  method = methods.get(config.method)
+  return server.OuterServer(
+      method.make_outer(config.num_workers, config.outer), params,
+      lookahead=method.lookahead_dispatch(None),
+      arrival_weight=method.arrival_weight(config.num_workers, config.outer.weighting))
+
+
 def _close(a, b):
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
@@ -34,7 +43,7 @@ def _close(a, b):
 def test_single_arrivals_apply_the_rule_and_log_the_cosine_with_the_momentum_they_meet():
   config = tiny.config("mla", 3)
   params = _tree(0)
-  srv = server.OuterServer(config, params)
+  srv = _server(config, params)
   deltas = [(_tree(1, 0.1), 0), (_tree(2, 0.1), 1)]
   rows = [srv.update([tau], [None], delta) for delta, tau in deltas]
   expected, state = _by_hand(hj.mla(0.7, 0.9, num_workers=3), params, deltas)
@@ -47,13 +56,13 @@ def test_single_arrivals_apply_the_rule_and_log_the_cosine_with_the_momentum_the
          for d, m in zip(jax.tree.leaves(deltas[1][0]), jax.tree.leaves(momentum))]
   assert rows[1][0]["cosine_mean"] == pytest.approx(np.mean(cos), abs=1e-6)
   _close(srv.dispatch_point(), srv.params)  # mla dispatches from θ by default
-  assert server.OuterServer(tiny.config("heloco", 3), params).lookahead
+  assert _server(tiny.config("heloco", 3), params).lookahead
 
 
 def test_a_grace_group_is_one_update_with_the_weighted_mean_pseudo_gradient():
   config = tiny.config("mla", 3, **{"outer.weighting": "polynomial"})
   params = _tree(0)
-  srv = server.OuterServer(config, params)
+  srv = _server(config, params)
   deltas, taus = [_tree(1, 0.1), _tree(2, 0.1)], [1, 3]
   rho = [float(outer.arrival_weight(t, num_workers=3, weighting="polynomial")) for t in taus]
   assert rho[0] != rho[1]
@@ -69,7 +78,7 @@ def test_a_grace_group_is_one_update_with_the_weighted_mean_pseudo_gradient():
 def test_non_finite_pseudo_gradients_are_rejected_and_never_touch_theta():
   config = tiny.config("heloco", 3)
   params = _tree(0)
-  srv = server.OuterServer(config, params)
+  srv = _server(config, params)
   before = jax.device_get((srv.params, srv.outer_state))
   rows = srv.update([0, 0], ["nan", "inf"], _tree(1, 0.1), _tree(2, 0.1))
   assert [r["reason"] for r in rows] == ["nan", "inf"] and all(len(r) == 1 for r in rows)
@@ -80,6 +89,6 @@ def test_non_finite_pseudo_gradients_are_rejected_and_never_touch_theta():
   rows = srv.update([0, 0], [None, "nan"], _tree(1, 0.1), _tree(2, 0.1))
   assert rows[0]["reason"] is None and rows[1] == {"reason": "nan"}
   assert "branch_count/keep" in rows[0]
-  alone = server.OuterServer(config, params)
+  alone = _server(config, params)
   alone.update([0], [None], _tree(1, 0.1))
   _close(srv.params, alone.params)

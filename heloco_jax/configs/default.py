@@ -94,7 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.num_processes = 0  # with HOST:PORT: how many processes
   c.distributed.process_id = -1    # with HOST:PORT: this process's index
 
-  # runtime="ray": a parameter-server actor and one actor per worker (heloco_jax.ray_runtime).
+  # runtime="ray": a parameter-server actor and one actor per worker (heloco_jax.runtime.ray).
   c.ray = ml_collections.ConfigDict()
   c.ray.address = ""           # "" = start a local Ray instance; "auto" or "HOST:6379" = join one
   c.ray.num_cpus = 0           # a local instance's CPUs; 0 = all of this machine's

@@ -18,7 +18,8 @@ from typing import Any
 
 import ml_collections
 
-from heloco_jax import clock, data, devices, inner, model
+from heloco_jax import clock, data, inner, model
+from heloco_jax.runtime import devices
 from heloco_jax.methods import METHODS
 from heloco_jax.outer import _validation
 
@@ -130,10 +131,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not isinstance(config.dylu, bool):
     _fail("dylu", config.dylu, "True or False")
   _choice("lookahead_dispatch", config.lookahead_dispatch, (-1, 0, 1))
-  if config.method == "heloco" and config.lookahead_dispatch == 0:
-    _fail("lookahead_dispatch", 0, "-1 or 1 with method='heloco' (HeLoCo always dispatches "
-          "from the look-ahead point)")
-  if config.lookahead_dispatch == 1 and config.method not in ("mla", "heloco"):
+  if method.lookahead == "always" and config.lookahead_dispatch == 0:
+    _fail("lookahead_dispatch", 0, f"-1 or 1 with method={config.method!r} (it always "
+          "dispatches from the look-ahead point)")
+  if method.lookahead == "never" and config.lookahead_dispatch == 1:
     _fail("lookahead_dispatch", 1, f"-1 or 0 with method={config.method!r} (look-ahead "
           "dispatch needs an MLA or HeLoCo momentum)")
   _integer("palsgd_warmup_steps", config.palsgd_warmup_steps, -1)
@@ -163,15 +164,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   _choice("inner.reset_optimizer", config.inner.reset_optimizer, (-1, 0, 1))
   try:
-    inner.config_from(config.inner)
+    inner_config = inner.config_from(config.inner)
+    if method.inner == "palsgd":  # only PALSGD pulls toward θ̃
+      inner_config.check_pseudo_sync()
   except ValueError as error:
     raise _relabel(error, "inner.") from None
 
   _number("outer.learning_rate", config.outer.learning_rate, 0.0)
   _integer("outer.buffer_size", config.outer.buffer_size, 0)
-  if method.make_outer is not None:
+  if method.outer is not None:
     try:
-      method.make_outer(config)
+      method.make_outer(config.num_workers, config.outer)
     except ValueError as error:
       raise _relabel(error, "outer.", _OUTER_KEYS) from None
 

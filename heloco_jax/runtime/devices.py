@@ -1,23 +1,18 @@
-"""Where a run's compute happens: one host device, or groups of real devices.
+"""``runtime="devices"``: each worker on its own group of real devices, real time.
 
-DESIGN.md, "Runtimes". The scheduler (``heloco_jax.scheduler``) runs every
-method through one of two placements with the same interface:
-
-  * ``HostPlacement`` (``runtime=simulated``): everything on the default
-    device; time is the simulated clock.
-  * ``DevicePlacement`` (``runtime=devices``): worker i owns a disjoint group
-    of ``jax.devices()``. Its inner loop is compiled for its group's mesh
-    (axis ``data``): θ and the AdamW state are replicated on the group and
-    every batch is split over it, so a worker with more devices is faster.
-    The server's θ, outer state and outer step live on one chosen device.
-    Synchronous methods stack the K replicas on a ``workers`` × ``data``
-    mesh and run them as one program (``vmap`` partitioned by XLA over
-    ``workers``); DDP splits its K·B batch over all the workers' devices.
-    Time is the real clock, and asynchronous arrivals (``DeviceArrivals``)
-    are taken in the order the devices finish them. With ``jax.distributed``
-    (``initialize_distributed``) the groups come from every process's devices
-    and synchronous methods run SPMD: θ replicated on the workers × data mesh,
-    the outer step in every process.
+docs/DESIGN.md, "Runtimes". Worker i owns a disjoint group of
+``jax.devices()``. Its inner loop is compiled for its group's mesh (axis
+``data``): θ and the optimizer state are replicated on the group and every
+batch is split over it, so a worker with more devices is faster. The
+server's θ, outer state and outer step live on one chosen device.
+Synchronous methods stack the K replicas on a ``workers`` × ``data`` mesh and
+run them as one program (``vmap`` partitioned by XLA over ``workers``); DDP
+splits its K·B batch over all the workers' devices. Time is the real clock
+(``heloco_jax.runtime.base.RealClock``), and asynchronous arrivals
+(``DeviceArrivals``) are taken in the order the devices finish them. With
+``jax.distributed`` (``initialize_distributed``) the groups come from every
+process's devices and synchronous methods run SPMD: θ replicated on the
+workers × data mesh, the outer step in every process.
 """
 
 from __future__ import annotations
@@ -34,7 +29,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from heloco_jax import inner as inner_lib, server as server_lib
+from heloco_jax import inner as inner_lib
+from heloco_jax.runtime import base, simulated
 
 
 class DeviceConfigError(ValueError):
@@ -146,102 +142,16 @@ def initialize_distributed(config: Any) -> None:
                                process_id=dist.process_id)
 
 
-def _round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
-  """A round's Δ = θ − mean of the accepted workers' end parameters (stacked on axis 0)."""
-  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
-  def mean(end):  # a rejected worker's end may hold NaN: 0·NaN is NaN, so it is dropped first
-    kept = jnp.where(accepted.reshape((-1,) + (1,) * (end.ndim - 1)), end, 0)
-    return jnp.tensordot(weights.astype(end.dtype), kept, axes=1)
-  return jax.tree.map(lambda theta, end: theta - mean(end), params, ends)
+class DeviceRuntime(simulated.SimulatedRuntime):
+  """``runtime=devices``: each worker on its own device group, the server on one device.
 
+  Reuses the simulated runtime's computations on inputs placed on the
+  worker's (or all workers') devices; time is the real clock.
 
-class HostPlacement:
-  """``runtime=simulated``: every computation on the default device, simulated time."""
-
-  real_clock = False
-  reads_own_data = False  # runtime=ray: workers read their data from a dispatch's position
-
-  def __init__(self, inner: inner_lib.InnerLoop):
-    self.inner = inner
-    self._round_delta = jax.jit(_round_delta)
-
-  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
-    """θ − the mean end parameters of the ``accepted`` (bool, K) workers, on the server."""
-    return self.to_server(
-        self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
-
-  def make_server(self, config: Any, params: Any) -> server_lib.OuterServer:
-    """The run's θ, outer state and outer rule, on the server's device."""
-    return server_lib.OuterServer(config, params, place=self.to_server)
-
-  def to_server(self, tree: Any) -> Any:
-    return tree
-
-  def close(self) -> None:
-    """Releases what the placement holds (``runtime=ray``: its actors)."""
-
-  def to_host(self, x: Any) -> np.ndarray:
-    """``x`` as a NumPy array (all of it, also when other processes hold parts)."""
-    return np.asarray(x)
-
-  def agree(self, value: float) -> float:
-    """``value`` as every process sees it: process 0's (one process: itself)."""
-    return value
-
-  def kill_worker(self, worker: int) -> None:
-    """Only Ray workers can be killed (``fault.kill_worker``)."""
-    raise NotImplementedError(f"fault.kill_worker={worker} needs runtime='ray'")
-
-  def fetch(self, tree: Any, what: str) -> Any:
-    """``tree`` (worker states or a pending Δ, ``what``) as values; here they are."""
-    del what
-    return tree
-
-  def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
-    """``state`` with fresh AdamW moments (its step count kept): after a rejected Δ."""
-    return state._replace(opt_state=self.inner.direction.init(state.params))
-
-  def to_rounds(self, tree: Any) -> Any:
-    return tree
-
-  def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
-                 batches: np.ndarray, key: jax.Array,
-                 position: Any = None) -> tuple[inner_lib.InnerState, Any]:
-    """Worker ``worker``'s H steps from ``start``.
-
-    Args:
-      worker: its index.
-      previous: its inner state after its last dispatch (None at first):
-        the step count and, unless reset, the AdamW moments carry over.
-      start: the dispatch point.
-      batches: (H, B, T + 1) tokens.
-      key: its PRNG key.
-      position: its data iterator's state before ``batches`` (``runtime=ray``
-        workers read their own data from it).
-
-    Returns:
-      (end state, Δ = start − end).
-    """
-    del worker, position
-    state, _ = self.inner.run_jit(self.inner.start(start, previous), batches, key)
-    return state, jax.tree.map(jnp.subtract, start, state.params)
-
-  def run_round(self, states: inner_lib.InnerState, batches: np.ndarray, keys: jax.Array,
-                anchor: Any) -> tuple[inner_lib.InnerState, inner_lib.InnerMetrics]:
-    """The K stacked workers' H steps as one ``vmap``ped program."""
-    return self.inner.run_many(states, batches, keys, anchor)
-
-  def run_ddp(self, state: inner_lib.InnerState, batches: np.ndarray,
-              key: jax.Array) -> inner_lib.InnerState:
-    """DDP steps on the K workers' batches together (one AdamW step each)."""
-    state, _ = self.inner.run_jit(state, batches, key)
-    return state
-
-
-class DevicePlacement(HostPlacement):
-  """``runtime=devices``: each worker on its own device group, the server on one device."""
-
-  real_clock = True
+  Args:
+    inner: the workers' compiled inner loop.
+    groups: the device groups (``group_devices``).
+  """
 
   def __init__(self, inner: inner_lib.InnerLoop, groups: DeviceGroups):
     super().__init__(inner)
@@ -263,16 +173,27 @@ class DevicePlacement(HostPlacement):
       self._server = NamedSharding(self._round_mesh, P())
       self._ddp = (self._server, NamedSharding(self._round_mesh, P(None, ("workers", "data"))))
       # A round's Δ straight onto the server's sharding, in the same program.
-      self._round_delta = jax.jit(_round_delta, out_shardings=self._server)
+      self._round_delta = jax.jit(simulated.round_delta, out_shardings=self._server)
     else:
       self._server = jax.sharding.SingleDeviceSharding(groups.server)
       everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
       self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
 
-  def arrivals(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> "DeviceArrivals":
+  def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.RealClock:
+    del seconds_per_step, jitter, seed, comm, model_bytes  # real devices take real time
+    return base.RealClock(self.agree)
+
+  def arrivals(self, clock: base.RealClock, emit: Callable[[dict], None]) -> "DeviceArrivals":
     """The queue of asynchronous results in flight, taken as the devices finish them."""
     del emit
-    return DeviceArrivals(clock, self.groups.slowdown)
+    return DeviceArrivals(clock.now, self.groups.slowdown)
+
+  def describe(self) -> str:
+    groups = self.groups
+    server = (f"θ replicated over {self.process_count} processes" if self.multiprocess
+              else f"server on {groups.server}")
+    return (f"workers on devices ({'/'.join(str(len(g)) for g in groups.groups)} "
+            f"{groups.server.platform} devices each, {server})")
 
   def require_round_mesh(self) -> None:
     if self._round_mesh is None:
@@ -311,7 +232,7 @@ class DevicePlacement(HostPlacement):
 
   # Each runs the host version on inputs placed on the worker's (or all workers') devices.
 
-  def run_worker(self, worker, previous, start, batches, key, position=None):
+  def run_worker(self, worker, previous, start, batches, key):
     replicated = self._replicated[worker]
     state, delta = super().run_worker(
         worker, self._put(previous, replicated), self._put(start, replicated),
@@ -370,7 +291,7 @@ class DeviceArrivals:
     return self._clock()
 
   def push(self, worker: int, job: Any) -> None:
-    """Waits for ``job.delta`` (a ``scheduler._Job``) of ``worker``."""
+    """Waits for ``job.delta`` (an ``engine.Job``) of ``worker``."""
     self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
 
   async def pop(self, grace_window: float) -> tuple[float, list[int]]:

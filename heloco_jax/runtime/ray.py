@@ -1,20 +1,21 @@
-"""``runtime=ray``: a parameter server and workers as Ray actors, on one or many machines.
+"""``runtime="ray"``: a parameter server and workers as Ray actors, on one or many machines.
 
-DESIGN.md, "Runtimes". The scheduler (``heloco_jax.scheduler``) runs the
-asynchronous methods here exactly as on the other runtimes; only where things
-live changes:
+docs/DESIGN.md, "Runtimes". The engine (``heloco_jax.runtime.engine``) runs
+the asynchronous methods here exactly as on the other runtimes; only where
+things live changes:
 
   * the parameter-server actor (``OuterServer``, ``heloco_jax.server``) holds
-    θ, the outer state and the jitted outer rule. The scheduler sends it each
+    θ, the outer state and the jitted outer rule. The engine sends it each
     arrival group's pseudo-gradients as object refs (they go from the worker's
-    node to the server's, not through the scheduler) and reads θ back only to
+    node to the server's, not through the engine) and reads θ back only to
     evaluate and to checkpoint;
-  * one worker actor per worker owns its accelerators (``ray.gpus_per_worker``;
+  * one worker actor per worker owns its accelerators (``gpus_per_worker``;
     with several devices its batch is split over them, as on
-    ``runtime=devices``) and its own copy of the data: a dispatch sends the
+    ``runtime=devices``) and builds the inner loop from the user's
+    ``loss_fn`` and ``inner_tx`` (sent with cloudpickle): a dispatch sends the
     start point (an object ref of the server's dispatch point), the worker's
-    previous inner state, its data iterator's position and a PRNG key;
-  * the asyncio scheduler awaits the actors' object refs and takes arrivals
+    previous inner state, its batches and a PRNG key;
+  * the engine's asyncio loop awaits the actors' object refs and takes arrivals
     in the order they finish, on the real clock.
 
 Worker death: a dispatch whose actor died (or dies while computing) is sent
@@ -24,7 +25,7 @@ lives on the server and is never touched by a worker's death; the run stops
 with an error only when no worker actor is left.
 
 Synchronous methods do not run here: across processes they run SPMD with
-``jax.distributed`` (``distributed.*`` keys, ``heloco_jax.distributed``).
+``jax.distributed`` (``runtime="devices"`` with the ``distributed.*`` keys).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import warnings
 from typing import Any, Callable, Optional
 
 import jax
-import ml_collections
 import numpy as np
 
-from heloco_jax import devices as devices_lib, inner as inner_lib, server as server_lib
+from heloco_jax import inner as inner_lib, server as server_lib
+from heloco_jax.runtime import base, devices as devices_lib, simulated
 
 INSTALL_HINT = "pip install 'heloco-jax[ray]'"
 
@@ -55,8 +56,8 @@ def import_ray():
 class ServerActor(server_lib.OuterServer):
   """The parameter server as a Ray actor: what it returns goes to the host first."""
 
-  def __init__(self, config: ml_collections.ConfigDict, params: Any):
-    super().__init__(config, params, place=jax.device_put)
+  def __init__(self, outer_tx: Any, params: Any, options: dict[str, Any]):
+    super().__init__(outer_tx, params, place=jax.device_put, **options)
 
   def dispatch_point(self) -> Any:
     return jax.device_get(super().dispatch_point())
@@ -66,40 +67,34 @@ class ServerActor(server_lib.OuterServer):
 
 
 class WorkerActor:
-  """One Ray worker: the compiled inner loop on this actor's devices and its own data."""
+  """One Ray worker: the compiled inner loop of ``loss_fn`` and ``inner_tx`` on its devices."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    from heloco_jax import model as model_lib, scheduler  # pylint: disable=g-import-not-at-top
-    graphdef, _ = model_lib.init(model_lib.config_from(config.model), config.seed)
-    self._data = scheduler.make_dataset(config)
-    inner = scheduler.make_inner_loop(config, graphdef)
+  def __init__(self, loss_fn: Any, inner_tx: Any, reset_optimizer: bool, batch_size: int):
+    inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
     devices = jax.devices()
-    if len(devices) > 1 and config.batch_size % len(devices) == 0:  # data-parallel inside
-      groups = devices_lib.group_devices(1, config.batch_size, devices=devices)
-      self._placement = devices_lib.DevicePlacement(inner, groups)
+    if len(devices) > 1 and batch_size % len(devices) == 0:  # data-parallel inside
+      groups = devices_lib.group_devices(1, batch_size, devices=devices)
+      self._runtime = devices_lib.DeviceRuntime(inner, groups)
     else:
-      self._placement = devices_lib.HostPlacement(inner)
-    self._iterators: dict[int, Any] = {}
+      self._runtime = simulated.SimulatedRuntime(inner)
 
   def devices(self) -> list[str]:
     return [f"{d.platform}:{d.id}" for d in jax.devices()]
 
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
-          position: Any, steps: int, key_data: np.ndarray,
+          batches: Any, key_data: np.ndarray,
           fresh: bool) -> tuple[inner_lib.InnerState, Any, int]:
-    """Worker ``worker``'s ``steps`` inner steps: (end state, Δ, steps) on the host."""
-    iterator = self._iterators.setdefault(worker, self._data.worker_iterator(worker))
-    iterator.set_state(position)
-    batches = np.stack([next(iterator) for _ in range(steps)])
+    """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, steps) on the host."""
     if fresh and previous is not None:
-      previous = self._placement.fresh_moments(previous)
-    state, delta = self._placement.run_worker(worker, previous, start, batches,
-                                              jax.random.wrap_key_data(key_data))
+      previous = self._runtime.fresh_moments(previous)
+    state, delta = self._runtime.run_worker(worker, previous, start, batches,
+                                            jax.random.wrap_key_data(key_data))
+    steps = jax.tree.leaves(batches)[0].shape[0]
     return jax.device_get(state), jax.device_get(delta), steps
 
 
 class RayServer:
-  """The scheduler's handle on the parameter-server actor (``OuterServer``'s interface)."""
+  """The engine's handle on the parameter-server actor (``OuterServer``'s interface)."""
 
   def __init__(self, actor: Any):
     self.actor = actor
@@ -146,57 +141,109 @@ class Dispatch:
   fresh: bool = False
 
 
-class RayPlacement(devices_lib.HostPlacement):
-  """Places a run on Ray actors: ``ray.init`` (or joins ``ray.address``), starts them.
+@dataclasses.dataclass(frozen=True)
+class RayOptions:
+  """Where the Ray runtime runs (the CLI's ``ray.*`` keys).
+
+  Attributes:
+    address: "" starts a local Ray instance; "auto" or "HOST:6379" joins one.
+    num_cpus: a local instance's CPUs (0: all of this machine's).
+    cpus_per_worker, gpus_per_worker: what each worker actor reserves (0: Ray's default).
+    server_gpus: the parameter server's GPUs (0: it runs on its node's CPU).
+    log_to_driver: the actors' stdout/stderr in this terminal.
+    slowdown: per worker, a factor >= 1: worker i's result arrives after
+      f_i × its compute time (controlled heterogeneity); () = none.
+    batch_size: the leading size of a batch, split over an actor's devices
+      when it has several and it divides (0: never split).
+  """
+  address: str = ""
+  num_cpus: int = 0
+  cpus_per_worker: float = 0.0
+  gpus_per_worker: float = 0.0
+  server_gpus: float = 0.0
+  log_to_driver: bool = False
+  slowdown: tuple[float, ...] = ()
+  batch_size: int = 0
+
+
+class RayRuntime:
+  """A run on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
   Args:
-    config: the run's config (``ray.*``, ``devices.slowdown``, ``num_workers``).
-    inner: the scheduler's inner loop (the scheduler's process runs none of it).
+    inner: the engine's inner loop (this process runs none of it: each worker
+      actor builds its own from the same ``loss_fn`` and ``inner_tx``).
+    num_workers: K (one actor each).
+    options: ``RayOptions``.
   """
 
-  real_clock = True
-  reads_own_data = True
-
-  def __init__(self, config: ml_collections.ConfigDict, inner: inner_lib.InnerLoop):
-    super().__init__(inner)
+  def __init__(self, inner: inner_lib.InnerLoop, num_workers: int,
+               options: RayOptions = RayOptions()):
+    self.inner = inner
     ray = self._ray = import_ray()
     self._started = not ray.is_initialized()
     if self._started:
       with warnings.catch_warnings():  # Ray forks and at once execs its processes: no hazard
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-        ray.init(address=config.ray.address or None, num_cpus=config.ray.num_cpus or None,
-                 include_dashboard=False, log_to_driver=config.ray.log_to_driver,
+        ray.init(address=options.address or None, num_cpus=options.num_cpus or None,
+                 include_dashboard=False, log_to_driver=options.log_to_driver,
                  configure_logging=False)
-    self.config = config
-    self.slowdown = devices_lib.slowdown_factors(config.devices.slowdown, config.num_workers)
+    self.slowdown = options.slowdown or (1.0,) * num_workers
     resources = lambda cpus, gpus: {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus))
                                     if v > 0}
     worker = ray.remote(WorkerActor).options(
-        **resources(config.ray.cpus_per_worker, config.ray.gpus_per_worker))
-    self.actors = [worker.remote(config) for _ in range(config.num_workers)]
-    # Started (JAX imported, data built) before the clock starts.
+        **resources(options.cpus_per_worker, options.gpus_per_worker))
+    self.actors = [worker.remote(inner.loss_fn, inner.tx, inner.reset_optimizer,
+                                 options.batch_size) for _ in range(num_workers)]
+    # Started (JAX imported, loop built) before the clock starts.
     self.actor_devices = ray.get([actor.devices.remote() for actor in self.actors])
-    self._server_options = resources(0, config.ray.server_gpus)
+    self._server_options = resources(0, options.server_gpus)
     self.alive = [True] * len(self.actors)
-    self._assigned = list(range(config.num_workers))  # worker -> actor
+    self._assigned = list(range(num_workers))  # worker -> actor
     self._emit: Callable[[dict], None] = lambda row: None
     self._clock: Callable[[], float] = lambda: 0.0
 
-  def make_server(self, config: ml_collections.ConfigDict, params: Any) -> RayServer:
+  def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.RealClock:
+    del seconds_per_step, jitter, seed, comm, model_bytes  # actors take real time
+    return base.RealClock(self.agree)
+
+  def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
     actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
-        config, jax.device_get(params))
+        outer_tx, jax.device_get(params), options)
     return RayServer(actor)
 
-  def arrivals(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> "RayArrivals":
-    self._clock, self._emit = clock, emit
-    return RayArrivals(clock, self.slowdown, self)
+  def arrivals(self, clock: base.RealClock, emit: Callable[[dict], None]) -> "RayArrivals":
+    self._clock, self._emit = clock.now, emit
+    return RayArrivals(clock.now, self.slowdown, self)
 
-  def run_worker(self, worker, previous, start, batches, key, position=None):
+  def describe(self) -> str:
+    return (f"Ray worker actors ({'/'.join(str(len(d)) for d in self.actor_devices)} "
+            f"{self.actor_devices[0][0].split(':')[0]} devices each)")
+
+  # The engine's process holds no worker computation: these are the host's defaults.
+  def to_server(self, tree: Any) -> Any:
+    return tree
+
+  def to_rounds(self, tree: Any) -> Any:
+    return tree
+
+  def to_host(self, x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+  def agree(self, value: float) -> float:
+    return value
+
+  def run_round(self, *args: Any) -> Any:
+    raise NotImplementedError("runtime='ray' runs asynchronous methods only; synchronous "
+                              "ones run SPMD with runtime='devices' and jax.distributed")
+
+  run_ddp = round_delta = run_round
+
+  def run_worker(self, worker, previous, start, batches, key):
     """Sends the dispatch to worker ``worker``'s actor; returns (its Dispatch, the same)."""
     fresh = isinstance(previous, Dispatch) and previous.fresh
     if isinstance(previous, Dispatch):
       previous = previous.state
-    dispatch = Dispatch(args=(worker, start, previous, position, len(batches),
+    dispatch = Dispatch(args=(worker, start, previous, batches,
                               np.asarray(jax.random.key_data(key)), fresh))
     self._submit(dispatch, self._assigned[worker])
     return dispatch, dispatch
@@ -252,7 +299,7 @@ class RayPlacement(devices_lib.HostPlacement):
   def fresh_moments(self, state: Any) -> Any:
     if isinstance(state, Dispatch):  # the worker's actor resets them at its next dispatch
       return dataclasses.replace(state, fresh=True)
-    return super().fresh_moments(state)
+    return self.inner.fresh_moments(state)
 
   def close(self) -> None:
     """Stops the actors (and the local Ray instance this placement started)."""

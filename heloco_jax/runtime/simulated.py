@@ -1,0 +1,135 @@
+"""``runtime="simulated"``: every computation on the default device, simulated time.
+
+Work dispatched to a worker is computed lazily by the engine (docs/DESIGN.md,
+"Runtimes"); ``SimulatedArrivals`` hands out the jobs in the order of their
+simulated finish times, ties broken by worker index, so a run reproduces bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from heloco_jax import inner as inner_lib, server as server_lib
+from heloco_jax.runtime import base
+
+
+class SimulatedArrivals:
+  """Jobs in flight on the simulated clock, popped by (finish time, worker).
+
+  (finish, worker) pairs are unique, so a heap rebuilt from restored jobs pops
+  in the same order as the one it replaces.
+  """
+
+  def __init__(self):
+    self._heap: list[tuple[float, int]] = []
+
+  def __len__(self) -> int:
+    return len(self._heap)
+
+  def push(self, worker: int, job: Any) -> None:
+    heapq.heappush(self._heap, (job.finish, worker))
+
+  def head(self) -> Optional[int]:
+    """The worker whose job arrives next, or None when none is in flight."""
+    return self._heap[0][1] if self._heap else None
+
+  async def pop(self, grace_window: float) -> tuple[float, list[int]]:
+    """(finish time of the group's last arrival, its workers in arrival order)."""
+    first, worker = heapq.heappop(self._heap)
+    group, now = [worker], first
+    # A grace window of 0 (default) is off: simultaneous arrivals stay separate updates.
+    while grace_window > 0 and self._heap and self._heap[0][0] <= first + grace_window:
+      now, other = heapq.heappop(self._heap)
+      group.append(other)
+    return now, group
+
+  def close(self) -> None:
+    self._heap.clear()
+
+
+def round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
+  """A round's Δ = θ − mean of the accepted workers' end parameters (stacked on axis 0)."""
+  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
+  def mean(end):  # a rejected worker's end may hold NaN: 0·NaN is NaN, so it is dropped first
+    kept = jnp.where(accepted.reshape((-1,) + (1,) * (end.ndim - 1)), end, 0)
+    return jnp.tensordot(weights.astype(end.dtype), kept, axes=1)
+  return jax.tree.map(lambda theta, end: theta - mean(end), params, ends)
+
+
+class SimulatedRuntime:
+  """Every computation on the default device; time is the simulated clock.
+
+  Args:
+    inner: the workers' compiled inner loop.
+  """
+
+  def __init__(self, inner: inner_lib.InnerLoop):
+    self.inner = inner
+    self._round_delta = jax.jit(round_delta)
+
+  def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.SimulatedClock:
+    return base.SimulatedClock(seconds_per_step, jitter, seed, comm, model_bytes)
+
+  def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
+    return server_lib.OuterServer(outer_tx, params, place=self.to_server, **options)
+
+  def arrivals(self, clock: base.Clock, emit: Callable[[dict], None]) -> SimulatedArrivals:
+    del clock, emit
+    return SimulatedArrivals()
+
+  def describe(self) -> str:
+    return "simulated workers"
+
+  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
+    return self.to_server(
+        self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
+
+  def to_server(self, tree: Any) -> Any:
+    return tree
+
+  def to_rounds(self, tree: Any) -> Any:
+    return tree
+
+  def to_host(self, x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+  def agree(self, value: float) -> float:
+    return value
+
+  def close(self) -> None:
+    pass
+
+  def kill_worker(self, worker: int) -> None:
+    raise NotImplementedError(f"fault.kill_worker={worker} needs runtime='ray'")
+
+  def fetch(self, tree: Any, what: str) -> Any:
+    del what
+    return tree
+
+  def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
+    return self.inner.fresh_moments(state)
+
+  def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
+                 batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any]:
+    """Worker ``worker``'s H steps from ``start``: (end state, Δ = start − end).
+
+    ``previous`` is its inner state after its last dispatch (None at first):
+    the step count and, unless reset, the optimizer state carry over.
+    """
+    del worker
+    state, _ = self.inner.run_jit(self.inner.start(start, previous), batches, key)
+    return state, jax.tree.map(jnp.subtract, start, state.params)
+
+  def run_round(self, states, batches, keys, anchor):
+    return self.inner.run_many(states, batches, keys, anchor)
+
+  def run_ddp(self, state, batches, key):
+    state, _ = self.inner.run_jit(state, batches, key)
+    return state
+
