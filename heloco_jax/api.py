@@ -61,9 +61,9 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
 def _check_palsgd(inner_tx: optax.GradientTransformation, params: Any) -> None:
   state = jax.eval_shape(inner_tx.init, params)
   if not isinstance(state, inner_lib.PalsgdState):
-    raise ValueError("method='palsgd' needs inner_tx=hj.palsgd_inner(direction, learning_rate, "
-                     "...) (or None for the default): its pseudo-sync steps need the inner "
-                     "learning rate")
+    raise ValueError("inner_tx is not allowed with method='palsgd' unless it is PALSGD's; "
+                     "allowed: None (the default) or hj.palsgd_inner(direction, learning_rate, "
+                     "...), whose pseudo-sync steps know the inner learning rate")
 
 
 def make_engine(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import warnings
 from typing import Any, Callable, Optional
 
@@ -166,6 +167,20 @@ class RayOptions:
   batch_size: int = 0
 
 
+# Packages every actor imports itself; functions from any other module are sent by value.
+_INSTALLED = ("heloco_jax", "jax", "optax", "flax", "numpy", "functools")
+
+
+def _send_by_value(fn: Any) -> None:
+  """Lets actors unpickle ``fn`` without importing its module (e.g. a user's script or test)."""
+  fn = getattr(fn, "func", fn)  # functools.partial
+  module = sys.modules.get(getattr(fn, "__module__", None) or "")
+  if module is not None and module.__name__ != "__main__" and (
+      module.__name__.split(".")[0] not in _INSTALLED):
+    from ray import cloudpickle  # pylint: disable=g-import-not-at-top
+    cloudpickle.register_pickle_by_value(module)
+
+
 class RayRuntime:
   """A run on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
@@ -190,6 +205,7 @@ class RayRuntime:
     self.slowdown = options.slowdown or (1.0,) * num_workers
     resources = lambda cpus, gpus: {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus))
                                     if v > 0}
+    _send_by_value(inner.loss_fn)
     worker = ray.remote(WorkerActor).options(
         **resources(options.cpus_per_worker, options.gpus_per_worker))
     self.actors = [worker.remote(inner.loss_fn, inner.tx, inner.reset_optimizer,

@@ -1,0 +1,255 @@
+"""The public engine API: hj.simulate on a user's own model, loss, data and optimizers."""
+
+import os
+import runpy
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import heloco_jax as hj
+from heloco_jax import methods, outer
+from heloco_jax.runtime import base, simulated
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+W_TRUE = np.array([[1.0], [-2.0], [0.5]], np.float32)
+
+
+def _params(seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(0, 0.1, (3, 1)), jnp.float32), "b": jnp.zeros((1,))}
+
+
+def _loss(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+class Stream:
+  """A re-iterable, endless, non-IID stream of (x, y) batches for one worker."""
+
+  def __init__(self, worker, n=16):
+    self.worker, self.n = worker, n
+
+  def __iter__(self):
+    rng = np.random.default_rng(self.worker)
+    while True:
+      x = rng.normal(self.worker, 1.0, (self.n, 3)).astype(np.float32)
+      yield x, x @ W_TRUE
+
+
+X_VAL = np.random.default_rng(99).normal(1.0, 1.5, (64, 3)).astype(np.float32)
+
+
+def _eval(params):
+  return _loss(params, (X_VAL, X_VAL @ W_TRUE))
+
+
+def _run(method="heloco", k=3, **kwargs):
+  args = dict(inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0][:k],
+              budget_steps=120, eval_fn=_eval)
+  args.update(kwargs)
+  return hj.simulate(_loss, _params(), [Stream(i) for i in range(k)], method=method, **args)
+
+
+def _close(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def _leaves_equal(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                                   strict=True))
+
+
+def test_the_readme_example_learns_and_is_bit_identical_across_runs(capsys):
+  path = os.path.join(ROOT, "examples", "mlp_regression.py")
+  first = runpy.run_path(path)["result"]
+  second = runpy.run_path(path)["result"]
+  assert first.summary["final_val_loss"] < 0.05 * first.summary["initial_val_loss"]
+  assert _leaves_equal(first.params, second.params)
+  assert first.history == second.history
+  assert "->" in capsys.readouterr().out
+  # The README shows the same example.
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  with open(path) as f:
+    code = f.read().split('"""', 2)[2].strip()
+  assert code in readme
+
+
+@pytest.mark.parametrize("method", list(methods.METHODS))
+def test_every_registry_method_runs_a_users_model_deterministically(method):
+  inner_tx = None
+  if method == "palsgd":
+    inner_tx = hj.palsgd_inner(optax.identity(), 0.02, pseudo_sync_prob=0.2)
+  result = _run(method, inner_tx=inner_tx or optax.sgd(0.02))
+  again = _run(method, inner_tx=inner_tx or optax.sgd(0.02))
+  assert _leaves_equal(result.params, again.params) and result.history == again.history
+  assert jax.tree.structure(result.params) == jax.tree.structure(_params())
+  summary = result.summary
+  assert summary["method"] == method and summary["steps"] <= 120
+  assert summary["final_val_loss"] < summary["initial_val_loss"]
+  evals = [r for r in result.history if r["event"] == "eval"]
+  assert evals[0]["steps"] == 0 and evals[-1]["steps"] == summary["steps"]
+  if methods.METHODS[method].synchrony == "async":
+    arrivals = [r for r in result.history if r["event"] == "arrival"]
+    assert len(arrivals) == summary["outer_updates"] > 0
+    assert all("staleness" in r and "sim_time" in r for r in arrivals)
+
+
+def test_heloco_diagnostics_come_from_heloco_inside_a_users_chain():
+  chain = optax.chain(optax.clip_by_global_norm(10.0), hj.heloco(0.7, 0.9, num_workers=3))
+  result = _run(outer_tx=chain)
+  arrivals = [r for r in result.history if r["event"] == "arrival"]
+  assert arrivals and all("branch_count/keep" in r and "cosine_mean" in r for r in arrivals)
+  # No HeLoCo in the chain: the cosine with the momentum, no HeLoCo fields.
+  plain = _run("mla", outer_tx=optax.chain(optax.identity(), hj.mla(0.7, 0.9, num_workers=3)))
+  arrival = [r for r in plain.history if r["event"] == "arrival"][-1]
+  assert "cosine_mean" in arrival and "branch_count/keep" not in arrival
+
+
+def test_a_custom_outer_rule_changes_the_result():
+  default = _run("mla")
+  custom = _run("mla", outer_tx=hj.mla(0.3, 0.5, num_workers=3))
+  assert not _leaves_equal(default.params, custom.params)
+
+
+def test_a_run_whose_arrivals_are_all_rejected_stops_with_the_cause():
+  with pytest.raises(hj.DivergenceError, match="non-finite .*inner learning rate"):
+    _run(inner_tx=optax.sgd(1e6), budget_steps=400)
+  with pytest.raises(hj.DivergenceError, match="non-finite"):
+    _run("diloco", inner_tx=optax.sgd(1e6), budget_steps=400)
+
+
+def test_a_non_finite_evaluation_stops_the_run():
+  with pytest.raises(hj.DivergenceError, match="before training is not finite"):
+    _run(eval_fn=lambda p: jnp.nan)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(method="nope"), "method='nope'"),
+    (dict(budget_steps=None), "at least one budget"),
+    (dict(inner_steps=0), "inner_steps=0"),
+    (dict(speeds="warp"), "speeds"),
+    (dict(speeds=[1.0, 2.0]), "speeds"),
+    (dict(method="palsgd"), "hj.palsgd_inner"),
+    (dict(method="diloco", lookahead_dispatch=True), "lookahead_dispatch=True"),
+])
+def test_bad_arguments_are_refused_in_one_line(kwargs, named):
+  with pytest.raises(ValueError, match="allowed") as error:
+    _run(**kwargs)
+  assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_workdir_run_resumes_exactly(tmp_path):
+  whole = _run("heloco", budget_steps=200)
+  rows = []
+
+  def stop_after_some_rows(row):
+    rows.append(row)
+    if len(rows) == 25:
+      raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    _run("heloco", budget_steps=200, workdir=str(tmp_path), checkpoint_every=3,
+         on_row=stop_after_some_rows)
+  assert os.listdir(tmp_path / "checkpoints")
+  resumed = _run("heloco", budget_steps=200, workdir=str(tmp_path), checkpoint_every=3)
+  assert _leaves_equal(whole.params, resumed.params)
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert len(f.readlines()) == len(whole.history)
+  assert {k: v for k, v in resumed.summary.items() if "second" not in k} == {
+      k: v for k, v in whole.summary.items() if "second" not in k}
+  with pytest.raises(hj.WorkdirError, match="finished run"):
+    _run("heloco", budget_steps=200, workdir=str(tmp_path))
+
+
+def test_server_does_the_bookkeeping_for_a_loop_of_your_own():
+  params = _params()
+  tx = hj.heloco(0.7, 0.9, num_workers=2)
+  server = hj.Server(tx, params, lookahead=True)
+  start0 = server.dispatch(worker=0)
+  start1 = server.dispatch(worker=1)
+  delta = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), params)
+  row0 = server.arrive(delta, worker=0)
+  assert row0["staleness"] == 0 and row0["applied"] and row0["version"] == 1
+  row1 = server.arrive(delta, worker=1)  # dispatched at version 0, arrives at version 1
+  assert row1["staleness"] == 1 and row1["version"] == 2 and "branch_count/keep" in row1
+  # By hand: two HeLoCo updates with τ = 0 and 1.
+  state, want = tx.init(params), params
+  for tau in (0, 1):
+    updates, state = tx.update(delta, state, want, staleness=tau)
+    want = optax.apply_updates(want, updates)
+  _close(server.params, want)  # eager by hand vs the server's jitted step: float rounding
+  _close(server.dispatch(0), hj.lookahead_params(want, state))
+  assert _leaves_equal(start0, params) and _leaves_equal(start1, params)  # m = 0 then
+  bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+  row = server.arrive(bad, worker=0)
+  assert not row["applied"] and row["reason"] == "nan"
+  _close(server.params, want)
+  with pytest.raises(KeyError, match="not dispatched"):
+    server.arrive(delta, worker=5)
+  with pytest.raises(ValueError, match="lookahead"):
+    hj.Server(optax.sgd(0.1), params, lookahead=True)
+
+
+def test_palsgd_inner_with_p_zero_is_the_plain_step_and_pulls_toward_the_anchor():
+  params, grads = _params(0), _params(1)
+  anchor = jax.tree.map(lambda x: x + 1.0, params)
+  plain = hj.scale_by_step_schedule(0.1)
+  palsgd = hj.palsgd_inner(optax.identity(), 0.1, pseudo_sync_prob=0.0)
+  want, _ = plain.update(grads, plain.init(params), params, step=0)
+  got, state = palsgd.update(grads, palsgd.init(params), params, step=0, anchor=anchor,
+                             uniform=0.5)
+  assert _leaves_equal(got, want) and not bool(state.pseudo_sync)
+  pull = hj.palsgd_inner(optax.identity(), 0.1, pseudo_sync_prob=0.5, pseudo_sync_rate=2.0)
+  got, state = pull.update(grads, pull.init(params), params, step=0, anchor=anchor, uniform=0.1)
+  assert bool(state.pseudo_sync)  # u = 0.1 < p: θ ← θ − (η_ps·α/p)(θ − θ̃) = θ − 0.4(θ − θ̃)
+  for g, p, a in zip(jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(anchor)):
+    np.testing.assert_allclose(g, -0.4 * (np.asarray(p) - np.asarray(a)), rtol=1e-6)
+  with pytest.raises(ValueError, match="convex"):
+    hj.palsgd_inner(optax.identity(), 0.5, pseudo_sync_prob=0.1, pseudo_sync_rate=0.5)
+
+
+def test_every_runtime_implements_the_protocol():
+  loop = hj.make_engine(_loss, _params(), [Stream(0)], "mla", speeds=[1.0],
+                        budget_steps=10).runtime
+  assert isinstance(loop, simulated.SimulatedRuntime) and isinstance(loop, base.Runtime)
+  from heloco_jax.runtime import devices, ray  # pylint: disable=g-import-not-at-top
+  for cls in (devices.DeviceRuntime, ray.RayRuntime):
+    missing = [name for name in dir(base.Runtime)
+               if not name.startswith("_") and not hasattr(cls, name)]
+    assert not missing, (cls, missing)
+
+
+DEVICES_SCRIPT = """
+import numpy as np, optax, jax, heloco_jax as hj, sys
+sys.path.insert(0, {tests!r})
+import test_api as t
+for method in ("diloco", "mla"):
+  result = hj.simulate(t._loss, t._params(), [t.Stream(i) for i in range(2)], method=method,
+                       inner_tx=optax.sgd(0.02), inner_steps=4, budget_steps=64, eval_fn=t._eval,
+                       runtime=hj.devices_runtime(batch_size=16))
+  print(method, result.summary["final_val_loss"] < result.summary["initial_val_loss"],
+        result.summary["outer_updates"])
+"""
+
+
+def test_the_same_user_code_runs_on_real_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  out = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT.format(tests=os.path.dirname(
+      __file__))], env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = out.stdout.split("\n")
+  assert lines[0].startswith("diloco True") and lines[1].startswith("mla True"), out.stdout
+
+
+def test_the_same_user_code_runs_on_ray():
+  pytest.importorskip("ray")
+  result = _run("heloco", runtime=hj.ray_runtime(num_cpus=2), budget_steps=48)
+  assert result.summary["outer_updates"] > 0
+  assert result.summary["final_val_loss"] < result.summary["initial_val_loss"]
