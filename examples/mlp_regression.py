@@ -1,6 +1,9 @@
 """HeLoCo on a non-IID regression task with a flax.nnx MLP (the README's example)."""
-import jax, jax.numpy as jnp, numpy as np, optax
+import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx
+
 import heloco_jax as hj
 
 model = nnx.Sequential(nnx.Linear(4, 32, rngs=nnx.Rngs(0)), nnx.relu,

@@ -233,7 +233,9 @@ def palsgd_inner(direction: optax.GradientTransformation, learning_rate: Schedul
     coin = uniform < p
     pull = pseudo_sync_rate * schedule(step) / p if p > 0 else 0.0
     pulled = jax.tree.map(lambda x, a: -(pull * (x - a)), params, anchor)
-    pick = lambda new, old: jnp.where(coin, new, old)
+
+    def pick(new, old):
+      return jnp.where(coin, new, old)
     updates = jax.tree.map(pick, pulled, step_updates)
     return updates, PalsgdState(jax.tree.map(pick, state.inner, inner), coin)
 

@@ -99,6 +99,11 @@ def _progress(total_tokens: int):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  if any(arg in ("-h", "--help", "--helpfull", "help") for arg in argv):
+    from heloco_jax.configs import default, help as config_help  # pylint: disable=g-import-not-at-top
+    print(f"{USAGE}\n\n{__doc__.strip()}\n\nconfig keys (--config.KEY=VALUE):\n"
+          f"{config_help.describe(default.get_config())}")
+    return 0
   try:
     workdir, config, allow_config_change, compilation_cache = _parse(argv)
   except (KeyError, AttributeError) as error:  # an override of a key the config lacks

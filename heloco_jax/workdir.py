@@ -45,7 +45,8 @@ def config_differences(old: dict, new: dict) -> list[str]:
   """The keys whose values differ between two configs as JSON, as 'key (old -> new)'."""
   old, new = _flatten(old), _flatten(new)
   missing = object()
-  show = lambda v: "absent" if v is missing else json.dumps(v)
+  def show(value):
+    return "absent" if value is missing else json.dumps(value)
   return [f"{key} ({show(old.get(key, missing))} -> {show(new.get(key, missing))})"
           for key in sorted(set(old) | set(new)) if old.get(key, missing) != new.get(key, missing)]
 

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import heloco_jax as hj
-from heloco_jax import methods, outer
+from heloco_jax import methods
 from heloco_jax.runtime import base, simulated
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

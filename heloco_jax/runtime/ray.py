@@ -203,8 +203,8 @@ class RayRuntime:
                  include_dashboard=False, log_to_driver=options.log_to_driver,
                  configure_logging=False)
     self.slowdown = options.slowdown or (1.0,) * num_workers
-    resources = lambda cpus, gpus: {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus))
-                                    if v > 0}
+    def resources(cpus, gpus):
+      return {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus)) if v > 0}
     _send_by_value(inner.loss_fn)
     worker = ray.remote(WorkerActor).options(
         **resources(options.cpus_per_worker, options.gpus_per_worker))
@@ -318,7 +318,7 @@ class RayRuntime:
     return self.inner.fresh_moments(state)
 
   def close(self) -> None:
-    """Stops the actors (and the local Ray instance this placement started)."""
+    """Stops the actors (and the local Ray instance this runtime started)."""
     for actor in self.actors:
       self._ray.kill(actor, no_restart=True)
     if self._started:
@@ -329,11 +329,11 @@ class RayArrivals(devices_lib.DeviceArrivals):
   """Arrivals of Ray dispatches, in the order the actors finish them (re-sent on death)."""
 
   def __init__(self, clock: Callable[[], float], slowdown: tuple[float, ...],
-               placement: RayPlacement):
+               runtime: RayRuntime):
     super().__init__(clock, slowdown)
-    self._placement = placement
+    self._runtime = runtime
 
   async def _ready(self, worker: int, job: Any) -> None:
     del worker
-    await self._placement.wait(job.delta)
+    await self._runtime.wait(job.delta)
     await asyncio.sleep(0)
