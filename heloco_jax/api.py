@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from heloco_jax import clock, inner as inner_lib, methods, workdir as workdir_lib
-from heloco_jax.runtime import engine as engine_lib, simulated
+from heloco_jax.runtime import engine as engine_lib, simulated, state as state_lib
 
 Row = dict[str, Any]
 
@@ -119,11 +119,12 @@ def make_engine(
     outer_tx = spec_method.make_outer(num_workers, outer_options)
   reset = spec_method.reset_optimizer if reset_optimizer is None else bool(reset_optimizer)
   inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset)
-  spec = engine_lib.RunSpec(
+  spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
-      grace_window=grace_window, budget_units=budget_steps or 0,
-      budget_sim_seconds=budget_sim_seconds or 0.0, eval_every=eval_every_steps or 0,
+      grace_window=grace_window,
+      budget=state_lib.Budget(budget_steps or 0, budget_sim_seconds or 0.0),
+      eval_every=eval_every_steps or 0,
       checkpoint_every=checkpoint_every, metrics_fetch_every=metrics_fetch_every, seed=seed)
   if runtime == "simulated":
     runtime = simulated.SimulatedRuntime(inner)
@@ -246,7 +247,7 @@ def _spec_json(engine: engine_lib.Engine, options: dict[str, Any]) -> str:
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"
 
 
-RuntimeFactory = Callable[[inner_lib.InnerLoop, engine_lib.RunSpec], Any]
+RuntimeFactory = Callable[[inner_lib.InnerLoop, state_lib.RunSpec], Any]
 
 
 def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = "",
@@ -262,7 +263,7 @@ def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = ""
   """
   from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
 
-  def make(inner: inner_lib.InnerLoop, spec: engine_lib.RunSpec) -> Any:
+  def make(inner: inner_lib.InnerLoop, spec: state_lib.RunSpec) -> Any:
     groups = devices.group_devices(spec.num_workers, batch_size, group_sizes, server, slowdown,
                                    synchronous=spec.method.synchrony == "round")
     return devices.DeviceRuntime(inner, groups)
@@ -279,6 +280,6 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
   from heloco_jax.runtime import ray  # pylint: disable=g-import-not-at-top
   ray_options = ray.RayOptions(**options)
 
-  def make(inner: inner_lib.InnerLoop, spec: engine_lib.RunSpec) -> Any:
+  def make(inner: inner_lib.InnerLoop, spec: state_lib.RunSpec) -> Any:
     return ray.RayRuntime(inner, spec.num_workers, ray_options)
   return make

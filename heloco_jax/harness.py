@@ -20,7 +20,7 @@ import ml_collections
 
 from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, methods
 from heloco_jax import model as model_lib
-from heloco_jax.runtime import devices as devices_lib, engine, simulated
+from heloco_jax.runtime import devices as devices_lib, engine, simulated, state
 
 Row = dict[str, Any]
 
@@ -42,22 +42,23 @@ def make_dataset(config: ml_collections.ConfigDict) -> data_lib.Data:
       max_bytes_per_language=config.data.max_bytes_per_language or None)
 
 
-def spec_from(config: ml_collections.ConfigDict) -> engine.RunSpec:
+def spec_from(config: ml_collections.ConfigDict) -> state.RunSpec:
   """The engine's ``RunSpec`` of a run config (budgets and cadence in tokens)."""
   fault = config.fault
-  return engine.RunSpec(
+  return state.RunSpec(
       method=methods.get(config.method), num_workers=config.num_workers,
       inner_steps=config.inner_steps,
       seconds_per_step=tuple(clock.seconds_per_step(config.speeds, config.num_workers)),
       jitter=config.jitter,
       comm=clock.CommModel(config.comm.latency, config.comm.bandwidth or math.inf),
       dylu=config.dylu, grace_window=config.grace_window,
-      palsgd_warmup_steps=config.palsgd_warmup_steps, budget_units=config.budget.tokens,
-      budget_sim_seconds=config.budget.sim_seconds, eval_every=config.eval_every_tokens,
+      palsgd_warmup_steps=config.palsgd_warmup_steps,
+      budget=state.Budget(config.budget.tokens, config.budget.sim_seconds),
+      eval_every=config.eval_every_tokens,
       units_per_step=config.batch_size * config.model.context, unit="tokens",
       checkpoint_every=config.checkpoint_every, metrics_fetch_every=config.metrics_fetch_every,
       seed=config.seed,
-      fault=engine.Fault(fault.worker, fault.arrival, fault.value, fault.kill_worker))
+      fault=state.Fault(fault.worker, fault.arrival, fault.value, fault.kill_worker))
 
 
 def make_inner_loop(config: ml_collections.ConfigDict, loss_fn: Callable[..., Any]

@@ -50,15 +50,19 @@ def screen(deltas: list[Any]) -> list[Optional[str]]:
 
 
 class RejectionStreak:
-  """Stops a run whose workers all send non-finite work (docs/DESIGN.md, "Faults").
+  """Stops a run whose workers keep sending non-finite work (docs/DESIGN.md, "Faults").
 
-  Asynchronous methods: ``num_workers`` rejections in a row with no update
-  applied between them. Rounds: one round in which every worker is rejected.
+  A rejected worker restarts from θ with a fresh optimizer state; when that
+  fails too, the run diverges. So the run stops after 2·K rejections in a row
+  with no update applied between them (asynchronous arrivals, or two rounds
+  in which every worker was rejected), and at its end if every arrival was
+  rejected (``check_end``).
   """
 
   def __init__(self, num_workers: int):
     self.num_workers = num_workers
     self.count = 0
+    self.kinds: set[str] = set()
 
   def update(self, rejected: list[Optional[str]]) -> None:
     """Counts a group's reasons; raises ``DivergenceError`` when the streak is complete."""
@@ -66,10 +70,18 @@ class RejectionStreak:
       self.count = 0
       return
     self.count += len(rejected)
-    if self.count >= self.num_workers:
-      kinds = sorted(set(rejected))
-      raise DivergenceError(
-          f"the last {self.count} pseudo-gradients were all non-finite ({', '.join(kinds)}) "
-          "and were rejected: the inner optimization diverges (e.g. the inner learning rate is "
-          "too high, or the data hold values the model cannot take, such as a token id "
-          "outside the vocabulary)")
+    self.kinds.update(rejected)
+    if self.count >= 2 * self.num_workers:
+      raise DivergenceError(self._message(f"the last {self.count} pseudo-gradients"))
+
+  def check_end(self, applied_updates: int) -> None:
+    """Raises ``DivergenceError`` when a run ends with rejections and no update applied."""
+    if applied_updates == 0 and self.count > 0:
+      raise DivergenceError(self._message(f"all {self.count} pseudo-gradients of the run"))
+
+  def _message(self, which: str) -> str:
+    return (f"{which} were non-finite ({', '.join(sorted(self.kinds)) or 'nan or inf'}) and were "
+            "rejected: "
+            "the inner optimization diverges (e.g. the inner learning rate is too high, or the "
+            "data hold values the model cannot take, such as a token id outside the "
+            "vocabulary)")

@@ -7,9 +7,10 @@ the registry on any of them. The Ray module is imported only when used.
 """
 
 from heloco_jax.runtime.base import Clock, RealClock, Runtime, SimulatedClock
-from heloco_jax.runtime.engine import Engine, Fault, RunSpec
+from heloco_jax.runtime.engine import Engine
+from heloco_jax.runtime.state import Budget, Fault, RunSpec, RunState
 from heloco_jax.rejection import DivergenceError
 from heloco_jax.runtime.simulated import SimulatedRuntime
 
-__all__ = ["Clock", "DivergenceError", "Engine", "Fault", "RealClock", "RunSpec", "Runtime",
+__all__ = ["Budget", "Clock", "DivergenceError", "Engine", "Fault", "RunState", "RealClock", "RunSpec", "Runtime",
            "SimulatedClock", "SimulatedRuntime"]

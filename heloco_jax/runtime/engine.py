@@ -7,21 +7,8 @@ K per-worker data streams, an optional ``eval_fn``), a ``RunSpec`` (schedule,
 budgets, cadence) and a ``Runtime`` with its clock. ``Engine.run`` is an
 asyncio coroutine that yields to the event loop after every event.
 
-Synchrony (``Method.synchrony``):
-  * async: one outer update per arrival with staleness τ = v − s; the worker
-    is re-dispatched at once from the server's dispatch point. Arrivals
-    within ``grace_window`` seconds of the first are combined into one
-    update (``OuterServer.update``). On the simulated clock a dispatch fixes
-    its inputs (start point, batches, PRNG key) and its steps are computed
-    lazily: when its job reaches the head of the arrival queue (so the device
-    works on the next arrival while the host handles this one) or when a
-    checkpoint needs it; work a budget discards is never computed. The
-    results are those of computing at dispatch, bit for bit.
-  * round: all workers start from θ, run H steps (``vmap``), Δ = mean Δ_i,
-    one outer update. PALSGD's rounds pull toward θ̃ = θ and keep the inner
-    optimizer states; its DDP warm-up comes first.
-  * step (DDP): every step averages the K workers' gradients, which is one
-    inner step on their K batches together.
+The loops, one per synchrony of the registry, are in ``runtime.loops``; the
+run's spec, budget, state, data streams and rows in ``runtime.state``.
 
 Budgets count *units*: ``units_per_step`` per inner step whose result
 reached the server (1: local steps, the authors' budget; the CLI counts
@@ -38,221 +25,18 @@ rejected in a row, or an evaluation is not finite, the run stops with a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import math
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import clock as clock_lib, inner as inner_lib, methods as methods_lib
-from heloco_jax import server as server_lib
 from heloco_jax import rejection
-from heloco_jax.runtime import base
+from heloco_jax.runtime import base, loops
+from heloco_jax.runtime.state import Recorder, RunSpec, RunState, WorkerStream
 
 Row = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Fault:
-  """Fault injection for tests: worker ``worker``'s ``arrival``-th result gets a NaN/Inf.
-
-  ``kill_worker`` (Ray) kills that worker's actor at its ``arrival``-th arrival.
-  """
-  worker: int = -1
-  arrival: int = 1
-  value: str = "nan"
-  kill_worker: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-  """Everything about a run except the problem and the runtime.
-
-  Attributes:
-    method: the registry entry (``heloco_jax.methods.METHODS[name]``).
-    num_workers: K.
-    inner_steps: H.
-    seconds_per_step: per worker, simulated seconds per inner step.
-    jitter: relative per-step jitter of the simulated clock, in [0, 1).
-    comm: message and all-reduce costs.
-    dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
-    grace_window: simulated seconds within which arrivals are combined.
-    palsgd_warmup_steps: DDP steps before PALSGD's rounds; -1 = H.
-    budget_units: 0 = none; else stop before passing this many units.
-    budget_sim_seconds: 0 = none; else stop before passing this time.
-    eval_every: units between evaluations (0 = at the start and end only).
-    units_per_step: units one inner step of one worker counts.
-    unit: the name of the unit in rows and the summary ("steps", "tokens").
-    checkpoint_every: outer updates between checkpoint hooks (0 = off).
-    metrics_fetch_every: arrival rows whose device scalars are fetched together.
-    seed: PRNG seed of dispatch keys and the clock's jitter.
-    fault: fault injection (tests).
-  """
-  method: methods_lib.Method
-  num_workers: int
-  inner_steps: int
-  seconds_per_step: tuple[float, ...]
-  jitter: float = 0.0
-  comm: clock_lib.CommModel = clock_lib.CommModel()
-  dylu: bool = False
-  grace_window: float = 0.0
-  palsgd_warmup_steps: int = -1
-  budget_units: int = 0
-  budget_sim_seconds: float = 0.0
-  eval_every: int = 0
-  units_per_step: int = 1
-  unit: str = "steps"
-  checkpoint_every: int = 0
-  metrics_fetch_every: int = 16
-  seed: int = 0
-  fault: Fault = Fault()
-
-  def over_budget(self, units: int, sim_time: float) -> bool:
-    """Whether work ending at (units, sim_time) passes a budget."""
-    return ((self.budget_units > 0 and units > self.budget_units)
-            or (self.budget_sim_seconds > 0 and sim_time > self.budget_sim_seconds))
-
-
-class WorkerStream:
-  """One worker's batches, with a position a checkpoint can save and restore.
-
-  Iterators with ``get_state``/``set_state`` (grain's) save their own
-  position; for any other iterable the count of batches read is saved, and a
-  restore iterates ``source`` anew and skips that many.
-  """
-
-  def __init__(self, source: Iterable[Any]):
-    self._source = source
-    self._iterator = source if hasattr(source, "get_state") else iter(source)
-    self._read = 0
-
-  def next(self, steps: int) -> Any:
-    """The next ``steps`` batches, stacked on a new leading axis (leaf by leaf)."""
-    batches = []
-    for _ in range(steps):
-      try:
-        batches.append(next(self._iterator))
-      except StopIteration:
-        raise ValueError(f"a worker's data ran out after {self._read} batches; allowed: "
-                         "iterables that yield a batch for every inner step of the run "
-                         "(e.g. endless iterators, or a budget that fits the data)") from None
-      self._read += 1
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
-
-  def get_state(self) -> Any:
-    if hasattr(self._iterator, "get_state"):
-      return self._iterator.get_state()
-    return {"batches_read": self._read}
-
-  def set_state(self, state: Any) -> None:
-    if hasattr(self._iterator, "set_state"):
-      self._iterator.set_state(state)
-      return
-    if self._iterator is self._source:
-      raise ValueError("cannot resume a worker's data: it is a one-shot iterator; allowed: "
-                       "a re-iterable (e.g. a list or a grain dataset) or an iterator with "
-                       "get_state/set_state")
-    self._iterator, self._read = iter(self._source), 0
-    for _ in range(state["batches_read"]):
-      next(self._iterator)
-      self._read += 1
-
-
-class Recorder:
-  """The run's metrics rows: arrival rows' device scalars fetched in batches.
-
-  Args:
-    fetch_every: arrival rows queued before one device-to-host transfer.
-  """
-
-  def __init__(self, fetch_every: int):
-    self.fetch_every = fetch_every
-    self.rows: list[Row] = []
-    self.on_row: Callable[[Row], None] = lambda row: None
-    self._unfetched: list[Row] = []
-
-  def emit(self, row: Row) -> None:
-    """Queues ``row``; arrival rows are fetched ``fetch_every`` at a time."""
-    self._unfetched.append(row)
-    if row["event"] != "arrival" or len(self._unfetched) >= self.fetch_every:
-      self.flush()
-
-  def flush(self) -> None:
-    """Fetches the queued rows' device scalars (one transfer) and hands the rows on."""
-    rows, self._unfetched = server_lib.to_host(self._unfetched), []
-    for row in rows:
-      self.rows.append(row)
-      self.on_row(row)
-
-
-@dataclasses.dataclass
-class Job:
-  """A dispatched worker's result, waiting for its finish time.
-
-  ``delta`` is None while the work is deferred: ``work`` then computes
-  (end state, Δ) from the inputs fixed at dispatch (simulated clock).
-  """
-  delta: Any
-  version: int
-  units: int
-  finish: float
-  work: Optional[Callable[[], tuple[Any, Any]]] = None
-
-
-@dataclasses.dataclass
-class RunState:
-  """The host side of a run's state: counters, cadences and the loop's position.
-
-  ``phase`` says which loop runs (None before the first, "ddp", "rounds",
-  "async"); ``workers`` holds the workers' inner states and ``jobs`` the
-  work in flight.
-  """
-  units: int = 0
-  sim_time: float = 0.0
-  version: int = 0
-  staleness: list = dataclasses.field(default_factory=list)
-  phase: Optional[str] = None
-  workers: Any = None
-  jobs: dict = dataclasses.field(default_factory=dict)
-  ddp_remaining: Optional[int] = None
-  arrivals: list = dataclasses.field(default_factory=list)
-  rejected_in_a_row: int = 0
-  initial_eval: Row = dataclasses.field(default_factory=dict)
-  last_eval: Row = dataclasses.field(default_factory=dict)
-  next_eval: float = 0
-  next_checkpoint: int = 0
-  wall_before: float = 0.0
-
-  META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining", "arrivals",
-          "rejected_in_a_row", "initial_eval", "last_eval", "next_eval", "next_checkpoint",
-          "wall_before")
-
-  def meta(self) -> dict[str, Any]:
-    """The JSON-serialisable fields (a checkpoint's meta)."""
-    meta = {name: getattr(self, name) for name in self.META}
-    meta["next_eval"] = None if self.next_eval == math.inf else self.next_eval
-    meta["jobs"] = [[w, job.version, job.units, job.finish]
-                    for w, job in sorted(self.jobs.items())]
-    return meta
-
-  def load(self, meta: dict[str, Any], pending: list[Any], workers: Any) -> None:
-    for name in self.META:
-      setattr(self, name, meta[name])
-    self.staleness, self.arrivals = list(self.staleness), list(self.arrivals)
-    self.next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
-    self.jobs = {w: Job(delta, version, units, finish)
-                 for (w, version, units, finish), delta in zip(meta["jobs"], pending)}
-    self.workers = workers
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _stack_copies(tree: Any, k: int) -> Any:
-  """``k`` copies of ``tree`` stacked on a new leading axis (one compiled program)."""
-  return jax.tree.map(lambda x: jnp.stack([x] * k), tree)
 
 
 def eval_metrics(value: Any) -> dict[str, float]:
@@ -342,7 +126,7 @@ class Engine:
     """The whole run state at a loop boundary: (arrays, JSON-serialisable meta)."""
     s = self.state
     for worker in s.jobs:
-      self._compute(worker)
+      self.compute(worker)
     params, outer_state = self.server.get()
     fetch = self.runtime.fetch  # Ray: waits for work still in flight
     arrays = {"params": params, "outer_state": outer_state,
@@ -375,7 +159,7 @@ class Engine:
     for stream, position in zip(self.streams, meta["streams"], strict=True):
       stream.set_state(position)
 
-  def _maybe_checkpoint(self) -> None:
+  def maybe_checkpoint(self) -> None:
     """Calls the checkpoint hook when the update count reaches the next multiple."""
     every, s = self.spec.checkpoint_every, self.state
     if every <= 0 or s.version < s.next_checkpoint:
@@ -388,7 +172,7 @@ class Engine:
 
   # ------------------------------------------------------------------ helpers
 
-  def _evaluate(self, force: bool = False) -> None:
+  def evaluate(self, force: bool = False) -> None:
     """An eval row when the unit count has passed the next eval point (or forced)."""
     s = self.state
     if self.eval_fn is None or (not force and s.units < s.next_eval):
@@ -409,10 +193,11 @@ class Engine:
     s.last_eval = row
     self.recorder.emit(row)
 
-  def _batches(self, worker: int, steps: int) -> Any:
+  def batches(self, worker: int, steps: int) -> Any:
+    """Worker ``worker``'s next ``steps`` batches, stacked on a leading axis."""
     return self.streams[worker].next(steps)
 
-  def _compute(self, worker: int) -> Any:
+  def compute(self, worker: int) -> Any:
     """``worker``'s pending Δ, running its deferred inner steps first if needed."""
     job = self.state.jobs[worker]
     if job.work is not None:
@@ -420,11 +205,12 @@ class Engine:
       job.work = None
     return job.delta
 
-  def _next_key(self) -> jax.Array:
+  def next_key(self) -> jax.Array:
+    """A fresh PRNG key of the run's key stream."""
     self.key, key = jax.random.split(self.key)
     return key
 
-  def _faulty(self, worker: int) -> bool:
+  def faulty(self, worker: int) -> bool:
     """Counts ``worker``'s arrival; True if the fault switch poisons this one."""
     self.state.arrivals[worker] += 1
     fault = self.spec.fault
@@ -432,7 +218,8 @@ class Engine:
       self.runtime.kill_worker(worker)
     return fault.worker == worker and fault.arrival == self.state.arrivals[worker]
 
-  def _reject(self, worker: int, reason: str, staleness: int) -> None:
+  def reject(self, worker: int, reason: str, staleness: int) -> None:
+    """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient."""
     self.recorder.emit({"event": "rejected", "worker": worker, "reason": reason,
                         "staleness": staleness, "sim_time": self.state.sim_time,
                         "outer_updates": self.state.version})
@@ -463,17 +250,16 @@ class Engine:
     s = self.state
     self.clock.start(s.sim_time)
     if s.phase is None:
-      self._evaluate(force=True)
+      self.evaluate(force=True)
       s.initial_eval = s.last_eval
-    loop = {"async": self._run_async, "round": self._run_rounds,
-            "step": functools.partial(self._run_ddp, None)}[self.method.synchrony]
     try:
-      await loop()
+      await loops.LOOPS[self.method.synchrony](self)
+      self.streak.check_end(s.version)
     finally:
       self.recorder.flush()  # the rows up to a DivergenceError are kept too
     if self.eval_fn is not None and (s.last_eval[self.spec.unit] != s.units
                                      or s.last_eval["sim_time"] != s.sim_time):
-      self._evaluate(force=True)
+      self.evaluate(force=True)
     wall = s.wall_before + time.perf_counter() - self._wall_start
     unit = self.spec.unit
     summary = {"method": self.method.name, "seed": self.spec.seed, unit: s.units,
@@ -490,159 +276,6 @@ class Engine:
   def close(self) -> None:
     """Releases the runtime's resources (Ray: its actors); θ is gone after."""
     self.runtime.close()
-
-  def _steps_per_dispatch(self) -> np.ndarray:
-    spec = self.spec
-    if spec.dylu:
-      return clock_lib.dylu_steps(np.asarray(spec.seconds_per_step, float), spec.inner_steps)
-    return np.full(spec.num_workers, spec.inner_steps)
-
-  async def _run_async(self) -> None:
-    s, k, clock = self.state, self.spec.num_workers, self.clock
-    steps = self._steps_per_dispatch()
-    queue = self.runtime.arrivals(clock, self.recorder.emit)
-
-    def dispatch(worker: int, now: float) -> None:
-      work = functools.partial(
-          self.runtime.run_worker, worker, s.workers[worker], self.server.dispatch_point(),
-          self._batches(worker, int(steps[worker])), self._next_key())
-      finish = clock.finish(worker, int(steps[worker]), now)
-      s.jobs[worker] = Job(None, s.version, int(steps[worker]) * self.spec.units_per_step,
-                           finish, work)
-      if clock.eager:
-        self._compute(worker)
-      queue.push(worker, s.jobs[worker])
-
-    for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
-      queue.push(worker, s.jobs[worker])
-    if s.phase is None:
-      s.phase, s.workers = "async", [None] * k
-      for worker in range(k):
-        dispatch(worker, 0.0)
-    try:
-      await self._async_loop(queue, dispatch)
-    finally:
-      queue.close()
-
-  async def _async_loop(self, queue: base.Arrivals, dispatch: Callable[[int, float], None]):
-    """Takes arrivals from ``queue`` until it is empty or a budget ends."""
-    s, spec = self.state, self.spec
-    while len(queue):
-      now, group = await queue.pop(spec.grace_window)
-      units = s.units + sum(s.jobs[w].units for w in group)
-      if spec.over_budget(units, now):
-        break  # this group and everything still in flight are discarded, never computed
-      for w in group:
-        self._compute(w)
-      arrived = [s.jobs.pop(w) for w in group]
-      s.units, s.sim_time = units, now
-      taus = [s.version - job.version for job in arrived]
-      poisons = [spec.fault.value if self._faulty(w) else None for w in group]
-      results = self.server.update(taus, poisons, *(job.delta for job in arrived), fetch=False)
-      reasons = [result.pop("reason") for result in results]
-      for w, tau, reason in zip(group, taus, reasons):
-        if reason is not None:
-          self._reject(w, reason, tau)
-          s.workers[w] = self.runtime.fresh_moments(s.workers[w])
-      if any(reason is None for reason in reasons):
-        s.version += 1
-      for w, tau, reason, result in zip(group, taus, reasons, results):
-        if reason is None:
-          s.staleness.append(tau)
-          self.recorder.emit({"event": "arrival", "worker": w, "staleness": tau,
-                              "sim_time": now, "outer_updates": s.version, **result})
-      self.streak.update(reasons)
-      self._evaluate()
-      for w in group:
-        dispatch(w, now)
-      if not self.clock.eager and len(queue):  # the next arrival computes while the host
-        job = s.jobs[queue.head()]  # goes on, unless the budget will discard it
-        if not spec.over_budget(s.units + job.units, job.finish):
-          self._compute(queue.head())
-      self._maybe_checkpoint()
-      await asyncio.sleep(0)
-
-  async def _run_rounds(self) -> None:
-    s, spec, k, h = self.state, self.spec, self.spec.num_workers, self.spec.inner_steps
-    runtime = self.runtime
-    palsgd = self.method.inner == "palsgd"
-    if palsgd and s.phase in (None, "ddp"):
-      warmup = h if spec.palsgd_warmup_steps < 0 else spec.palsgd_warmup_steps
-      if warmup:
-        warm = await self._run_ddp(warmup)
-        if spec.over_budget(s.units, s.sim_time):
-          return
-        # The first round continues the warm-up's step count and optimizer state.
-        s.workers = _stack_copies(warm, k)
-    s.phase = "rounds"
-    while True:
-      # Every worker restarts from θ, keeping its own step count (and its optimizer
-      # state unless reset_optimizer).
-      theta = runtime.to_rounds(self.params)
-      starts = self.inner.start_many(theta, s.workers, k)
-      batches = jax.tree.map(lambda *xs: np.stack(xs), *[self._batches(i, h) for i in range(k)])
-      keys = jnp.stack([self._next_key() for _ in range(k)])
-      states, metrics = runtime.run_round(starts, batches, keys, theta if palsgd else None)
-      # PALSGD: pseudo-sync steps read no data and cost no compute time.
-      real_steps = h - runtime.to_host(metrics.pseudo_sync).sum(axis=1)
-      units = s.units + int(real_steps.sum()) * spec.units_per_step
-      duration = self.clock.round_seconds(real_steps, s.sim_time)
-      if spec.over_budget(units, s.sim_time + duration):
-        return
-      s.units, s.sim_time = units, s.sim_time + duration
-      for i in range(k):
-        if self._faulty(i):
-          states = states._replace(
-              params=rejection.poison(states.params, spec.fault.value, worker=i))
-      reasons = rejection.reasons(*map(runtime.to_host,
-                                       rejection.nonfinite(states.params, per_worker=True)))
-      accepted = np.array([reason is None for reason in reasons])
-      for i, reason in enumerate(reasons):
-        if reason is not None:
-          self._reject(i, reason, 0)
-      self.streak.update(reasons)
-      if not accepted.all():
-        states = self.inner.reset_moments(states, runtime.to_rounds(~accepted))
-      s.workers = states
-      if accepted.any():
-        self.server.apply(runtime.round_delta(self.params, states.params, accepted), 0)
-        s.version += 1
-      self._evaluate()
-      self._maybe_checkpoint()
-      await asyncio.sleep(0)
-
-  async def _run_ddp(self, steps: Optional[int]) -> inner_lib.InnerState:
-    """DDP steps in chunks of H (all of the budget when ``steps`` is None)."""
-    s, spec, k = self.state, self.spec, self.spec.num_workers
-    step_units = k * spec.units_per_step
-    if s.phase != "ddp":
-      s.phase, s.workers = "ddp", self.inner.start(self.params)
-      s.ddp_remaining = steps
-    while s.ddp_remaining is None or s.ddp_remaining > 0:
-      chunk = (spec.inner_steps if s.ddp_remaining is None
-               else min(spec.inner_steps, s.ddp_remaining))
-      if spec.budget_units > 0:
-        chunk = min(chunk, (spec.budget_units - s.units) // step_units)
-      if chunk <= 0:
-        break
-      chunk, planned = self.clock.plan_ddp(chunk, s.sim_time, spec.budget_sim_seconds)
-      if chunk == 0:
-        break
-      # Averaging K workers' gradients = one step on their K batches together.
-      batches = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
-                             *[self._batches(i, chunk) for i in range(k)])
-      s.workers = self.runtime.run_ddp(s.workers, batches, self._next_key())
-      self.params = self.runtime.to_server(jax.tree.map(jnp.array, s.workers.params))
-      seconds = self.clock.ddp_seconds(planned, s.sim_time, self.params)
-      s.version += chunk
-      s.units += chunk * step_units
-      s.sim_time += seconds
-      if s.ddp_remaining is not None:
-        s.ddp_remaining -= chunk
-      self._evaluate()
-      self._maybe_checkpoint()
-      await asyncio.sleep(0)
-    return s.workers
 
 
 def run(engine: Engine, on_row: Optional[Callable[[Row], None]] = None,
