@@ -4,7 +4,7 @@
 registry method's, or a user's chain). It gives the dispatch point (θ, or
 the look-ahead point θ − η·μ·m, docs/ALGORITHMS.md "MLA"), and applies one
 ``update`` per arrival group: it rejects non-finite pseudo-gradients
-(``heloco_jax.runtime.rejection``), measures cos(Δ, m) with the momentum the
+(``heloco_jax.rejection``), measures cos(Δ, m) with the momentum the
 arrival meets, combines a grace window's arrivals and applies the rule.
 HeLoCo's diagnostics come from the HeLoCo state wherever it sits in the chain.
 

@@ -24,6 +24,13 @@ def test_unknown_command_lists_the_allowed_ones(capsys):
   assert "unknown command 'fly'; allowed: train, corpus" in capsys.readouterr().err
 
 
+def test_train_help_lists_the_config_keys_with_defaults_and_allowed_values(capsys):
+  assert cli.main(["train", "--help"]) == 0
+  out = capsys.readouterr().out
+  assert "--workdir" in out and "outer.keep_threshold" in out and "0.2" in out
+  assert "delayed_nesterov" in out and "budget.tokens" in out
+
+
 def test_help_exits_zero(capsys):
   assert cli.main(["--help"]) == 0
   assert "heloco-jax train --workdir=DIR" in capsys.readouterr().out

@@ -567,3 +567,92 @@ def test_outer_momentum_is_found_in_every_async_rule_state():
     assert float(jnp.abs(momentum["w"]).sum()) > 0  # the arrival went into m
   with pytest.raises(ValueError, match="outer_momentum: .* holds 0"):
     hj.outer_momentum(optax.sgd(1.0).init(params))
+
+
+# ------------------------------------------- optax.inject_hyperparams, no static_args
+
+
+_INJECTED = [
+    (hj.heloco, dict(learning_rate=0.5, momentum=0.9, num_workers=4)),
+    (hj.heloco, dict(learning_rate=0.7, momentum=0.95, num_workers=3, weighting="polynomial",
+                     keep_threshold=0.3, bad_threshold=-0.1, rotate_schedule="eq14",
+                     weight_order="after")),
+    (hj.mla, dict(learning_rate=0.7, momentum=0.9, num_workers=5)),
+    (hj.mla, dict(learning_rate=0.3, momentum=0.99, num_workers=7, weighting="polynomial")),
+    (hj.async_nesterov, dict(learning_rate=0.07, momentum=0.9, num_workers=5)),
+    (hj.async_nesterov, dict(learning_rate=0.1, momentum=0.8, num_workers=3,
+                             weighting="polynomial")),
+    (hj.delayed_nesterov, dict(learning_rate=0.07, momentum=0.9, num_workers=5)),
+    (hj.delayed_nesterov, dict(learning_rate=0.07, momentum=0.9, num_workers=5, buffer_size=3,
+                               c=0.1)),
+    (hj.delayed_nesterov, dict(learning_rate=0.5, momentum=0.9, num_workers=7, buffer_size=7,
+                               c=1 / 7, weighting="polynomial")),
+    (hj.delayed_nesterov, dict(learning_rate=0.2, momentum=0.9, buffer_size=1, c=0.6)),
+]
+
+
+def _assert_trees_equal(a, b):
+  """Equal up to float32 rounding: inject_hyperparams holds η, μ, c as float32 arrays, where
+  the plain factory folds Python floats (so 1 − μ rounds once more or less)."""
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b)
+  for x, y in zip(leaves_a, leaves_b):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("factory, kwargs", _INJECTED,
+                         ids=[f"{f.__name__}-{i}" for i, (f, _) in enumerate(_INJECTED)])
+def test_inject_hyperparams_without_static_args_matches_the_plain_factory(factory, kwargs, jit):
+  params, arrivals, staleness = _arrivals(18, n=7)
+  plain = factory(**kwargs)
+  injected = optax.inject_hyperparams(factory)(**kwargs)  # num_workers etc. become arrays
+  wrap = jax.jit if jit else (lambda f: f)
+  plain_state = wrap(plain.init)(params)
+  injected_state = wrap(injected.init)(params)
+  _assert_trees_equal(injected_state.inner_state, plain_state)
+  plain_update, injected_update = wrap(plain.update), wrap(injected.update)
+  plain_params = injected_params = params
+  for delta, tau in zip(arrivals, staleness):
+    want, plain_state = plain_update(delta, plain_state, plain_params, staleness=tau)
+    got, injected_state = injected_update(delta, injected_state, injected_params, staleness=tau)
+    _assert_trees_equal(got, want)
+    _assert_trees_equal(injected_state.inner_state, plain_state)
+    plain_params = optax.apply_updates(plain_params, want)
+    injected_params = optax.apply_updates(injected_params, got)
+  if factory in (hj.mla, hj.heloco):
+    _assert_trees_equal(hj.lookahead_params(injected_params, injected_state),
+                        hj.lookahead_params(plain_params, plain_state))
+
+
+def test_inject_hyperparams_example_from_the_docs():
+  params = {"w": jnp.ones(3)}
+  tx = optax.inject_hyperparams(hj.heloco)(learning_rate=0.5, momentum=0.9, num_workers=4)
+  state = tx.init(params)
+  assert int(state.hyperparams["num_workers"]) == 4
+  updates, state = jax.jit(tx.update)({"w": jnp.full(3, 0.2)}, state, params, staleness=1)
+  # First update: m = 0, so HeLoCo is MLA: −η·((1 − μ)·ρΔ·μ + ρΔ) with ρ = 1/2.
+  np.testing.assert_allclose(updates["w"], -0.5 * 0.1 * (1 + 0.9 * 0.1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("factory, kwargs, named", [
+    (hj.heloco, dict(num_workers=jnp.asarray(0)), "num_workers=0"),
+    (hj.mla, dict(num_workers=jnp.asarray(2.0)), "num_workers=Array(2."),
+    (hj.async_nesterov, dict(num_workers=np.asarray(-1)), "num_workers=-1"),
+    (hj.delayed_nesterov, dict(learning_rate=0.1, buffer_size=jnp.asarray(0)), "buffer_size=0"),
+    (hj.delayed_nesterov, dict(learning_rate=0.1, buffer_size=jnp.asarray(4), c=0.3),
+     "c=0.3"),
+    (hj.delayed_nesterov, dict(learning_rate=0.1, buffer_size=jnp.ones(2, jnp.int32)),
+     "buffer_size=Array([1, 1]"),
+])
+def test_concrete_array_arguments_are_validated_as_numbers(factory, kwargs, named):
+  with pytest.raises(ValueError) as error:
+    factory(**kwargs)
+  assert named in str(error.value) and "allowed:" in str(error.value), str(error.value)
+
+
+def test_delayed_nesterov_accepts_c_of_one_over_n_rounded_to_float32():
+  # inject_hyperparams holds c = 1/3 as float32 0.33333334 > 1/3.
+  hj.delayed_nesterov(0.1, buffer_size=3, c=np.float32(1 / 3))
+  with pytest.raises(ValueError, match="c=0.34"):
+    hj.delayed_nesterov(0.1, buffer_size=3, c=0.34)

@@ -22,10 +22,111 @@ from heloco_jax import clock, data, inner, model
 from heloco_jax.runtime import devices
 from heloco_jax.methods import METHODS
 from heloco_jax.outer import _validation
+from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
+from heloco_jax.outer.heloco import WEIGHT_ORDERS
+from heloco_jax.outer.weighting import WEIGHTINGS
 
 RUNTIMES_AVAILABLE = ("simulated", "devices", "ray")
 # Arguments of the outer factories whose config key differs from their name.
 _OUTER_KEYS = {"c": "dn_c"}
+
+# The allowed values of every config key, as `heloco-jax train --help` shows them
+# (heloco_jax.configs.help). CHOICES are the very tuples the checks below test
+# against; ALLOWED says in words what the other checks require
+# (tests/test_config_help.py probes it against `validate`).
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "method": tuple(METHODS),
+    "speeds": tuple(clock.PRESETS),
+    "runtime": RUNTIMES_AVAILABLE,
+    "lookahead_dispatch": (-1, 0, 1),
+    "data.source": tuple(data.SOURCES),
+    "data.partition": tuple(data.PARTITIONS),
+    "inner.reset_optimizer": (-1, 0, 1),
+    "outer.weighting": WEIGHTINGS,
+    "outer.rotate_schedule": ROTATE_SCHEDULES,
+    "outer.weight_order": WEIGHT_ORDERS,
+    "outer.scope": SCOPES,
+    "fault.value": ("nan", "inf"),
+}
+
+
+def _one_of(key: str) -> str:
+  return "one of: " + ", ".join(str(c) for c in CHOICES[key])
+
+
+ALLOWED: dict[str, str] = {
+    "method": _one_of("method"),
+    "seed": "an integer >= 0",
+    "num_workers": "an integer >= 1",
+    "inner_steps": "an integer >= 1",
+    "speeds": _one_of("speeds") + "; or a list of num_workers seconds per step (> 0)",
+    "jitter": "a number in [0, 1)",
+    "batch_size": "an integer >= 1 (runtime=devices: a multiple of every group's size)",
+    "eval_every_tokens": "an integer >= 0",
+    "metrics_fetch_every": "an integer >= 1",
+    "runtime": _one_of("runtime") + " (ray: asynchronous methods only)",
+    "checkpoint_every": "an integer >= 0",
+    "keep_checkpoints": "an integer >= 1",
+    "grace_window": "a number >= 0",
+    "dylu": "True or False",
+    "lookahead_dispatch": _one_of("lookahead_dispatch") + " (heloco: not 0; only mla, heloco: 1)",
+    "palsgd_warmup_steps": "an integer >= -1",
+    "budget.tokens": "an integer >= 0 (budget.tokens or budget.sim_seconds must be > 0)",
+    "budget.sim_seconds": "a number >= 0",
+    "model.d_model": "an integer >= 1",
+    "model.num_layers": "an integer >= 1",
+    "model.num_heads": "an integer >= 1 that divides model.d_model",
+    "model.context": "an integer >= 1",
+    "data.source": _one_of("data.source"),
+    "data.path": "a directory (text_dir, jsonl) or a tensorflow-datasets name (tfds)",
+    "data.languages": "comma-separated language names, or '' (all)",
+    "data.partition": _one_of("data.partition"),
+    "data.dirichlet_alpha": "a number > 0",
+    "data.val_sequences_per_language": "an integer >= 1",
+    "data.max_bytes_per_language": "an integer >= 0",
+    "inner.learning_rate": "a number > 0",
+    "inner.warmup_steps": "an integer >= 0",
+    "inner.total_steps": "an integer > inner.warmup_steps",
+    "inner.min_learning_rate_ratio": "a number in [0, 1]",
+    "inner.weight_decay": "a number >= 0",
+    "inner.grad_clip": "a number >= 0",
+    "inner.reset_optimizer": _one_of("inner.reset_optimizer"),
+    "inner.pseudo_sync_prob": "a number in [0, 1)",
+    "inner.pseudo_sync_rate": ("a number >= 0; palsgd: pseudo_sync_rate·learning_rate/"
+                               "pseudo_sync_prob <= 1"),
+    "outer.learning_rate": "a number >= 0",
+    "outer.momentum": "a number in [0, 1)",
+    "outer.weighting": _one_of("outer.weighting"),
+    "outer.buffer_size": "an integer >= 0",
+    "outer.dn_c": "a number in [0, 1/N], N the buffer size",
+    "outer.keep_threshold": "a number in [-1, 1]",
+    "outer.bad_threshold": "a number < outer.keep_threshold (with rotate_schedule=normalized)",
+    "outer.shrink_strength": "a number >= 0",
+    "outer.max_shrink": "a number in [0, 1]",
+    "outer.rotate_strength": "a number >= 0",
+    "outer.confidence_scale": "a number >= 0",
+    "outer.rotate_schedule": _one_of("outer.rotate_schedule"),
+    "outer.weight_order": _one_of("outer.weight_order"),
+    "outer.scope": _one_of("outer.scope"),
+    "fault.worker": "-1 (off) or a worker in [0, num_workers); not with ddp",
+    "fault.arrival": "an integer >= 1",
+    "fault.value": _one_of("fault.value"),
+    "fault.kill_worker": "-1 (off), or with runtime=ray a worker in [0, num_workers)",
+    "devices.group_sizes": "'' or num_workers comma-separated integers >= 1",
+    "devices.server": "an index into jax.devices()",
+    "devices.slowdown": "'' or num_workers comma-separated numbers >= 1",
+    "distributed.coordinator": "'', 'auto' or HOST:PORT (synchronous methods, runtime=devices)",
+    "distributed.num_processes": "an integer >= 1 (with HOST:PORT)",
+    "distributed.process_id": "an integer in [0, distributed.num_processes) (with HOST:PORT)",
+    "ray.address": "'', 'auto' or HOST:PORT",
+    "ray.num_cpus": "a number >= 0",
+    "ray.cpus_per_worker": "a number >= 0",
+    "ray.gpus_per_worker": "a number >= 0",
+    "ray.server_gpus": "a number >= 0",
+    "ray.log_to_driver": "True or False",
+    "comm.latency": "a number >= 0",
+    "comm.bandwidth": "a number >= 0",
+}
 
 
 class ConfigError(ValueError):
@@ -100,7 +201,7 @@ def validate_distributed(config: ml_collections.ConfigDict) -> None:
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
-  _choice("method", config.method, list(METHODS))
+  _choice("method", config.method, CHOICES["method"])
   method = METHODS[config.method]
   _integer("seed", config.seed, 0)
   _integer("num_workers", config.num_workers, 1)
@@ -114,7 +215,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _integer("eval_every_tokens", config.eval_every_tokens, 0)
   _integer("metrics_fetch_every", config.metrics_fetch_every, 1)
   validate_distributed(config)
-  if config.runtime not in RUNTIMES_AVAILABLE:
+  if config.runtime not in CHOICES["runtime"]:
     _fail("runtime", config.runtime, "'simulated', 'devices' or 'ray'")
   if config.runtime == "devices":
     try:
@@ -130,7 +231,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _number("grace_window", config.grace_window, 0.0)
   if not isinstance(config.dylu, bool):
     _fail("dylu", config.dylu, "True or False")
-  _choice("lookahead_dispatch", config.lookahead_dispatch, (-1, 0, 1))
+  _choice("lookahead_dispatch", config.lookahead_dispatch, CHOICES["lookahead_dispatch"])
   if method.lookahead == "always" and config.lookahead_dispatch == 0:
     _fail("lookahead_dispatch", 0, f"-1 or 1 with method={config.method!r} (it always "
           "dispatches from the look-ahead point)")
@@ -150,8 +251,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   except ValueError as error:
     raise ConfigError(f"config.{error}") from None
 
-  _choice("data.source", config.data.source, data.SOURCES)
-  _choice("data.partition", config.data.partition, data.PARTITIONS)
+  _choice("data.source", config.data.source, CHOICES["data.source"])
+  _choice("data.partition", config.data.partition, CHOICES["data.partition"])
   _number("data.dirichlet_alpha", config.data.dirichlet_alpha, 0.0, low_open=True)
   _integer("data.val_sequences_per_language", config.data.val_sequences_per_language, 1)
   _integer("data.max_bytes_per_language", config.data.max_bytes_per_language, 0)
@@ -162,7 +263,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.data.source == "tfds" and not config.data.path:
     _fail("data.path", config.data.path, "a tensorflow-datasets name for data.source='tfds'")
 
-  _choice("inner.reset_optimizer", config.inner.reset_optimizer, (-1, 0, 1))
+  _choice("inner.reset_optimizer", config.inner.reset_optimizer,
+          CHOICES["inner.reset_optimizer"])
   try:
     inner_config = inner.config_from(config.inner)
     if method.inner == "palsgd":  # only PALSGD pulls toward θ̃
@@ -183,7 +285,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _fail("fault.worker", config.fault.worker, f"-1 (off) or a worker in [0, "
           f"{config.num_workers})")
   _integer("fault.arrival", config.fault.arrival, 1)
-  _choice("fault.value", config.fault.value, ("nan", "inf"))
+  _choice("fault.value", config.fault.value, CHOICES["fault.value"])
   if config.fault.worker >= 0 and method.synchrony == "step":
     _fail("fault.worker", config.fault.worker, f"-1 with method={config.method!r} (DDP "
           "averages gradients every step: there is no pseudo-gradient to reject)")

@@ -505,7 +505,7 @@ def _plan(languages: Sequence[str], sources: Sequence[str], debs: Path,
       skipped.append(f"no {source} package for {lang!r} (tried {', '.join(candidates)})")
   for lang in languages:
     if not any(job.lang == lang for job in jobs):
-      tried = [p for l, _, candidates in wanted if l == lang for p in candidates]
+      tried = [p for want, _, candidates in wanted if want == lang for p in candidates]
       raise CorpusError(f"no package for language {lang!r}: tried {', '.join(tried)} "
                         f"(not in apt's package lists)")
   for note in skipped:

@@ -6,6 +6,10 @@ config's checks (``heloco_jax.configs.validation``) use them with ``fn=None``
 and the config key as the name. Values that are JAX tracers
 (e.g. under ``optax.inject_hyperparams`` inside ``jit``) cannot be inspected
 without a host sync and are accepted as they are.
+
+``optax.inject_hyperparams`` passes every numeric argument as an array:
+``concrete_int`` turns a concrete integer array back into the int it holds
+(``num_workers``, ``buffer_size``), so that no ``static_args`` are needed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numbers
 from typing import Any, Optional, Sequence
 
 import jax
+import numpy as np
 
 
 def _fail(fn: Optional[str], name: str, value: Any, allowed: str) -> None:
@@ -75,10 +80,30 @@ def check_choice(fn: Optional[str], name: str, value: Any, choices: Sequence[str
     _fail(fn, name, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
+def concrete_int(value: Any) -> Any:
+  """A concrete 0-d integer array as a Python int; any other value unchanged.
+
+  ``optax.inject_hyperparams`` turns every numeric argument into an array
+  (``num_workers=4`` arrives as ``Array(4, dtype=int32)``); outside ``jit``
+  it is concrete and becomes the int it stands for, so validation and the
+  rule see what the user wrote. Tracers, floats and arrays of other shapes
+  or dtypes pass unchanged (tracers are accepted as they are; the others
+  then fail their check).
+  """
+  if isinstance(value, jax.core.Tracer) or isinstance(value, (bool, numbers.Integral)):
+    return value
+  if (isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0
+      and np.issubdtype(value.dtype, np.integer)):
+    return int(value)
+  return value
+
+
 def check_int(fn: Optional[str], name: str, value: Any, low: int, *,
               allow_none: bool = False) -> None:
-  """Requires an integer >= ``low`` (or None when allowed)."""
+  """Requires an integer >= ``low`` (or None when allowed); integer tracers pass."""
   if value is None and allow_none:
+    return
+  if isinstance(value, jax.core.Tracer) and np.issubdtype(value.dtype, np.integer):
     return
   allowed = f"an integer >= {low}" + (" or None" if allow_none else "")
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:

@@ -209,6 +209,25 @@ def correct(
 
   References:
     Al Asif et al., HeLoCo, arXiv 2606.00271; ALGORITHMS.md.
+
+  Examples:
+    Block ``a`` is aligned with the momentum and kept; block ``b`` is
+    orthogonal to it (c = 0) and rotates toward it with its norm kept:
+    conf = 1/(1 + κ) = 0.25, r(0) = 0.5, so λ = 0.125.
+
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> d = {"a": jnp.array([1.0, 0.0]), "b": jnp.array([0.0, 1.0])}
+    >>> m = {"a": jnp.array([1.0, 0.0]), "b": jnp.array([1.0, 0.0])}
+    >>> corrected, info = hj.correct(d, m)
+    >>> [hj.BRANCH_NAMES[i] for i in info.branch.tolist()]
+    ['keep', 'rotate']
+    >>> float(info.rotation[1])
+    0.125
+    >>> [round(x, 4) for x in corrected["b"].tolist()]
+    [0.1414, 0.9899]
+    >>> round(float(jnp.linalg.norm(corrected["b"])), 5)
+    1.0
   """
   validate_correction_args(
       "correct", keep_threshold=keep_threshold, bad_threshold=bad_threshold,

@@ -9,10 +9,12 @@ With N = 1 this is exactly the Nesterov rule, for any c.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from heloco_jax.outer import _validation
@@ -64,8 +66,26 @@ def delayed_nesterov(
   References:
     Liu et al., Asynchronous Local-SGD Training for Language Modeling, arXiv
     2401.09135, Algorithm 3.
+
+  Examples:
+    With N = 2 and c = 0, the first arrival moves θ by −η·g/N only; the
+    second refreshes the momentum with the buffered mean:
+
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> tx = hj.delayed_nesterov(learning_rate=0.1, momentum=0.9, buffer_size=2)
+    >>> params = {"w": jnp.zeros(1)}
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   updates, state = tx.update({"w": jnp.ones(1)}, state, params)
+    ...   print(round(float(updates["w"][0]), 4), float(hj.outer_momentum(state)["w"][0]))
+    -0.05 0.0
+    -0.14 1.0
   """
   fn = "delayed_nesterov"
+  # Concrete 0-d integer arrays (e.g. from optax.inject_hyperparams) as ints.
+  num_workers = _validation.concrete_int(num_workers)
+  buffer_size = _validation.concrete_int(buffer_size)
   _validation.check_learning_rate(fn, learning_rate)
   _validation.check_momentum(fn, momentum)
   weighting_lib.validate_weighting(fn, num_workers, weighting)
@@ -75,7 +95,13 @@ def delayed_nesterov(
                        "allowed: an integer >= 1 (the default N = K needs num_workers).")
     buffer_size = num_workers
   _validation.check_positive_int(fn, "buffer_size", buffer_size, allow_none=False)
-  _validation.check_range(fn, "c", c, 0.0, 1.0 / buffer_size)
+  # c <= 1/N, also when c is 1/N rounded up to float32 (inject_hyperparams
+  # holds c as a float32 array); a traced N cannot be read: then only c >= 0.
+  if isinstance(buffer_size, jax.core.Tracer):
+    c_max = math.inf
+  else:
+    c_max = max(1.0 / buffer_size, float(np.float32(1.0 / buffer_size)))
+  _validation.check_range(fn, "c", c, 0.0, c_max)
   flush_coefficient = (1.0 - c * buffer_size + c) * momentum
   between_coefficient = c * momentum
 

@@ -95,7 +95,32 @@ def heloco(
   References:
     Al Asif et al., HeLoCo, arXiv 2606.00271 (2026); Ajanthan et al., MLA,
     OpenReview 4O8nzTkHPI; ALGORITHMS.md.
+
+  Examples:
+    Before the first arrival m = 0, so every block passes and the update
+    is MLA's (ALGORITHMS.md, "useful identities"):
+
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> params = {"b": jnp.zeros(2), "w": jnp.ones(3)}
+    >>> delta = {"b": jnp.full(2, -0.1), "w": jnp.full(3, 0.2)}
+    >>> tx = hj.heloco(learning_rate=0.7, momentum=0.9, num_workers=4)  # ρ = 1/2
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(delta, state, params, staleness=0)
+    >>> mla = hj.mla(learning_rate=0.7, momentum=0.9, num_workers=4)
+    >>> same, _ = mla.update(delta, mla.init(params), params, staleness=0)
+    >>> round(float(updates["w"][0]), 4), round(float(same["w"][0]), 4)
+    (-0.0763, -0.0763)
+
+    A second arrival whose ``w`` opposes the momentum is shrunk; ``b``,
+    aligned with it, is kept (blocks in ``jax.tree.leaves`` order):
+
+    >>> delta = {"b": jnp.full(2, -0.1), "w": jnp.full(3, -0.2)}
+    >>> updates, state = tx.update(delta, state, params, staleness=1)
+    >>> [hj.BRANCH_NAMES[i] for i in state.info.branch.tolist()]
+    ['keep', 'shrink']
   """
+  num_workers = _validation.concrete_int(num_workers)  # e.g. from optax.inject_hyperparams
   validate_mla_args("heloco", learning_rate, momentum, num_workers, weighting)
   correction_args = dict(
       keep_threshold=keep_threshold, bad_threshold=bad_threshold,

@@ -45,6 +45,21 @@ def lookahead_params(params: Any, state: Any) -> Any:
 
   Raises:
     ValueError: when ``state`` contains no (or several) MLA/HeLoCo states.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import heloco_jax as hj
+    >>> tx = hj.mla(learning_rate=0.5, momentum=0.9)  # num_workers=None: ρ = 1
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> hj.lookahead_params(params, state)["w"].tolist()  # θ while m = 0
+    [0.0, 0.0]
+    >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> start = hj.lookahead_params(params, state)  # θ − η·μ·m, m = 0.1
+    >>> round(float(start["w"][0] - params["w"][0]), 4)
+    -0.045
   """
   outer = find_state(state, (MLAState, HeLoCoState), "lookahead_params")
   step = outer.learning_rate * outer.decay
@@ -62,6 +77,16 @@ def outer_momentum(state: Any) -> Any:
 
   Raises:
     ValueError: when ``state`` holds no (or several) momenta.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import heloco_jax as hj
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), hj.heloco(0.7, 0.9))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> _, state = tx.update({"w": jnp.array([0.3, 0.4])}, tx.init(params), params)
+    >>> [round(x, 4) for x in hj.outer_momentum(state)["w"].tolist()]  # (1 − μ)·Δ
+    [0.03, 0.04]
   """
   found = find_state(state, (MLAState, HeLoCoState, DelayedNesterovState, optax.TraceState),
                      "outer_momentum")

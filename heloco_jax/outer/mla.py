@@ -116,9 +116,24 @@ def mla(
     ValueError: at construction, for an argument outside its allowed range.
 
   References:
-    Ajanthan et al., Asynchronous DiLoCo with momentum look-ahead, ICLR 2025
-    MCDC workshop (OpenReview 4O8nzTkHPI); ALGORITHMS.md ("MLA").
+    Ajanthan et al., Momentum Look-Ahead for Asynchronous Distributed
+    Low-Communication Training, ICLR 2025 MCDC workshop (OpenReview
+    4O8nzTkHPI); ALGORITHMS.md ("MLA").
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> tx = hj.mla(learning_rate=0.7, momentum=0.9, num_workers=4)  # ρ = 1/2
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.full(2, 0.2)}, state, params, staleness=3)
+    >>> # g = 0.1, m = (1 − μ)·g = 0.01, update = −η·(g + μ·m)
+    >>> round(float(hj.outer_momentum(state)["w"][0]), 4)
+    0.01
+    >>> round(float(updates["w"][0]), 4)
+    -0.0763
   """
+  num_workers = _validation.concrete_int(num_workers)  # e.g. from optax.inject_hyperparams
   validate_mla_args("mla", learning_rate, momentum, num_workers, weighting)
 
   def init_fn(params):

@@ -44,7 +44,22 @@ def async_nesterov(
   References:
     Liu et al., Asynchronous Local-SGD Training for Language Modeling, arXiv
     2401.09135; Douillard et al., DiLoCo, arXiv 2311.08105.
+
+  Examples:
+    The rule is optax's Nesterov SGD applied to g = ρ·Δ:
+
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import heloco_jax as hj
+    >>> tx = hj.async_nesterov(learning_rate=0.07, momentum=0.9, num_workers=4)
+    >>> sgd = optax.sgd(0.07, momentum=0.9, nesterov=True)
+    >>> params, delta = {"w": jnp.ones(2)}, {"w": jnp.full(2, 0.2)}
+    >>> updates, _ = tx.update(delta, tx.init(params), params, staleness=0)
+    >>> want, _ = sgd.update({"w": 0.5 * delta["w"]}, sgd.init(params), params)
+    >>> round(float(updates["w"][0]), 5), round(float(want["w"][0]), 5)
+    (-0.0133, -0.0133)
   """
+  num_workers = _validation.concrete_int(num_workers)  # e.g. from optax.inject_hyperparams
   _validation.check_learning_rate("async_nesterov", learning_rate)
   _validation.check_momentum("async_nesterov", momentum)
   weighting_lib.validate_weighting("async_nesterov", num_workers, weighting)

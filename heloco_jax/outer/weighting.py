@@ -49,6 +49,15 @@ def arrival_weight(
   Raises:
     ValueError: polynomial weighting without a staleness, or a negative
       concrete staleness.
+
+  Examples:
+    >>> import heloco_jax as hj
+    >>> float(hj.arrival_weight(0, num_workers=4))  # 1/√K
+    0.5
+    >>> float(hj.arrival_weight(3, num_workers=4, weighting="polynomial"))  # (1/√K)/√(1+τ)
+    0.25
+    >>> float(hj.arrival_weight(3, num_workers=None, weighting="polynomial"))
+    1.0
   """
   if num_workers is None or weighting == "none":
     return jnp.ones((), jnp.float32)
@@ -113,7 +122,19 @@ def scale_by_arrival_weight(
   References:
     Liu et al., Asynchronous Local-SGD Training for Language Modeling,
     arXiv 2401.09135; ALGORITHMS.md (Notation, arrival weight ρ).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> tx = hj.scale_by_arrival_weight(num_workers=16, weighting="polynomial")
+    >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> updates, state = tx.update(grads, tx.init(grads), staleness=3)
+    >>> str(updates["w"].dtype), updates["w"].tolist()  # (1/4)/√4, in float32
+    ('float32', [0.125, 0.125])
+    >>> int(state.staleness), float(state.weight)
+    (3, 0.125)
   """
+  num_workers = _validation.concrete_int(num_workers)
   validate_weighting("scale_by_arrival_weight", num_workers, weighting)
 
   def init_fn(params):

@@ -15,7 +15,7 @@ reached the server (1: local steps, the authors' budget; the CLI counts
 tokens). PALSGD's pseudo-sync steps read no data and count none. Work whose
 arrival would pass a budget is discarded, with everything still in flight.
 
-Faults (``heloco_jax.runtime.rejection``): a non-finite pseudo-gradient is
+Faults (``heloco_jax.rejection``): a non-finite pseudo-gradient is
 rejected before the outer rule, with a ``{"event": "rejected"}`` row; the
 worker restarts with a fresh optimizer state. When every worker's work is
 rejected in a row, or an evaluation is not finite, the run stops with a
