@@ -240,7 +240,8 @@ for method in ("diloco", "mla"):
 
 
 def test_the_same_user_code_runs_on_real_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")  # two host devices, also on a machine with one GPU
   out = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT.format(tests=os.path.dirname(
       __file__))], env=env, capture_output=True, text=True, timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]

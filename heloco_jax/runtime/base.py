@@ -86,6 +86,27 @@ class Runtime(Protocol):
     """Releases the runtime's resources."""
 
 
+class OneProcess:
+  """The transfers of a runtime whose arrays all live in the engine's one process.
+
+  θ needs no placing for the server or for a round, values are read as they
+  are, and every process agrees with itself. ``DeviceRuntime`` overrides
+  these for device meshes and ``jax.distributed``.
+  """
+
+  def to_server(self, tree: Any) -> Any:
+    return tree
+
+  def to_rounds(self, tree: Any) -> Any:
+    return tree
+
+  def to_host(self, x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+  def agree(self, value: float) -> float:
+    return value
+
+
 class Clock(Protocol):
   """Time as the engine sees it; ``SimulatedClock`` and ``RealClock`` implement it."""
 

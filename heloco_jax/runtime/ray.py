@@ -181,7 +181,7 @@ def _send_by_value(fn: Any) -> None:
     cloudpickle.register_pickle_by_value(module)
 
 
-class RayRuntime:
+class RayRuntime(base.OneProcess):
   """A run on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
   Args:
@@ -234,19 +234,6 @@ class RayRuntime:
   def describe(self) -> str:
     return (f"Ray worker actors ({'/'.join(str(len(d)) for d in self.actor_devices)} "
             f"{self.actor_devices[0][0].split(':')[0]} devices each)")
-
-  # The engine's process holds no worker computation: these are the host's defaults.
-  def to_server(self, tree: Any) -> Any:
-    return tree
-
-  def to_rounds(self, tree: Any) -> Any:
-    return tree
-
-  def to_host(self, x: Any) -> np.ndarray:
-    return np.asarray(x)
-
-  def agree(self, value: float) -> float:
-    return value
 
   def run_round(self, *args: Any) -> Any:
     raise NotImplementedError("runtime='ray' runs asynchronous methods only; synchronous "

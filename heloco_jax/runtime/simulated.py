@@ -62,7 +62,7 @@ def round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
   return jax.tree.map(lambda theta, end: theta - mean(end), params, ends)
 
 
-class SimulatedRuntime:
+class SimulatedRuntime(base.OneProcess):
   """Every computation on the default device; time is the simulated clock.
 
   Args:
@@ -89,18 +89,6 @@ class SimulatedRuntime:
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     return self.to_server(
         self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
-
-  def to_server(self, tree: Any) -> Any:
-    return tree
-
-  def to_rounds(self, tree: Any) -> Any:
-    return tree
-
-  def to_host(self, x: Any) -> np.ndarray:
-    return np.asarray(x)
-
-  def agree(self, value: float) -> float:
-    return value
 
   def close(self) -> None:
     pass
