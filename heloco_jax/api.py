@@ -17,6 +17,7 @@ any optax transform or chain.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -208,6 +209,9 @@ def simulate(
       evaluation was.
     hj.WorkdirError: ``workdir`` holds a finished run or another run.
   """
+  engine_lib.require_no_event_loop(
+      "hj.simulate()", "`engine = hj.make_engine(...)`, `summary = await engine.run()`, "
+      "`engine.rows` and `engine.params`")
   engine = make_engine(loss_fn, params, data, method, outer_tx, inner_tx, inner_steps, speeds,
                        budget_steps, budget_sim_seconds, eval_fn, eval_every_steps, seed,
                        runtime, checkpoint_every=checkpoint_every if workdir else 0, **options)
@@ -224,8 +228,8 @@ def simulate(
       if on_row is not None:
         on_row(row)
 
-    summary = engine_lib.run(engine, record,
-                             directory.on_checkpoint if directory is not None else None)
+    summary = asyncio.run(engine.run(
+        record, directory.on_checkpoint if directory is not None else None))
     if directory is not None:
       directory.finish(summary)
     return SimulationResult(jax.device_get(engine.params), engine.rows, summary)

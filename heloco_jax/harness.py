@@ -127,14 +127,9 @@ def simulate(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data]
   allowed: there, ``simulation = Simulation(config)``, ``summary = await
   simulation.run()`` and ``simulation.rows`` do the same.
   """
-  try:
-    asyncio.get_running_loop()
-  except RuntimeError:
-    pass
-  else:
-    raise RuntimeError("simulate() cannot run inside a running event loop (e.g. a Jupyter "
-                       "kernel); use `simulation = Simulation(config); summary = await "
-                       "simulation.run()` and `simulation.rows` instead.")
+  engine.require_no_event_loop(
+      "simulate()", "`simulation = Simulation(config); summary = await simulation.run()` and "
+      "`simulation.rows`")
   simulation = Simulation(config, dataset)
   try:
     summary = asyncio.run(simulation.run(on_row))

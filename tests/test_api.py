@@ -254,3 +254,27 @@ def test_the_same_user_code_runs_on_ray():
   result = _run("heloco", runtime=hj.ray_runtime(num_cpus=2), budget_steps=48)
   assert result.summary["outer_updates"] > 0
   assert result.summary["final_val_loss"] < result.summary["initial_val_loss"]
+
+
+def test_inside_an_event_loop_simulate_says_to_await_the_engine():
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  async def inside():
+    _run()
+  with pytest.raises(RuntimeError, match="await engine.run"):
+    asyncio.run(inside())
+
+  async def awaited():
+    engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], "mla",
+                            inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
+                            budget_steps=120, eval_fn=_eval)
+    return await engine.run(), engine.params
+  summary, params = asyncio.run(awaited())
+  assert _leaves_equal(params, _run("mla").params) and summary["outer_updates"] > 0
+
+
+def test_an_eval_dict_must_hold_the_loss():
+  with pytest.raises(ValueError, match="'val_loss'"):
+    _run(eval_fn=lambda p: {"mse": _eval(p)})
+  result = _run(eval_fn=lambda p: {"val_loss": _eval(p), "mse": 2 * _eval(p)})
+  assert {"val_loss", "mse"} <= set(result.history[0])

@@ -17,9 +17,10 @@ arrival would pass a budget is discarded, with everything still in flight.
 
 Faults (``heloco_jax.rejection``): a non-finite pseudo-gradient is
 rejected before the outer rule, with a ``{"event": "rejected"}`` row; the
-worker restarts with a fresh optimizer state. When every worker's work is
-rejected in a row, or an evaluation is not finite, the run stops with a
-``DivergenceError`` naming the cause.
+worker restarts with a fresh optimizer state. After 2·K rejections in a row
+(or at the end of a run in which every arrival was rejected), or when an
+evaluation is not finite, the run stops with a ``DivergenceError`` naming the
+cause.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def eval_metrics(value: Any) -> dict[str, float]:
   value = jax.device_get(value)
   if not isinstance(value, dict):
     return {"val_loss": float(value)}
+  if "val_loss" not in value:
+    raise ValueError(f"eval_fn returned a dict with keys {sorted(value)}; allowed: a scalar "
+                     "loss, or a dict holding it as 'val_loss' (and any other scalars)")
   return {key: float(v) for key, v in value.items()}
 
 
@@ -52,7 +56,8 @@ class Engine:
 
   Args:
     spec: the ``RunSpec``.
-    runtime: where work runs (``heloco_jax.runtime.make_runtime``).
+    runtime: where work runs (a ``Runtime``: ``SimulatedRuntime``, ``DeviceRuntime``,
+      ``RayRuntime``).
     params: the initial θ (any pytree).
     data: K per-worker iterables of batches (pytrees of arrays).
     outer_tx: the outer rule (None for DDP).
@@ -240,8 +245,8 @@ class Engine:
       the wall time of every resumed part.
 
     Raises:
-      DivergenceError: every worker's work was rejected in a row, or an
-        evaluation is not finite.
+      DivergenceError: 2·K pseudo-gradients in a row were rejected, every one
+        of the run was, or an evaluation is not finite.
     """
     if on_row is not None:
       self.recorder.on_row = on_row
@@ -278,13 +283,14 @@ class Engine:
     self.runtime.close()
 
 
-def run(engine: Engine, on_row: Optional[Callable[[Row], None]] = None,
-        on_checkpoint: Optional[Callable[[Engine], None]] = None) -> dict[str, Any]:
-  """``asyncio.run(engine.run(...))``, with a clear error inside a running event loop."""
+def require_no_event_loop(call: str, instead: str) -> None:
+  """Raises a RuntimeError saying what to use when ``call`` would nest event loops.
+
+  ``asyncio.run`` is not allowed inside a running event loop (a Jupyter kernel).
+  """
   try:
     asyncio.get_running_loop()
   except RuntimeError:
-    return asyncio.run(engine.run(on_row, on_checkpoint))
-  raise RuntimeError("this call cannot run inside a running event loop (e.g. a Jupyter "
-                     "kernel); there, `await engine.run()` does the same (build the engine "
-                     "with hj.make_engine / heloco_jax.harness.Simulation).")
+    return
+  raise RuntimeError(f"{call} cannot run inside a running event loop (e.g. a Jupyter kernel); "
+                     f"use {instead} instead.")
