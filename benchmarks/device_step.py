@@ -36,6 +36,7 @@ fall back to ``--small`` (a quick smoke run), and the output says so.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -151,7 +152,7 @@ def bench_inner(sizes: dict) -> dict:
   logits = jax.eval_shape(lambda p, t: model_lib.apply(graphdef, p, t), params, tokens_in)
   param_dtypes = sorted({x.dtype.name for x in jax.tree.leaves(params)})
 
-  loop = inner.InnerLoop(graphdef, inner.InnerConfig())
+  loop = inner.InnerLoop(functools.partial(model_lib.loss, graphdef), inner.adamw())
   h, batch, t = sizes["steps"], sizes["batch"], config.context
   rng = np.random.default_rng(0)
   batches = jnp.asarray(rng.integers(0, min(config.vocab_size, 256), (h, batch, t + 1)), jnp.int32)

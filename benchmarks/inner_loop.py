@@ -15,6 +15,7 @@ plus 12·layers·context·d_model for attention (Kaplan et al. 2020).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -48,13 +49,13 @@ def main() -> None:
 
   config = model.ModelConfig(d_model=args.d_model, num_layers=args.layers, context=args.context)
   graphdef, params = model.init(config, seed=0)
-  loop = inner.InnerLoop(graphdef, inner.InnerConfig())
+  loop = inner.InnerLoop(functools.partial(model.loss, graphdef), inner.adamw())
   rng = np.random.default_rng(0)
   batches = jnp.asarray(rng.integers(0, 256, (args.steps, args.batch, args.context + 1)), jnp.int32)
   tokens_per_call = args.steps * args.batch * args.context
   key = jax.random.key(0)
 
-  step = jax.jit(loop.adamw_step, donate_argnums=0)
+  step = jax.jit(loop.step, donate_argnums=0)
   def per_step():
     state = loop.start(params)
     for batch in batches:

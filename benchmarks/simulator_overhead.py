@@ -24,7 +24,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from heloco_jax import harness as scheduler
 from heloco_jax.configs import default
@@ -54,8 +53,7 @@ def overhead(dispatches: int) -> dict:
   simulated = (tokens1 - tokens0) / (t1 - t0)
 
   loop = simulation.inner
-  batches = jnp.asarray(np.stack([next(simulation.iterators[0])
-                                  for _ in range(config.inner_steps)]))
+  batches = jnp.asarray(simulation.batches(0, config.inner_steps))
   state = loop.start(simulation.params)
   state, _ = loop.run_jit(state, batches, jax.random.key(0))  # compile
   jax.block_until_ready(state)
