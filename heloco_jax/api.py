@@ -219,7 +219,7 @@ def simulate(
   try:
     if workdir is not None:
       directory = workdir_lib.RunDirectory(workdir, _spec_json(engine, options),
-                                           engine.spec.checkpoint_every)
+                                           engine.spec.checkpoint_every, flag="workdir")
       directory.restore(engine)
 
     def record(row: Row) -> None:

@@ -51,8 +51,6 @@ class InnerConfig:
     weight_decay: AdamW decoupled weight decay, applied to matrices only.
     b1, b2, eps: Adam moments.
     grad_clip: global-norm clipping threshold; 0 turns it off.
-    reset_optimizer: reset the AdamW moments at every dispatch (default);
-      the step count, and so the schedule, is never reset.
     pseudo_sync_prob: PALSGD's p in [0, 1).
     pseudo_sync_rate: PALSGD's η_ps >= 0; η_ps·α/p must be <= 1.
   """
@@ -65,7 +63,6 @@ class InnerConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0
-  reset_optimizer: bool = True
   pseudo_sync_prob: float = 0.2
   pseudo_sync_rate: float = 0.5
 

@@ -60,16 +60,19 @@ class RunDirectory:
     checkpoint_every: > 0 writes checkpoints.
     keep_checkpoints: how many of the newest checkpoints to keep.
     allow_config_change: resume although config.json differs.
+    flag: how messages name the directory ("--workdir" for the CLI,
+      "workdir" for ``hj.simulate``).
 
   Raises:
     WorkdirError: a finished run, another config, or an unwritable directory.
   """
 
   def __init__(self, path: str, config_json: str, checkpoint_every: int,
-               keep_checkpoints: int = 3, allow_config_change: bool = False):
+               keep_checkpoints: int = 3, allow_config_change: bool = False,
+               flag: str = "--workdir"):
     self.path = path
     if os.path.exists(self._file("summary.json")):
-      raise WorkdirError(f"--workdir={path!r} already holds a finished run (summary.json); "
+      raise WorkdirError(f"{flag}={path!r} already holds a finished run (summary.json); "
                          "allowed: a new directory, or one holding an unfinished run to resume.")
     checkpoints_dir = self._file("checkpoints")
     self.checkpointer: Optional[checkpoint.Checkpointer] = None
@@ -85,14 +88,15 @@ class RunDirectory:
         with open(self._file("config.json")) as f:
           differences = config_differences(json.load(f), json.loads(config_json))
         if differences and not allow_config_change:
+          instead = (", or pass --allow_config_change to resume with the new values"
+                     if flag == "--workdir" else "")
           raise WorkdirError(
-              f"--workdir={path!r} holds a run with another config; differing keys: "
-              f"{', '.join(differences)}. Use a new --workdir, or pass "
-              "--allow_config_change to resume with the new values.")
+              f"{flag}={path!r} holds a run with another config; differing keys: "
+              f"{', '.join(differences)}. Use a new {flag}{instead}.")
       with open(self._file("config.json"), "w") as f:
         f.write(config_json)
     except (OSError, checkpoint.CheckpointError) as error:
-      raise WorkdirError(f"--workdir={path!r} is not writable: "
+      raise WorkdirError(f"{flag}={path!r} is not writable: "
                          f"{getattr(error, 'strerror', 0) or error}") from None
     self._metrics = None
     self.rows_written = 0

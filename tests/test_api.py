@@ -278,3 +278,14 @@ def test_an_eval_dict_must_hold_the_loss():
     _run(eval_fn=lambda p: {"mse": _eval(p)})
   result = _run(eval_fn=lambda p: {"val_loss": _eval(p), "mse": 2 * _eval(p)})
   assert {"val_loss", "mse"} <= set(result.history[0])
+
+
+def test_a_workdir_holding_another_run_is_refused_naming_the_keys(tmp_path):
+  def stop(row):
+    if row["event"] == "arrival" and row["outer_updates"] == 4:
+      raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    _run(workdir=str(tmp_path), checkpoint_every=2, on_row=stop)
+  with pytest.raises(hj.WorkdirError, match=r"workdir=.* another config; differing keys: "
+                                            r"seed \(0 -> 1\)\. Use a new workdir\."):
+    _run(workdir=str(tmp_path), checkpoint_every=2, seed=1)
