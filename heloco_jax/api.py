@@ -246,7 +246,7 @@ def _spec_json(engine: engine_lib.Engine, options: dict[str, Any]) -> str:
   spec["comm"] = {"latency": engine.spec.comm.latency,
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
                   else engine.spec.comm.bandwidth}
-  spec["options"] = {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))}
+  spec["options"] = options  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"
 
