@@ -20,16 +20,25 @@ warning). ``metrics.jsonl`` is cut back to the rows the checkpoint had seen,
 so it ends with neither duplicates nor gaps, and the summary equals an
 uninterrupted run's (``wall_seconds`` adds up the parts). A config that
 differs from the workdir's ``config.json`` is refused, naming the keys,
-unless ``--allow_config_change`` is given. Exit status: 0 done, 1 a write or
-checkpoint failure (the last good checkpoint is kept), 2 a usage or config
-error, 130 interrupted (Ctrl-C).
+unless ``--allow_config_change`` is given.
+
+Preemption: SIGTERM (how Cloud TPU and spot VMs announce it) or a first
+Ctrl-C lets the arrival in progress finish, writes a checkpoint and exits; the
+same command resumes exactly. A second Ctrl-C stops at once (the last
+periodic checkpoint holds the run).
+
+Exit status: 0 done, 1 a write or checkpoint failure or a diverged run (the
+last good checkpoint is kept), 2 a usage or config error, 130 interrupted
+(Ctrl-C), 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 from absl import flags
@@ -119,6 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # Validation before any work (and before importing JAX-heavy modules).
   from heloco_jax import checkpoint, harness, rejection  # pylint: disable=g-import-not-at-top
   from heloco_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from heloco_jax.runtime import engine  # pylint: disable=g-import-not-at-top
   from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
@@ -182,13 +192,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       refresh=False)
       bar.refresh()
 
+  def stop_at_the_next_boundary(signum, frame):
+    del frame
+    if simulation.stop_requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C: at once, from the last checkpoint
+    simulation.request_stop(signal.Signals(signum).name)
+  handlers = {}
+  if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+    handlers = {signum: signal.signal(signum, stop_at_the_next_boundary)
+                for signum in (signal.SIGTERM, signal.SIGINT)}
   try:
     summary = asyncio.run(simulation.run(on_row, directory.on_checkpoint))
     directory.finish(summary)
-  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt,
+  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt, engine.Stopped,
           rejection.DivergenceError) as error:
     keep = directory.last_checkpoint()
-    if isinstance(error, KeyboardInterrupt):
+    if isinstance(error, engine.Stopped) and error.reason == "SIGTERM":
+      print(f"heloco-jax train: stopped by SIGTERM (preemption) at the end of an arrival; "
+            f"{keep}", file=sys.stderr)
+      return 143
+    if isinstance(error, (KeyboardInterrupt, engine.Stopped)):
       print(f"heloco-jax train: interrupted; {keep}", file=sys.stderr)
       return 130
     if isinstance(error, rejection.DivergenceError):
@@ -200,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"heloco-jax train: {message}", file=sys.stderr)
     return 1
   finally:
+    for signum, handler in handlers.items():
+      signal.signal(signum, handler)
     if bar is not None:
       bar.close()
     directory.close()

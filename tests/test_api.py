@@ -289,3 +289,19 @@ def test_a_workdir_holding_another_run_is_refused_naming_the_keys(tmp_path):
   with pytest.raises(hj.WorkdirError, match=r"workdir=.* another config; differing keys: "
                                             r"seed \(0 -> 1\)\. Use a new workdir\."):
     _run(workdir=str(tmp_path), checkpoint_every=2, seed=1)
+
+
+def test_a_requested_stop_ends_the_run_at_the_next_boundary():
+  engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], "heloco",
+                          inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
+                          budget_steps=120)
+  from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  def stop_at_the_third(row):
+    if row["event"] == "arrival" and row["outer_updates"] == 3:
+      engine.request_stop("test")
+  with pytest.raises(engine_lib.Stopped, match="stopped by test") as stop:
+    asyncio.run(engine.run(stop_at_the_third, lambda e: None))
+  assert stop.value.checkpointed and engine.version >= 3
+  assert engine.version < _run("heloco", eval_fn=None).summary["outer_updates"]

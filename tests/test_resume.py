@@ -198,3 +198,30 @@ def test_ctrl_c_stops_with_status_130_and_names_the_checkpoint_to_resume_from(tm
   _, err = process.communicate()
   assert process.returncode == 130, err[-2000:]
   assert f"interrupted; checkpoint {_steps(workdir)[-1]} is intact: re-run the same command" in err
+
+
+def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_ends_as_an_uninterrupted_run(
+    tmp_path):
+  """Preemption (Cloud TPU, spot VMs): SIGTERM → checkpoint at the end of the arrival in
+  progress, exit 143 naming it; the same command then resumes exactly."""
+  args = [*BASE, "--config.budget.tokens=8000", "--config.checkpoint_every=50"]
+  reference = str(tmp_path / "reference")
+  assert train.main([f"--workdir={reference}", *args]) == 0
+  workdir = str(tmp_path / "run")
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.train", f"--workdir={workdir}",
+                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + 300
+  while process.poll() is None and time.monotonic() < deadline and not (
+      os.path.exists(metrics) and '"arrival"' in open(metrics).read()):
+    time.sleep(0.02)
+  process.send_signal(signal.SIGTERM)
+  _, err = process.communicate()
+  assert process.returncode == 143, err[-2000:]
+  steps = _steps(workdir)
+  assert steps and steps[-1] < 50  # written at the stop, not by the periodic cadence
+  assert (f"stopped by SIGTERM (preemption) at the end of an arrival; checkpoint {steps[-1]} "
+          "is intact: re-run the same command to resume") in err
+  assert train.main([f"--workdir={workdir}", *args]) == 0
+  assert _outputs(workdir) == _outputs(reference)

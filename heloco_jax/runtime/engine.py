@@ -40,6 +40,19 @@ from heloco_jax.runtime.state import Recorder, RunSpec, RunState, WorkerStream
 Row = dict[str, Any]
 
 
+class Stopped(Exception):
+  """A requested stop (``Engine.request_stop``) ended the run at a loop boundary.
+
+  Attributes:
+    reason: what asked for it (e.g. "SIGTERM").
+    checkpointed: whether a checkpoint of that boundary was written first.
+  """
+
+  def __init__(self, reason: str, checkpointed: bool):
+    super().__init__(f"stopped by {reason}")
+    self.reason, self.checkpointed = reason, checkpointed
+
+
 def eval_metrics(value: Any) -> dict[str, float]:
   """An ``eval_fn``'s result as ``{"val_loss": ..., ...}`` of Python floats."""
   value = jax.device_get(value)
@@ -93,6 +106,7 @@ class Engine:
                           next_checkpoint=spec.checkpoint_every)
     self.streak = rejection.RejectionStreak(spec.num_workers)
     self._on_checkpoint: Optional[Callable[[Engine], None]] = None
+    self.stop_requested: Optional[str] = None
     self._wall_start = time.perf_counter()
 
   # θ and the outer state live on the server (``heloco_jax.server``).
@@ -164,16 +178,30 @@ class Engine:
     for stream, position in zip(self.streams, meta["streams"], strict=True):
       stream.set_state(position)
 
+  def request_stop(self, reason: str) -> None:
+    """Asks the run to stop at its next loop boundary, after a checkpoint (preemption).
+
+    Safe to call from a signal handler: it only sets a flag. ``run`` then
+    raises ``Stopped``; the same run, restored from that checkpoint, ends as
+    an uninterrupted one would.
+    """
+    self.stop_requested = reason
+
   def maybe_checkpoint(self) -> None:
-    """Calls the checkpoint hook when the update count reaches the next multiple."""
+    """At a loop boundary: the checkpoint hook every ``checkpoint_every`` outer updates,
+    and before a requested stop (then raises ``Stopped``)."""
     every, s = self.spec.checkpoint_every, self.state
-    if every <= 0 or s.version < s.next_checkpoint:
+    due = every > 0 and s.version >= s.next_checkpoint
+    if not (due or self.stop_requested):
       return
-    s.next_checkpoint = (s.version // every + 1) * every
+    if due:
+      s.next_checkpoint = (s.version // every + 1) * every
     self.recorder.flush()  # the checkpoint's rows are all written before it
     if self._on_checkpoint is not None:
       s.rejected_in_a_row = self.streak.count
       self._on_checkpoint(self)
+    if self.stop_requested:
+      raise Stopped(self.stop_requested, checkpointed=self._on_checkpoint is not None)
 
   # ------------------------------------------------------------------ helpers
 
@@ -247,6 +275,7 @@ class Engine:
     Raises:
       DivergenceError: 2·K pseudo-gradients in a row were rejected, every one
         of the run was, or an evaluation is not finite.
+      Stopped: ``request_stop`` was called.
     """
     if on_row is not None:
       self.recorder.on_row = on_row
