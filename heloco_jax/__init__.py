@@ -43,13 +43,14 @@ from heloco_jax.inner import PalsgdState, adamw as inner_adamw, palsgd_inner
 from heloco_jax.inner import scale_by_step_schedule
 from heloco_jax.methods import METHODS
 from heloco_jax.rejection import DivergenceError
+from heloco_jax.runtime.engine import BudgetError, Stopped
 from heloco_jax.server import Server
 from heloco_jax.workdir import WorkdirError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "CommModel", "DivergenceError", "PalsgdState", "Server", "SimulationResult",
+    "METHODS", "BudgetError", "CommModel", "DivergenceError", "Stopped", "PalsgdState", "Server", "SimulationResult",
     "WorkdirError", "devices_runtime", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",

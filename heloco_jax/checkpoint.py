@@ -188,7 +188,8 @@ class Checkpointer:
                       CheckpointFallbackWarning, stacklevel=2)
       return candidate, arrays, meta
     raise CheckpointError(f"no readable checkpoint in {self.directory} ({'; '.join(failures)}); "
-                          "delete the directory to start the run over")
+                          "checkpoints written with another config resume only with that "
+                          "config; to start over, use a new workdir")
 
   def close(self) -> None:
     self._manager.close()

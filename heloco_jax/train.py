@@ -28,8 +28,8 @@ same command resumes exactly. A second Ctrl-C stops at once (the last
 periodic checkpoint holds the run).
 
 Exit status: 0 done, 1 a write or checkpoint failure or a diverged run (the
-last good checkpoint is kept), 2 a usage or config error, 130 interrupted
-(Ctrl-C), 143 stopped by SIGTERM.
+last good checkpoint is kept), 2 a usage or config error (a budget that holds
+no dispatch included), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -204,6 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     summary = asyncio.run(simulation.run(on_row, directory.on_checkpoint))
     directory.finish(summary)
+  except engine.BudgetError as error:
+    return _error(str(error))
   except (OSError, checkpoint.CheckpointError, KeyboardInterrupt, engine.Stopped,
           rejection.DivergenceError) as error:
     keep = directory.last_checkpoint()

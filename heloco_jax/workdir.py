@@ -85,15 +85,16 @@ class RunDirectory:
           raise WorkdirError(f"{checkpoints_dir} holds checkpoints but "
                              f"{self._file('config.json')} is missing; allowed: a workdir "
                              "written by heloco-jax")
-        with open(self._file("config.json")) as f:
-          differences = config_differences(json.load(f), json.loads(config_json))
+        differences = self._differences(config_json, flag, allow_config_change)
         if differences and not allow_config_change:
           instead = (", or pass --allow_config_change to resume with the new values"
                      if flag == "--workdir" else "")
           raise WorkdirError(
               f"{flag}={path!r} holds a run with another config; differing keys: "
               f"{', '.join(differences)}. Use a new {flag}{instead}.")
-      with open(self._file("config.json"), "w") as f:
+      # config.json is replaced only once a resume has succeeded (``restore``): a
+      # failed --allow_config_change leaves the workdir's own config in place.
+      with open(self._file("config.json.new"), "w") as f:
         f.write(config_json)
     except (OSError, checkpoint.CheckpointError) as error:
       raise WorkdirError(f"{flag}={path!r} is not writable: "
@@ -103,6 +104,21 @@ class RunDirectory:
 
   def _file(self, name: str) -> str:
     return os.path.join(self.path, name)
+
+  def _differences(self, config_json: str, flag: str, allow_config_change: bool) -> list[str]:
+    """The keys in which the workdir's config.json differs from ``config_json``."""
+    path = self._file("config.json")
+    try:
+      with open(path) as f:
+        return config_differences(json.load(f), json.loads(config_json))
+    except json.JSONDecodeError as error:
+      if allow_config_change:
+        return []
+      instead = (", or pass --allow_config_change to resume with this command's config"
+                 if flag == "--workdir" else "")
+      raise WorkdirError(f"{path} is not valid JSON ({error.msg}, line {error.lineno}), so "
+                         f"the checkpoints' config is unknown; use a new {flag}{instead}"
+                         ) from None
 
   def restore(self, engine: Any) -> tuple[Optional[int], list[str]]:
     """Loads the newest readable checkpoint into ``engine`` and opens metrics.jsonl.
@@ -123,12 +139,14 @@ class RunDirectory:
       notes += [f"warning: {warning.message}" for warning in caught]
     path = self._file("metrics.jsonl")
     rows_before = os.path.exists(path) and os.path.getsize(path) > 0
+    if restored is not None:
+      engine.load_state(restored[1], restored[2])
     self._open_metrics(restored and restored[2])
+    os.replace(self._file("config.json.new"), self._file("config.json"))
     if restored is None:
       if rows_before:
         notes.append(f"no checkpoint in {self.path}: starting the run over")
       return None, notes
-    engine.load_state(restored[1], restored[2])
     return restored[0], notes
 
   def _open_metrics(self, meta: Optional[dict]) -> None:

@@ -305,3 +305,8 @@ def test_a_requested_stop_ends_the_run_at_the_next_boundary():
     asyncio.run(engine.run(stop_at_the_third, lambda e: None))
   assert stop.value.checkpointed and engine.version >= 3
   assert engine.version < _run("heloco", eval_fn=None).summary["outer_updates"]
+
+
+def test_a_budget_below_one_dispatch_raises():
+  with pytest.raises(hj.BudgetError, match="before any work reached the server.*4 steps"):
+    _run(budget_steps=3)

@@ -225,3 +225,42 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_ends_as_an_unint
           "is intact: re-run the same command to resume") in err
   assert train.main([f"--workdir={workdir}", *args]) == 0
   assert _outputs(workdir) == _outputs(reference)
+
+
+def test_a_failed_resume_with_another_config_leaves_the_workdir_to_its_own_command(
+    tmp_path, capsys):
+  workdir, reference = _finished_then_reopened(tmp_path, BASE)
+  with open(os.path.join(workdir, "config.json")) as f:
+    before = f.read()
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE, "--config.num_workers=4",
+                     "--allow_config_change"]) == 2
+  err = capsys.readouterr().err
+  assert "no readable checkpoint" in err and "resume only with that config" in err
+  assert len(err.strip().splitlines()) == 1
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert f.read() == before  # not replaced by the failed resume's config
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert _outputs(workdir) == reference
+
+
+def test_a_garbage_config_json_is_refused_in_one_line(tmp_path, capsys):
+  workdir, reference = _finished_then_reopened(tmp_path, BASE)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write("{not json")
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE]) == 2
+  err = capsys.readouterr().err
+  assert "config.json is not valid JSON" in err and "--allow_config_change" in err
+  assert len(err.strip().splitlines()) == 1
+  assert train.main([f"--workdir={workdir}", *BASE, "--allow_config_change"]) == 0
+  assert _outputs(workdir) == reference
+
+
+@pytest.mark.parametrize("method", ["mla", "diloco", "ddp"])
+def test_a_budget_below_one_dispatch_is_refused_in_one_line(tmp_path, capsys, method):
+  assert train.main([f"--workdir={tmp_path / 'run'}", *TINY, f"--config.method={method}",
+                     "--config.budget.tokens=100"]) == 2
+  err = capsys.readouterr().err
+  assert "ended before any work reached the server" in err, err
+  assert "allowed: a budget that holds at least one" in err

@@ -53,6 +53,10 @@ class Stopped(Exception):
     self.reason, self.checkpointed = reason, checkpointed
 
 
+class BudgetError(ValueError):
+  """The budget ended before any work reached the server."""
+
+
 def eval_metrics(value: Any) -> dict[str, float]:
   """An ``eval_fn``'s result as ``{"val_loss": ..., ...}`` of Python floats."""
   value = jax.device_get(value)
@@ -289,6 +293,8 @@ class Engine:
     try:
       await loops.LOOPS[self.method.synchrony](self)
       self.streak.check_end(s.version)
+      if s.version == 0 and s.units == 0:
+        self._no_work()
     finally:
       self.recorder.flush()  # the rows up to a DivergenceError are kept too
     if self.eval_fn is not None and (s.last_eval[self.spec.unit] != s.units
@@ -306,6 +312,18 @@ class Engine:
         "wall_seconds": wall, f"{unit}_per_second": s.units / wall,
         "num_params": self.num_params})
     return summary
+
+  def _no_work(self) -> None:
+    """Raises ``BudgetError``: the run ended with no work applied and none rejected."""
+    spec = self.spec
+    if self.method.synchrony == "step":
+      what, steps = "DDP step of all workers", spec.num_workers
+    else:
+      what, steps = "dispatch", spec.inner_steps
+    raise BudgetError(
+        f"the budget ended before any work reached the server (budget: {spec.budget.units} "
+        f"{spec.unit} and {spec.budget.sim_seconds} s, 0 = none); allowed: a budget that holds "
+        f"at least one {what}, {steps * spec.units_per_step} {spec.unit}, and its time")
 
   def close(self) -> None:
     """Releases the runtime's resources (Ray: its actors); θ is gone after."""
