@@ -96,7 +96,8 @@ def test_missing_metadata_and_half_written_steps_are_skipped(tmp_path):
 def test_no_readable_checkpoint_is_an_error_not_a_silent_restart(tmp_path):
   ckpt = checkpoint.Checkpointer(str(tmp_path / "c"))
   ckpt.save(1, _tree(), {})
-  with pytest.raises(checkpoint.CheckpointError, match="no readable checkpoint.*another config.*new workdir"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="no readable checkpoint.*another config.*new workdir"):
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       ckpt.restore(lambda meta: dict(_tree(), w=jnp.zeros(2)))
