@@ -39,6 +39,7 @@ from heloco_jax.api import (
     simulate,
 )
 from heloco_jax.clock import CommModel
+from heloco_jax.determinism import DeterminismError, enable as enable_deterministic_ops
 from heloco_jax.inner import PalsgdState, adamw as inner_adamw, palsgd_inner
 from heloco_jax.inner import scale_by_step_schedule
 from heloco_jax.methods import METHODS
@@ -50,8 +51,9 @@ from heloco_jax.workdir import WorkdirError
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "BudgetError", "CommModel", "DivergenceError", "Stopped", "PalsgdState", "Server", "SimulationResult",
-    "WorkdirError", "devices_runtime", "inner_adamw", "make_engine", "palsgd_inner",
+    "METHODS", "BudgetError", "CommModel", "DeterminismError", "DivergenceError", "Stopped",
+    "PalsgdState", "Server", "SimulationResult", "WorkdirError", "devices_runtime",
+    "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
     "arrival_weight", "async_nesterov", "block_names", "correct", "delayed_nesterov", "heloco",

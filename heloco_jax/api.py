@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import optax
 
-from heloco_jax import clock, inner as inner_lib, methods, workdir as workdir_lib
+from heloco_jax import clock, determinism, inner as inner_lib, methods, workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, simulated, state as state_lib
 
 Row = dict[str, Any]
@@ -92,11 +92,14 @@ def make_engine(
     comm: clock.CommModel = clock.CommModel(),
     checkpoint_every: int = 0,
     metrics_fetch_every: int = 16,
+    rejection_limit: int = 0,
+    deterministic: Optional[bool] = None,
 ) -> engine_lib.Engine:
   """The engine of a ``simulate`` call, for ``await engine.run()`` in a notebook.
 
   Takes the arguments of ``simulate`` (without ``workdir``); see there.
   """
+  determinism.require(runtime == "simulated" if deterministic is None else deterministic)
   spec_method = methods.get(method)
   if isinstance(data, (str, bytes)) or not hasattr(data, "__len__") or len(data) < 1:
     raise ValueError("data must be a sequence of K >= 1 per-worker iterables of batches; "
@@ -126,7 +129,8 @@ def make_engine(
       grace_window=grace_window,
       budget=state_lib.Budget(budget_steps or 0, budget_sim_seconds or 0.0),
       eval_every=eval_every_steps or 0,
-      checkpoint_every=checkpoint_every, metrics_fetch_every=metrics_fetch_every, seed=seed)
+      checkpoint_every=checkpoint_every, metrics_fetch_every=metrics_fetch_every,
+      rejection_limit=rejection_limit, seed=seed)
   if runtime == "simulated":
     runtime = simulated.SimulatedRuntime(inner)
   elif callable(runtime):  # a factory: (inner loop, spec) -> runtime (devices, Ray)
@@ -198,15 +202,20 @@ def simulate(
     **options: ``lookahead_dispatch``, ``reset_optimizer``, ``outer_options``
       (the method's outer keywords, e.g. ``{"learning_rate": 0.5}``),
       ``grace_window``, ``dylu``, ``jitter``, ``comm`` (``hj.CommModel``),
-      ``metrics_fetch_every``.
+      ``metrics_fetch_every``, ``rejection_limit`` (non-finite pseudo-gradients
+      in a row that stop the run; 0 = K, at least 2) and ``deterministic``
+      (None: True for the simulated runtime; on a GPU, True needs XLA's
+      deterministic ops, see ``hj.enable_deterministic_ops``).
 
   Returns:
     ``SimulationResult(params, history, summary)``.
 
   Raises:
     ValueError: an argument is not allowed (the message names it).
-    hj.DivergenceError: every worker's work was non-finite in a row, or an
-      evaluation was.
+    hj.DivergenceError: ``rejection_limit`` pseudo-gradients in a row were
+      non-finite, every one of the run was, or an evaluation was.
+    hj.DeterminismError: ``deterministic`` on a GPU whose backend started
+      without XLA's deterministic ops.
     hj.WorkdirError: ``workdir`` holds a finished run or another run.
   """
   engine_lib.require_no_event_loop(

@@ -49,29 +49,43 @@ def screen(deltas: list[Any]) -> list[Optional[str]]:
   return [reasons(*flags)[0] for flags in jax.device_get([nonfinite(d) for d in deltas])]
 
 
+def default_limit(num_workers: int) -> int:
+  """The rejection limit when none is set: K rejections in a row, at least 2."""
+  return max(2, num_workers)
+
+
 class RejectionStreak:
   """Stops a run whose workers keep sending non-finite work (docs/DESIGN.md, "Faults").
 
   A rejected worker restarts from θ with a fresh optimizer state; when that
-  fails too, the run diverges. So the run stops after 2·K rejections in a row
-  with no update applied between them (asynchronous arrivals, or two rounds
-  in which every worker was rejected), and at its end if every arrival was
-  rejected (``check_end``).
+  fails too, the run diverges. So the run stops once ``limit`` pseudo-gradients
+  in a row were rejected with no update applied between them (asynchronous
+  arrivals, or whole rounds in which every worker was rejected), and at its end
+  if every arrival was rejected (``check_end``).
+
+  Args:
+    num_workers: K.
+    limit: rejections in a row that stop the run; 0 = ``default_limit(K)``.
   """
 
-  def __init__(self, num_workers: int):
+  def __init__(self, num_workers: int, limit: int = 0):
     self.num_workers = num_workers
+    self.limit = limit or default_limit(num_workers)
     self.count = 0
     self.kinds: set[str] = set()
+    self.workers: set[int] = set()
 
-  def update(self, rejected: list[Optional[str]]) -> None:
-    """Counts a group's reasons; raises ``DivergenceError`` when the streak is complete."""
+  def update(self, rejected: list[Optional[str]], workers: Optional[list[int]] = None) -> None:
+    """Counts a group's reasons (of ``workers``, default 0..n-1); raises
+    ``DivergenceError`` when the streak reaches the limit."""
     if any(reason is None for reason in rejected):
       self.count = 0
+      self.kinds, self.workers = set(), set()
       return
     self.count += len(rejected)
     self.kinds.update(rejected)
-    if self.count >= 2 * self.num_workers:
+    self.workers.update(range(len(rejected)) if workers is None else workers)
+    if self.count >= self.limit:
       raise DivergenceError(self._message(f"the last {self.count} pseudo-gradients"))
 
   def check_end(self, applied_updates: int) -> None:
@@ -79,9 +93,19 @@ class RejectionStreak:
     if applied_updates == 0 and self.count > 0:
       raise DivergenceError(self._message(f"all {self.count} pseudo-gradients of the run"))
 
+  def get_state(self) -> dict[str, Any]:
+    return {"count": self.count, "kinds": sorted(self.kinds), "workers": sorted(self.workers)}
+
+  def set_state(self, state: Any) -> None:
+    if isinstance(state, int):  # checkpoints that kept the count only
+      state = {"count": state, "kinds": [], "workers": []}
+    self.count = state["count"]
+    self.kinds, self.workers = set(state["kinds"]), set(state["workers"])
+
   def _message(self, which: str) -> str:
-    return (f"{which} were non-finite ({', '.join(sorted(self.kinds)) or 'nan or inf'}) and were "
-            "rejected: "
-            "the inner optimization diverges (e.g. the inner learning rate is too high, or the "
-            "data hold values the model cannot take, such as a token id outside the "
+    workers = ", ".join(str(w) for w in sorted(self.workers)) or "?"
+    return (f"{which} (from worker{'s' if len(self.workers) != 1 else ''} {workers}) were "
+            f"non-finite ({', '.join(sorted(self.kinds)) or 'nan or inf'}) and were rejected: "
+            "the inner optimization diverges; likely fixes: a lower inner learning rate, "
+            "gradient clipping, or data the model can take (e.g. no token id outside the "
             "vocabulary)")

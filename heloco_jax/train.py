@@ -126,16 +126,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _error(f"--workdir is required; {USAGE}")
 
   # Validation before any work (and before importing JAX-heavy modules).
-  from heloco_jax import checkpoint, harness, rejection  # pylint: disable=g-import-not-at-top
+  from heloco_jax import checkpoint, determinism, harness, rejection  # pylint: disable=g-import-not-at-top
   from heloco_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   from heloco_jax.runtime import engine  # pylint: disable=g-import-not-at-top
   from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
     validation.validate_distributed(config)  # before JAX starts
+    determinism.require(validation.deterministic(config), "config.deterministic")
     devices.initialize_distributed(config)
     validation.validate(config)
-  except validation.ConfigError as error:
+  except (validation.ConfigError, determinism.DeterminismError) as error:
     return _error(str(error))
   except RuntimeError as error:  # jax.distributed could not reach the coordinator
     return _error(f"config.distributed.coordinator={config.distributed.coordinator!r}: "
@@ -231,8 +232,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       bar.close()
     directory.close()
     simulation.close()
-  print(f"heloco-jax train: done: {summary['tokens']} tokens, {summary['outer_updates']} outer "
-        f"updates, {summary['sim_time']:.0f} {seconds}, val_loss "
+  rejected = (f" ({summary['rejected_tokens']} of them rejected: {summary['rejected']} "
+              "non-finite pseudo-gradients)" if summary["rejected"] else "")
+  print(f"heloco-jax train: done: {summary['tokens']} tokens{rejected}, "
+        f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} {seconds}, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "
         f"({summary['wall_seconds']:.0f} s, {summary['tokens_per_second']:.0f} tokens/s)",
         file=sys.stderr)

@@ -1,15 +1,25 @@
-"""Test-session settings: one persistent XLA compilation cache for the whole run
-(and its subprocesses).
+"""Test-session settings, for this process and the subprocesses tests start.
 
-Many tests build fresh jitted functions for identical programs (a new
-``Simulation`` or ``InnerLoop`` per test); the cache lets XLA compile each
-distinct program once per session instead of once per test.
+* One persistent XLA compilation cache for the whole run: many tests build
+  fresh jitted functions for identical programs (a new ``Simulation`` or
+  ``InnerLoop`` per test); the cache compiles each once per session.
+* On a GPU (docs/DESIGN.md, "Determinism"): XLA's deterministic ops, so that
+  replays are bit-exact; matmuls at full float32 precision (not TF32), so
+  that comparisons with the NumPy references hold at CPU tolerances; and no
+  preallocation of 75% of the GPU per process, so that several test
+  processes fit on one GPU. None of these changes anything on the CPU.
 """
 
 import os
 import tempfile
 
-import jax
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+from heloco_jax import determinism  # noqa: E402  (no JAX backend starts on import)
+
+determinism.enable()
+
+import jax  # noqa: E402
 
 _CACHE = tempfile.TemporaryDirectory(prefix="heloco_jax_xla_cache_")
 # Subprocesses (the kill-and-resume tests) share the cache through the environment.

@@ -13,7 +13,6 @@ import sys
 import numpy as np
 import pytest
 
-from heloco_jax import train
 
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.context=16",
         "--config.batch_size=4", "--config.inner_steps=2", "--config.speeds=homogeneous",
@@ -41,7 +40,10 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, tmp_p
   args = [f"--config.method={method}", f"--config.num_workers={num_workers}",
           "--config.budget.tokens=3072", *TINY]
   dist = tmp_path / "dist"
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  # Pinned to the CPU: two processes cannot share one GPU (NCCL), and the reference
+  # below runs there too, so that both sides compute on the same platform.
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
   common = [sys.executable, "-m", "heloco_jax.train", f"--workdir={dist}", *args,
             "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
             "--config.distributed.num_processes=2"]
@@ -56,7 +58,8 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, tmp_p
   assert [p.returncode for p in procs] == [0, 0], outputs
   assert "workers on devices (" in outputs[0] and "done:" in outputs[0]
 
-  assert train.main([f"--workdir={tmp_path / 'simulated'}", *args]) == 0
+  subprocess.run([sys.executable, "-m", "heloco_jax.train", f"--workdir={tmp_path / 'simulated'}",
+                  *args], env=env, check=True, capture_output=True, timeout=300)
   simulated, distributed = _rows(tmp_path / "simulated"), _rows(dist)
   # process 1 wrote its own copy, with the same numbers
   assert [r["val_loss"] for r in _rows(dist / "process_1")] == [r["val_loss"] for r in distributed]

@@ -149,8 +149,10 @@ def _check_async_rejection(run, reason):
   assert len(run.sim.state.staleness) == summary["outer_updates"]
   assert summary["mean_staleness"] == pytest.approx(
       np.mean([rows[i]["staleness"] for i in arrivals]))
-  # Its compute was spent: the rejected dispatch's tokens count.
+  # Its compute was spent: the rejected dispatch's tokens count, and are reported apart.
   assert summary["tokens"] == ASYNC_EVENTS * DISPATCH_TOKENS
+  assert (summary["applied_tokens"], summary["rejected_tokens"], summary["rejected"]) == (
+      (ASYNC_EVENTS - 1) * DISPATCH_TOKENS, DISPATCH_TOKENS, 1)
   # Worker 1 was re-dispatched and arrives again.
   assert [rows[i]["worker"] for i in after].count(1) >= 2
 
@@ -234,6 +236,7 @@ def test_diloco_round_applies_the_other_workers_mean():
   assert [rows[i]["outer_updates"] for i in evals] == list(range(rounds + 1))
   assert summary["outer_updates"] == rounds
   assert summary["tokens"] == rounds * ROUND_TOKENS  # the rejected worker's tokens count
+  assert summary["rejected_tokens"] == DISPATCH_TOKENS and summary["rejected"] == 1
   assert summary["mean_staleness"] == 0.0
   # The faulty round did move θ (the two others' mean), and θ stays finite.
   round_2, round_3 = run.snapshots[r - 1], run.snapshots[r + 1]

@@ -25,6 +25,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.dylu = False               # H_i = max(1, floor(v_i / v_ref * H)) (async methods)
   c.lookahead_dispatch = -1    # -1: the method's default; 0: off; 1: on (mla only)
   c.palsgd_warmup_steps = -1   # DDP steps before PALSGD's rounds; -1 = H
+  c.rejection_limit = 0        # non-finite pseudo-gradients in a row that stop the run;
+                               # 0 = num_workers (at least 2)
+  c.deterministic = -1         # XLA's deterministic GPU ops (bit-exact replay); -1: on for
+                               # runtime=simulated, off otherwise; 0: off; 1: on
 
   c.budget = ml_collections.ConfigDict()
   c.budget.tokens = 600_000    # tokens of all applied inner steps; 0 = none

@@ -51,6 +51,10 @@ MEANINGS: dict[str, str] = {
     "dylu": "DyLU: worker i runs H_i = max(1, floor(v_i / v_ref * H)) steps (async methods)",
     "lookahead_dispatch": "-1: the method's default; 0: dispatch from θ; 1: from θ − η·μ·m",
     "palsgd_warmup_steps": "DDP steps before PALSGD's rounds; -1 = H",
+    "rejection_limit": "non-finite pseudo-gradients in a row (none applied between) that stop "
+                       "the run; 0 = num_workers, at least 2",
+    "deterministic": "XLA's deterministic GPU ops, for bit-exact replay on GPUs (~20% slower "
+                     "there); -1: on for runtime=simulated; 0: off; 1: on",
     "budget.tokens": "tokens of all applied inner steps together; 0 = none",
     "budget.sim_seconds": "simulated seconds (real seconds on devices and ray); 0 = none",
     "model.d_model": "width of the residual stream",

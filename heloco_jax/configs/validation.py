@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "speeds": tuple(clock.PRESETS),
     "runtime": RUNTIMES_AVAILABLE,
     "lookahead_dispatch": (-1, 0, 1),
+    "deterministic": (-1, 0, 1),
     "data.source": tuple(data.SOURCES),
     "data.partition": tuple(data.PARTITIONS),
     "inner.reset_optimizer": (-1, 0, 1),
@@ -71,6 +72,8 @@ ALLOWED: dict[str, str] = {
     "dylu": "True or False",
     "lookahead_dispatch": _one_of("lookahead_dispatch") + " (heloco: not 0; only mla, heloco: 1)",
     "palsgd_warmup_steps": "an integer >= -1",
+    "rejection_limit": "an integer >= 0",
+    "deterministic": _one_of("deterministic"),
     "budget.tokens": "an integer >= 0 (budget.tokens or budget.sim_seconds must be > 0)",
     "budget.sim_seconds": "a number >= 0",
     "model.d_model": "an integer >= 1",
@@ -199,6 +202,12 @@ def validate_distributed(config: ml_collections.ConfigDict) -> None:
             f"0 to {dist.num_processes - 1} (distributed.num_processes - 1)")
 
 
+def deterministic(config: ml_collections.ConfigDict) -> bool:
+  """``config.deterministic`` resolved (-1: on for runtime=simulated); no JAX calls."""
+  _choice("deterministic", config.deterministic, CHOICES["deterministic"])
+  return config.runtime == "simulated" if config.deterministic < 0 else bool(config.deterministic)
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   _choice("method", config.method, CHOICES["method"])
@@ -214,6 +223,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _integer("batch_size", config.batch_size, 1)
   _integer("eval_every_tokens", config.eval_every_tokens, 0)
   _integer("metrics_fetch_every", config.metrics_fetch_every, 1)
+  _integer("rejection_limit", config.rejection_limit, 0)
+  _choice("deterministic", config.deterministic, CHOICES["deterministic"])
   validate_distributed(config)
   if config.runtime not in CHOICES["runtime"]:
     _fail("runtime", config.runtime, "'simulated', 'devices' or 'ray'")

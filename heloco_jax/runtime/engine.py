@@ -12,15 +12,16 @@ run's spec, budget, state, data streams and rows in ``runtime.state``.
 
 Budgets count *units*: ``units_per_step`` per inner step whose result
 reached the server (1: local steps, the authors' budget; the CLI counts
-tokens). PALSGD's pseudo-sync steps read no data and count none. Work whose
+tokens), applied or rejected: a rejected pseudo-gradient's compute was spent.
+The summary reports the applied and the rejected units apart. PALSGD's pseudo-sync steps read no data and count none. Work whose
 arrival would pass a budget is discarded, with everything still in flight.
 
 Faults (``heloco_jax.rejection``): a non-finite pseudo-gradient is
 rejected before the outer rule, with a ``{"event": "rejected"}`` row; the
-worker restarts with a fresh optimizer state. After 2·K rejections in a row
-(or at the end of a run in which every arrival was rejected), or when an
-evaluation is not finite, the run stops with a ``DivergenceError`` naming the
-cause.
+worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit`` rejections in a row
+(default K, at least 2), at the end of a run in which every arrival was
+rejected, or when an evaluation is not finite, the run stops with a
+``DivergenceError`` naming the workers and the cause.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class Engine:
     self.key = jax.random.key(spec.seed)
     self.state = RunState(arrivals=[0] * spec.num_workers,
                           next_checkpoint=spec.checkpoint_every)
-    self.streak = rejection.RejectionStreak(spec.num_workers)
+    self.streak = rejection.RejectionStreak(spec.num_workers, spec.rejection_limit)
     self._on_checkpoint: Optional[Callable[[Engine], None]] = None
     self.stop_requested: Optional[str] = None
     self._wall_start = time.perf_counter()
@@ -177,7 +178,7 @@ class Engine:
     self.server.set(arrays["params"], arrays["outer_state"])
     self.key = jax.random.wrap_key_data(arrays["key"])
     self.state.load(meta, arrays["pending"], arrays["workers"])
-    self.streak.count = self.state.rejected_in_a_row
+    self.streak.set_state(self.state.rejected_in_a_row)
     self.clock.set_state(meta["clock"])
     for stream, position in zip(self.streams, meta["streams"], strict=True):
       stream.set_state(position)
@@ -202,7 +203,7 @@ class Engine:
       s.next_checkpoint = (s.version // every + 1) * every
     self.recorder.flush()  # the checkpoint's rows are all written before it
     if self._on_checkpoint is not None:
-      s.rejected_in_a_row = self.streak.count
+      s.rejected_in_a_row = self.streak.get_state()
       self._on_checkpoint(self)
     if self.stop_requested:
       raise Stopped(self.stop_requested, checkpointed=self._on_checkpoint is not None)
@@ -255,8 +256,10 @@ class Engine:
       self.runtime.kill_worker(worker)
     return fault.worker == worker and fault.arrival == self.state.arrivals[worker]
 
-  def reject(self, worker: int, reason: str, staleness: int) -> None:
-    """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient."""
+  def reject(self, worker: int, reason: str, staleness: int, units: int) -> None:
+    """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient of ``units`` units."""
+    self.state.rejected += 1
+    self.state.rejected_units += units
     self.recorder.emit({"event": "rejected", "worker": worker, "reason": reason,
                         "staleness": staleness, "sim_time": self.state.sim_time,
                         "outer_updates": self.state.version})
@@ -277,7 +280,7 @@ class Engine:
       the wall time of every resumed part.
 
     Raises:
-      DivergenceError: 2·K pseudo-gradients in a row were rejected, every one
+      DivergenceError: ``rejection_limit`` pseudo-gradients in a row were rejected, every one
         of the run was, or an evaluation is not finite.
       Stopped: ``request_stop`` was called.
     """
@@ -303,6 +306,8 @@ class Engine:
     wall = s.wall_before + time.perf_counter() - self._wall_start
     unit = self.spec.unit
     summary = {"method": self.method.name, "seed": self.spec.seed, unit: s.units,
+               f"applied_{unit}": s.units - s.rejected_units,
+               f"rejected_{unit}": s.rejected_units, "rejected": s.rejected,
                "sim_time": s.sim_time, "outer_updates": s.version}
     if self.eval_fn is not None:
       summary["initial_val_loss"] = s.initial_eval["val_loss"]

@@ -96,9 +96,9 @@ async def _take_arrivals(engine: "Engine", queue: base.Arrivals,
     poisons = [spec.fault.value if engine.faulty(w) else None for w in group]
     results = engine.server.update(taus, poisons, *(job.delta for job in arrived), fetch=False)
     reasons = [result.pop("reason") for result in results]
-    for w, tau, reason in zip(group, taus, reasons):
+    for w, tau, reason, job in zip(group, taus, reasons, arrived):
       if reason is not None:
-        engine.reject(w, reason, tau)
+        engine.reject(w, reason, tau, job.units)
         s.workers[w] = engine.runtime.fresh_moments(s.workers[w])
     if any(reason is None for reason in reasons):
       s.version += 1
@@ -107,7 +107,7 @@ async def _take_arrivals(engine: "Engine", queue: base.Arrivals,
         s.staleness.append(tau)
         engine.recorder.emit({"event": "arrival", "worker": w, "staleness": tau,
                               "sim_time": now, "outer_updates": s.version, **result})
-    engine.streak.update(reasons)
+    engine.streak.update(reasons, group)
     engine.evaluate()
     for w in group:
       dispatch(w, now)
@@ -157,7 +157,7 @@ async def run_rounds(engine: "Engine") -> None:
     accepted = np.array([reason is None for reason in reasons])
     for i, reason in enumerate(reasons):
       if reason is not None:
-        engine.reject(i, reason, 0)
+        engine.reject(i, reason, 0, int(real_steps[i]) * spec.units_per_step)
     engine.streak.update(reasons)
     if not accepted.all():
       states = inner.reset_moments(states, runtime.to_rounds(~accepted))

@@ -27,7 +27,8 @@ class Budget:
 
   Attributes:
     units: 0 = none; else the units (``RunSpec.units_per_step`` per inner
-      step whose result reached the server) the run may not pass.
+      step whose result reached the server, applied or rejected) the run may
+      not pass.
     sim_seconds: 0 = none; else the time (simulated, or real on real
       hardware) the run may not pass.
   """
@@ -75,6 +76,8 @@ class RunSpec:
     units_per_step: units one inner step of one worker counts.
     unit: the name of the unit in rows and the summary ("steps", "tokens").
     checkpoint_every: outer updates between checkpoint hooks (0 = off).
+    rejection_limit: pseudo-gradients rejected in a row that stop the run
+      (``DivergenceError``); 0 = K, at least 2.
     metrics_fetch_every: arrival rows whose device scalars are fetched together.
     seed: PRNG seed of dispatch keys and the clock's jitter.
     fault: fault injection (tests).
@@ -93,6 +96,7 @@ class RunSpec:
   units_per_step: int = 1
   unit: str = "steps"
   checkpoint_every: int = 0
+  rejection_limit: int = 0
   metrics_fetch_every: int = 16
   seed: int = 0
   fault: Fault = Fault()
@@ -201,7 +205,9 @@ class RunState:
   jobs: dict = dataclasses.field(default_factory=dict)
   ddp_remaining: Optional[int] = None
   arrivals: list = dataclasses.field(default_factory=list)
-  rejected_in_a_row: int = 0
+  rejected: int = 0
+  rejected_units: int = 0
+  rejected_in_a_row: Any = 0
   initial_eval: Row = dataclasses.field(default_factory=dict)
   last_eval: Row = dataclasses.field(default_factory=dict)
   next_eval: float = 0
@@ -209,8 +215,8 @@ class RunState:
   wall_before: float = 0.0
 
   META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining", "arrivals",
-          "rejected_in_a_row", "initial_eval", "last_eval", "next_eval", "next_checkpoint",
-          "wall_before")
+          "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
+          "next_eval", "next_checkpoint", "wall_before")
 
   def meta(self) -> dict[str, Any]:
     """The JSON-serialisable fields (a checkpoint's meta)."""
@@ -221,8 +227,8 @@ class RunState:
     return meta
 
   def load(self, meta: dict[str, Any], pending: list[Any], workers: Any) -> None:
-    for name in self.META:
-      setattr(self, name, meta[name])
+    for name in self.META:  # keys added since a checkpoint was written keep their defaults
+      setattr(self, name, meta.get(name, getattr(self, name)))
     self.staleness, self.arrivals = list(self.staleness), list(self.arrivals)
     self.next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
     self.jobs = {w: Job(delta, version, units, finish)
