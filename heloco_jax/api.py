@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
@@ -229,7 +230,8 @@ def simulate(
     if workdir is not None:
       directory = workdir_lib.RunDirectory(workdir, _spec_json(engine, options),
                                            engine.spec.checkpoint_every, flag="workdir")
-      directory.restore(engine)
+      for note in directory.restore(engine)[1]:  # fallbacks, a lock taken over, ...
+        warnings.warn(f"workdir={workdir!r}: {note.removeprefix('warning: ')}", stacklevel=2)
 
     def record(row: Row) -> None:
       if directory is not None:

@@ -10,17 +10,20 @@ step (numbered by the run's outer-update count):
     concatenation and slicing are exact. Each packed array carries a CRC32 in
     the metadata, so a file that was cut short or overwritten is detected.
   * ``meta``: JSON: the host-side state (clock, event queue, counters, data
-    positions, ...), the packing layout and the checksums.
+    positions, ...), the packing layout and the checksums, with a CRC32 of
+    its own, so that an edited or damaged metadata file is detected too.
 
 Orbax writes a step into a temporary directory and renames it when complete,
 so a step is either whole or absent; a save that fails (a full disk, an
 unwritable directory) raises ``CheckpointError`` and leaves the earlier steps
 as they were. ``restore`` walks back from the newest step and falls back,
-with a ``CheckpointFallbackWarning``, past any step it cannot read or verify.
+with a ``CheckpointFallbackWarning``, past any step it cannot read or verify
+(or that the caller does not accept).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 import zlib
@@ -42,6 +45,12 @@ class CheckpointError(RuntimeError):
 
 class CheckpointFallbackWarning(UserWarning):
   """The newest checkpoint could not be read; an older one is used."""
+
+
+def meta_checksum(meta: Meta) -> int:
+  """CRC32 of ``meta`` as canonical JSON (sorted keys), without its own checksum."""
+  body = {key: value for key, value in meta.items() if key != "crc32"}
+  return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
 def pack(tree: Any) -> tuple[dict[str, np.ndarray], Meta]:
@@ -142,23 +151,34 @@ class Checkpointer:
     try:
       if step in self._manager.all_steps():  # left by a timeline a resume abandoned
         self._manager.delete(step)
+      meta = {**meta, "layout": layout}
+      meta["crc32"] = meta_checksum(meta)
       self._manager.save(step, args=ocp.args.Composite(
-          arrays=ocp.args.StandardSave(packed),
-          meta=ocp.args.JsonSave({**meta, "layout": layout})), force=True)
+          arrays=ocp.args.StandardSave(packed), meta=ocp.args.JsonSave(meta)), force=True)
       self._manager.wait_until_finished()
-    except OSError as error:
-      steps = [s for s in self.steps() if s != step]
+    except Exception as error:  # pylint: disable=broad-except  (OSError, or orbax's and
+      # tensorstore's own errors for a full disk: ValueError, RuntimeError, ...)
+      try:
+        steps = [s for s in self.steps() if s != step]
+      except Exception:  # pylint: disable=broad-except
+        steps = []
       kept = f"checkpoint {steps[-1]} is intact" if steps else "there is no earlier checkpoint"
+      reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:300] or (
+          type(error).__name__)
       raise CheckpointError(f"could not write checkpoint {step} to {self.directory}: "
-                            f"{error.strerror or error}; {kept}") from None
+                            f"{reason}; {kept}") from None
 
-  def restore(self, template: Template, step: Optional[int] = None) -> Optional[tuple[int, Any, Meta]]:
+  def restore(self, template: Template, step: Optional[int] = None,
+              accept: Optional[Callable[[Meta], Optional[str]]] = None
+              ) -> Optional[tuple[int, Any, Meta]]:
     """The newest readable checkpoint (or checkpoint ``step``), or None if there is none.
 
     Args:
       template: maps a checkpoint's meta to the abstract state its arrays
         must fill (structure, shapes, dtypes).
       step: restore exactly this step (no fallback).
+      accept: given a checkpoint's verified meta, the reason not to use it
+        (then the next older one is tried, as for an unreadable one), or None.
 
     Returns:
       ``(step, arrays, meta)``; None when the directory holds no checkpoint.
@@ -175,6 +195,11 @@ class Checkpointer:
       try:
         meta = self._manager.restore(candidate, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta
+        if "crc32" in meta and meta.pop("crc32") != meta_checksum(meta):
+          raise ValueError("its metadata fails its checksum")
+        refusal = accept(meta) if accept is not None else None
+        if refusal:
+          raise ValueError(refusal)
         layout = meta.pop("layout")
         packed = self._manager.restore(candidate, args=ocp.args.Composite(
             arrays=ocp.args.StandardRestore(_packed_shapes(layout)))).arrays
@@ -190,6 +215,11 @@ class Checkpointer:
     raise CheckpointError(f"no readable checkpoint in {self.directory} ({'; '.join(failures)}); "
                           "checkpoints written with another config resume only with that "
                           "config; to start over, use a new workdir")
+
+  def drop_after(self, step: int) -> None:
+    """Deletes the checkpoints newer than ``step`` (a timeline a resume abandoned)."""
+    for newer in [s for s in self.steps() if s > step]:
+      self._manager.delete(newer)
 
   def close(self) -> None:
     self._manager.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import re
 from typing import Any, Callable, Optional
 
 import ml_collections
@@ -31,15 +32,38 @@ def _languages(value: Any) -> Optional[list[str]]:
   return [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
 
 
+# make_data's arguments -> the config keys they come from (for its error messages).
+_DATA_KEYS = {"source": "data.source", "path": "data.path", "languages": "data.languages",
+              "partition": "data.partition", "dirichlet_alpha": "data.dirichlet_alpha",
+              "num_workers": "num_workers", "context": "model.context",
+              "batch_size": "batch_size",
+              "val_sequences_per_language": "data.val_sequences_per_language",
+              "max_bytes_per_language": "data.max_bytes_per_language"}
+
+
 def make_dataset(config: ml_collections.ConfigDict) -> data_lib.Data:
-  """The run's data (languages, per-worker iterators, validation set) from ``config.data``."""
-  return data_lib.make_data(
-      source=config.data.source, path=config.data.path or None,
-      languages=_languages(config.data.languages), partition=config.data.partition,
-      dirichlet_alpha=config.data.dirichlet_alpha, num_workers=config.num_workers,
-      context=config.model.context, batch_size=config.batch_size,
-      val_sequences_per_language=config.data.val_sequences_per_language, seed=config.seed,
-      max_bytes_per_language=config.data.max_bytes_per_language or None)
+  """The run's data (languages, per-worker iterators, validation set) from ``config.data``.
+
+  Raises:
+    ValueError: the data cannot be built; the message names config keys
+      (``config.data.languages=...``), not ``make_data``'s arguments.
+  """
+  try:
+    return data_lib.make_data(
+        source=config.data.source, path=config.data.path or None,
+        languages=_languages(config.data.languages), partition=config.data.partition,
+        dirichlet_alpha=config.data.dirichlet_alpha, num_workers=config.num_workers,
+        context=config.model.context, batch_size=config.batch_size,
+        val_sequences_per_language=config.data.val_sequences_per_language, seed=config.seed,
+        max_bytes_per_language=config.data.max_bytes_per_language or None)
+  except ValueError as error:
+    message = re.sub(r"^make_data: ", "", str(error))
+    # `name=value`, and bare names that are identifiers (not words such as "languages")
+    assigned = "|".join(_DATA_KEYS)
+    bare = "|".join(name for name in _DATA_KEYS if "_" in name)
+    message = re.sub(rf"(?<![\w.])(?:({assigned})(?==)|({bare})\b)",
+                     lambda m: "config." + _DATA_KEYS[m.group(1) or m.group(2)], message)
+    raise ValueError(message) from None
 
 
 def spec_from(config: ml_collections.ConfigDict) -> state.RunSpec:

@@ -148,25 +148,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       workdir = os.path.join(workdir, f"process_{jax.process_index()}")
   seconds = "simulated s" if config.runtime == "simulated" else "real s"
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  try:  # the data first: a config it refuses leaves no trace in the workdir
+    simulation = harness.Simulation(config)
+  except ValueError as error:  # e.g. a corpus too small for the validation set
+    return _error(str(error).splitlines()[0])
   try:
     directory = workdir_lib.RunDirectory(workdir, config_json, config.checkpoint_every,
                                          config.keep_checkpoints, allow_config_change)
   except workdir_lib.WorkdirError as error:
+    simulation.close()
     return _error(str(error))
-
-  try:
-    simulation = harness.Simulation(config)
-  except ValueError as error:  # e.g. a corpus too small for the validation set
-    directory.close()
-    return _error(str(error).splitlines()[0])
   try:
     step, notes = directory.restore(simulation)
-  except checkpoint.CheckpointError as error:
+  except (checkpoint.CheckpointError, workdir_lib.WorkdirError, OSError) as error:
     directory.close()
+    simulation.close()
+    if isinstance(error, OSError):
+      return _error(f"cannot resume: {error.strerror or error}")
     return _error(str(error))
-  except OSError as error:
-    directory.close()
-    return _error(f"cannot resume: {error.strerror or error}")
   for note in notes:
     print(f"heloco-jax train: {note}", file=sys.stderr)
   if step is not None:

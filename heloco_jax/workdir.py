@@ -11,13 +11,25 @@ resumable, for the CLI and for ``hj.simulate(workdir=...)`` alike:
   * a re-run restores the newest readable checkpoint (falling back past a
     corrupt one) and cuts ``metrics.jsonl`` back to the rows it had seen, so
     the file ends with neither duplicates nor gaps;
-  * ``summary.json`` is written atomically when the run ends.
+  * ``summary.json`` is written atomically when the run ends;
+  * one process owns a workdir at a time: ``DIR/lock`` holds an exclusive
+    ``flock`` and its owner's pid and host. A second process is refused in
+    one line naming them; a lock its owner left behind (the process died) is
+    taken over with a warning. ``metrics.jsonl`` is opened for appending
+    only, so no write can land past its end and leave a hole.
+
+Rows and the summary are standard JSON: a NaN or ±Inf float is written as
+null.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
 import json
+import math
 import os
+import socket
 import warnings
 from typing import Any, Callable, Optional
 
@@ -27,7 +39,99 @@ Row = dict[str, Any]
 
 
 class WorkdirError(ValueError):
-  """The workdir cannot hold this run (finished, another config, unreadable)."""
+  """The workdir cannot hold this run (finished, another config, unreadable, in use)."""
+
+
+def json_safe(value: Any) -> Any:
+  """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict):
+    return {key: json_safe(v) for key, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [json_safe(v) for v in value]
+  return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+  """Standard JSON of ``value``: NaN and ±Inf become null."""
+  try:
+    return json.dumps(value, allow_nan=False, **kwargs)
+  except ValueError:
+    return json.dumps(json_safe(value), allow_nan=False, **kwargs)
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class WorkdirLock:
+  """An exclusive lock on a workdir, held until ``release`` (or the process ends).
+
+  ``fcntl.flock`` on ``path``, which also records the owner (pid, host,
+  start time) for the message a second process gets. The kernel drops the
+  lock when its process dies, so a lock file that still names an owner but
+  is not locked was left by a dead process: it is taken over, and
+  ``taken_over`` says from whom. On file systems without ``flock`` the
+  recorded owner decides: a live pid on this host keeps the workdir.
+
+  Raises:
+    WorkdirError: another process holds the lock.
+  """
+
+  def __init__(self, path: str, flag: str, workdir: str):
+    import fcntl  # pylint: disable=g-import-not-at-top  (POSIX)
+    self.path = path
+    self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    previous = self._read()
+    try:
+      fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(self._fd)
+      raise WorkdirError(f"{flag}={workdir!r} is in use by {self._owner(previous)}; allowed: "
+                         f"wait until that run ends (or stop it), or use another {flag}"
+                         ) from None
+    except OSError as error:
+      if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        raise
+      if (previous.get("host") == socket.gethostname()
+          and _process_alive(int(previous.get("pid", -1)))
+          and previous.get("pid") != os.getpid()):
+        os.close(self._fd)
+        raise WorkdirError(f"{flag}={workdir!r} is in use by {self._owner(previous)}; "
+                           f"allowed: wait until that run ends, or use another {flag}") from None
+    self.taken_over = self._owner(previous) if previous else None
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(self._fd, 0)
+    os.pwrite(self._fd, (json.dumps(record) + "\n").encode(), 0)
+
+  def _read(self) -> dict[str, Any]:
+    try:
+      return json.loads(os.pread(self._fd, 4096, 0) or b"{}")
+    except ValueError:
+      return {}
+
+  @staticmethod
+  def _owner(record: dict[str, Any]) -> str:
+    if not record:
+      return "another process"
+    return (f"pid {record.get('pid')} on host {record.get('host')!r} "
+            f"(since {record.get('since')})")
+
+  def release(self) -> None:
+    """Empties the lock file (a clean end) and unlocks it."""
+    if self._fd is None:
+      return
+    os.ftruncate(self._fd, 0)
+    os.close(self._fd)  # closing the descriptor drops the flock
+    self._fd = None
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -76,8 +180,12 @@ class RunDirectory:
                          "allowed: a new directory, or one holding an unfinished run to resume.")
     checkpoints_dir = self._file("checkpoints")
     self.checkpointer: Optional[checkpoint.Checkpointer] = None
+    self.lock: Optional[WorkdirLock] = None
+    self._metrics = None
+    self.rows_written = 0
     try:
       os.makedirs(path, exist_ok=True)
+      self.lock = WorkdirLock(self._file("lock"), flag, path)
       if checkpoint_every > 0 or os.path.isdir(checkpoints_dir):
         self.checkpointer = checkpoint.Checkpointer(checkpoints_dir, keep=keep_checkpoints)
       if self.checkpointer is not None and self.checkpointer.steps():
@@ -96,11 +204,12 @@ class RunDirectory:
       # failed --allow_config_change leaves the workdir's own config in place.
       with open(self._file("config.json.new"), "w") as f:
         f.write(config_json)
-    except (OSError, checkpoint.CheckpointError) as error:
+    except (OSError, checkpoint.CheckpointError, WorkdirError) as error:
+      self.close()
+      if isinstance(error, WorkdirError):
+        raise
       raise WorkdirError(f"{flag}={path!r} is not writable: "
                          f"{getattr(error, 'strerror', 0) or error}") from None
-    self._metrics = None
-    self.rows_written = 0
 
   def _file(self, name: str) -> str:
     return os.path.join(self.path, name)
@@ -127,20 +236,39 @@ class RunDirectory:
       (the restored step or None, warnings to show: checkpoints skipped,
       a run started over).
 
+    A checkpoint whose rows metrics.jsonl no longer holds (its tail was cut
+    by a crash or a full disk) is passed over like an unreadable one, with a
+    warning; the checkpoints after the one restored are deleted.
+
     Raises:
-      checkpoint.CheckpointError: checkpoints exist but none can be read.
-      OSError: metrics.jsonl does not hold the rows the checkpoint recorded.
+      checkpoint.CheckpointError: checkpoints exist but none can be read, or
+        metrics.jsonl holds the rows of none of them.
+      WorkdirError: metrics.jsonl is not a file.
     """
     restored, notes = None, []
+    if self.lock is not None and self.lock.taken_over:
+      notes.append(f"warning: took over the lock of {self.lock.taken_over}, which ended "
+                   "without releasing it")
+    path = self._file("metrics.jsonl")
+    if os.path.exists(path) and not os.path.isfile(path):
+      raise WorkdirError(f"{path} is not a file; allowed: a file (or none), so move it away")
     if self.checkpointer is not None:
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", checkpoint.CheckpointFallbackWarning)
-        restored = self.checkpointer.restore(engine.state_template)
+        restored = self.checkpointer.restore(engine.state_template, accept=self._covered)
       notes += [f"warning: {warning.message}" for warning in caught]
-    path = self._file("metrics.jsonl")
     rows_before = os.path.exists(path) and os.path.getsize(path) > 0
     if restored is not None:
       engine.load_state(restored[1], restored[2])
+      newer = [step for step in self.checkpointer.steps() if step > restored[0]]
+      if newer:
+        rows = restored[2]["metrics"]["rows"]
+        with open(path, "rb") as f:
+          dropped = max(0, f.read().count(b"\n") - rows)
+        notes.append(f"warning: resuming from checkpoint {restored[0]} drops checkpoint"
+                     f"{'s' if len(newer) > 1 else ''} {', '.join(map(str, newer))} and the "
+                     f"{dropped} rows of metrics.jsonl after its row {rows}")
+        self.checkpointer.drop_after(restored[0])  # an abandoned timeline never resumes
     self._open_metrics(restored and restored[2])
     os.replace(self._file("config.json.new"), self._file("config.json"))
     if restored is None:
@@ -149,27 +277,31 @@ class RunDirectory:
       return None, notes
     return restored[0], notes
 
+  def _covered(self, meta: dict) -> Optional[str]:
+    """Why metrics.jsonl cannot continue from a checkpoint with ``meta`` (None: it can)."""
+    path = self._file("metrics.jsonl")
+    size, rows = meta["metrics"]["bytes"], meta["metrics"]["rows"]
+    if not os.path.isfile(path) or os.path.getsize(path) < size:
+      have = os.path.getsize(path) if os.path.isfile(path) else 0
+      return (f"metrics.jsonl holds {have} bytes, fewer than the {size} bytes ({rows} rows) "
+              "it recorded")
+    with open(path, "rb") as f:
+      if f.read(size).count(b"\n") != rows:
+        return f"metrics.jsonl's first {size} bytes do not hold the {rows} rows it recorded"
+    return None
+
   def _open_metrics(self, meta: Optional[dict]) -> None:
     """metrics.jsonl for appending: emptied for a new run, cut back to the checkpoint's rows."""
     path = self._file("metrics.jsonl")
-    if meta is None:
-      self._metrics, self.rows_written = open(path, "w"), 0
-      return
-    size, rows = meta["metrics"]["bytes"], meta["metrics"]["rows"]
-    if not os.path.exists(path) or os.path.getsize(path) < size:
-      raise OSError(f"{path} is shorter than checkpoint {meta['version']} recorded ({size} "
-                    f"bytes, {rows} rows); its rows are lost")
-    with open(path, "r+b") as f:
+    size, rows = (0, 0) if meta is None else (meta["metrics"]["bytes"], meta["metrics"]["rows"])
+    with open(path, "ab") as f:  # created if missing; cut back to what the checkpoint saw
       f.truncate(size)
-      f.seek(0)
-      if f.read().count(b"\n") != rows:
-        raise OSError(f"{path} does not hold the {rows} rows checkpoint {meta['version']} "
-                      "recorded")
+    # Append-only: every write lands at the end of the file, wherever it is.
     self._metrics, self.rows_written = open(path, "a"), rows
 
   def write_row(self, row: Row) -> None:
-    """Appends ``row`` to metrics.jsonl (flushed at once)."""
-    self._metrics.write(json.dumps(row) + "\n")
+    """Appends ``row`` to metrics.jsonl (flushed at once); NaN and ±Inf as null."""
+    self._metrics.write(dumps(row) + "\n")
     self._metrics.flush()
     self.rows_written += 1
 
@@ -189,8 +321,7 @@ class RunDirectory:
     """Writes summary.json atomically: it marks a finished run, so it is never half written."""
     self._metrics.close()
     with open(self._file("summary.json.tmp"), "w") as f:
-      json.dump(summary, f, indent=2)
-      f.write("\n")
+      f.write(dumps(summary, indent=2) + "\n")
     os.replace(self._file("summary.json.tmp"), self._file("summary.json"))
 
   def last_checkpoint(self) -> str:
@@ -204,3 +335,7 @@ class RunDirectory:
       self._metrics.close()
     if self.checkpointer is not None:
       self.checkpointer.close()
+      self.checkpointer = None
+    if self.lock is not None:
+      self.lock.release()
+      self.lock = None
