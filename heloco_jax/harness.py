@@ -109,6 +109,7 @@ def make_runtime(config: ml_collections.ConfigDict, inner: inner_lib.InnerLoop) 
         address=config.ray.address, num_cpus=config.ray.num_cpus,
         cpus_per_worker=config.ray.cpus_per_worker, gpus_per_worker=config.ray.gpus_per_worker,
         server_gpus=config.ray.server_gpus, log_to_driver=config.ray.log_to_driver,
+        max_restarts=config.ray.max_restarts,
         slowdown=devices_lib.slowdown_factors(config.devices.slowdown, config.num_workers),
         batch_size=config.batch_size)
     return ray.RayRuntime(inner, config.num_workers, options)

@@ -27,9 +27,14 @@ Ctrl-C lets the arrival in progress finish, writes a checkpoint and exits; the
 same command resumes exactly. A second Ctrl-C stops at once (the last
 periodic checkpoint holds the run).
 
+One process owns a workdir at a time (``DIR/lock``): a second one exits at
+once naming the owner's pid and host; a lock left by a process that died is
+taken over with a warning.
+
 Exit status: 0 done, 1 a write or checkpoint failure or a diverged run (the
 last good checkpoint is kept), 2 a usage or config error (a budget that holds
-no dispatch included), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM.
+no dispatch and a workdir in use included), 130 interrupted (Ctrl-C), 143
+stopped by SIGTERM.
 """
 
 from __future__ import annotations

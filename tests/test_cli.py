@@ -69,7 +69,19 @@ _BAD = [
     ("outer.scope=layer", "config.outer.scope='layer'"),
     ("comm.latency=-0.5", "config.comm.latency=-0.5"),
     ("metrics_fetch_every=0", "config.metrics_fetch_every=0"),
+    ("rejection_limit=-1", "config.rejection_limit=-1"),
+    ("deterministic=2", "config.deterministic=2"),
 ]
+
+
+def test_palsgds_pull_constraint_binds_palsgd_only():
+  from heloco_jax.configs import default, validation
+  config = default.get_config()
+  config.inner.learning_rate = 1e6  # a key heloco uses; pseudo_sync_rate it does not
+  validation.validate(config)
+  config.method = "palsgd"
+  with pytest.raises(validation.ConfigError, match="config.inner.pseudo_sync_rate=0.5"):
+    validation.validate(config)
 
 
 @pytest.mark.parametrize("override, named", _BAD, ids=[b[0] for b in _BAD])
@@ -101,7 +113,8 @@ def test_a_run_writes_config_metrics_and_summary(tmp_path, capsys):
   assert evals[0]["tokens"] == 0 and evals[-1]["tokens"] == 5 * 384  # rounds of 3·2·4·16 ≤ 2048
   assert {"val_loss/syn0", "sim_time", "outer_updates"} <= set(evals[-1])
   summary = json.loads((workdir / "summary.json").read_text())
-  assert set(summary) == {"method", "seed", "tokens", "sim_time", "outer_updates",
+  assert set(summary) == {"method", "seed", "tokens", "applied_tokens", "rejected_tokens",
+                          "rejected", "sim_time", "outer_updates",
                           "initial_val_loss", "final_val_loss", "mean_staleness",
                           "wall_seconds", "tokens_per_second", "num_params"}
   assert summary["final_val_loss"] < summary["initial_val_loss"]

@@ -2,6 +2,10 @@
 
 import collections
 import json
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -39,12 +43,12 @@ def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrup
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
   assert np.isfinite(summary["final_val_loss"])
 
-  # The death is counted once; worker 1's work moved to a live actor and kept arriving.
-  redispatched = [r for r in rows if r["event"] == "redispatched"]
-  assert len(redispatched) == 1
-  assert redispatched[0]["worker"] == 1 and redispatched[0]["lost_actor"] == 1
-  assert redispatched[0]["actor"] in (0, 2)
-  after = rows.index(redispatched[0])
+  # The death is counted once: Ray restarted worker 1's actor, which kept computing its
+  # work; no other actor restarted (none was killed), nothing had to move.
+  restarted = [r for r in rows if r["event"] == "actor_restarted"]
+  assert [(r["worker"], r["actor"]) for r in restarted] == [(1, 1)]
+  assert not [r for r in rows if r["event"] == "redispatched"]
+  after = rows.index(restarted[0])
   assert any(r["event"] == "arrival" and r["worker"] == 1 for r in rows[after:])
   assert set(counts) == {0, 1, 2} and counts[1] > 3
 
@@ -78,3 +82,90 @@ def test_bad_ray_settings_fail_before_any_work(overrides, message):
     config = tiny.config(method, 3, **{"budget.tokens": 100, **overrides})
     validation.validate(config)
   assert message in str(error.value)
+
+
+def _worker_actor_pids():
+  """The pids of this machine's Ray worker-actor processes (their title names the class)."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        if f.read().startswith(b"ray::WorkerActor"):
+          pids.append(int(entry))
+    except (OSError, ValueError):
+      continue
+  return sorted(pids)
+
+
+def _kill_actors_from_outside(metrics, kills, num_actors, gap=4, timeout=240):
+  """A thread that SIGKILLs ``kills`` worker-actor processes, one every ``gap`` arrivals."""
+  killed = []
+
+  def arrivals():
+    try:
+      return metrics.read_text().count('"arrival"')
+    except OSError:
+      return 0
+
+  before = set(_worker_actor_pids())  # an earlier run's actors, possibly still exiting
+
+  def run():
+    deadline = time.monotonic() + timeout
+    original = []  # this run's first actor processes: each is killed at most once
+    while len(killed) < kills and time.monotonic() < deadline:
+      pids = [pid for pid in _worker_actor_pids() if pid not in before]
+      if not original and len(pids) == num_actors and arrivals() > 0:
+        original.extend(pids)
+      if original and arrivals() >= gap * (len(killed) + 1) and len(pids) == num_actors:
+        victim = original[len(killed)]
+        os.kill(victim, signal.SIGKILL)
+        killed.append(victim)
+      time.sleep(0.05)
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  return thread, killed
+
+
+def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouched(tmp_path):
+  """K = 2: each of the two actor processes is killed with SIGKILL (as `kill -9` would), one
+  after the other; the run survives both, and only the killed actors restart."""
+  thread, killed = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2, num_actors=2)
+  code = train.main([f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
+                     "--config.num_workers=2", "--config.budget.tokens=24000",
+                     "--config.eval_every_tokens=8000", "--config.checkpoint_every=0", *TINY])
+  thread.join()
+  assert code == 0 and len(killed) == 2
+  rows = _rows(tmp_path)
+  restarted = [r for r in rows if r["event"] == "actor_restarted"]
+  assert sorted(r["actor"] for r in restarted) == [0, 1]  # each once: nothing else restarted
+  assert not [r for r in rows if r["event"] == "redispatched"]
+  after = rows.index(restarted[-1])
+  assert {r["worker"] for r in rows[after:] if r["event"] == "arrival"} == {0, 1}
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
+
+
+@pytest.mark.slow
+def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_path):
+  args = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=8",
+          "--config.budget.tokens=160000", "--config.eval_every_tokens=40000",
+          "--config.checkpoint_every=0", *TINY]
+  clean = tmp_path / "clean"
+  assert train.main([f"--workdir={clean}", *args]) == 0
+  faulty = tmp_path / "faulty"
+  thread, killed = _kill_actors_from_outside(faulty / "metrics.jsonl", kills=3, num_actors=8,
+                                             gap=int(np.random.default_rng().integers(5, 20)))
+  assert train.main([f"--workdir={faulty}", *args]) == 0
+  thread.join()
+  assert len(killed) == 3
+  # A restart shows when the new process returns its first result (a restart on 2 busy
+  # cores takes seconds: JAX starts and compiles again), so the run is long enough for that.
+  rows = _rows(faulty)
+  restarted = [r for r in rows if r["event"] == "actor_restarted"]
+  assert len(restarted) == 3 and len({r["actor"] for r in restarted}) == 3
+  for row in restarted:  # each killed worker arrives again after its restart
+    assert any(r["event"] == "arrival" and r["worker"] == row["worker"]
+               for r in rows[rows.index(row):])
+  losses = [json.loads((d / "summary.json").read_text())["final_val_loss"] for d in (clean, faulty)]
+  # Seed noise of this set-up (real-clock arrival order): ~0.05; a lost worker would show more.
+  assert abs(losses[0] - losses[1]) < 0.15, losses

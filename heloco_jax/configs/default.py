@@ -106,6 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.ray.gpus_per_worker = 0.0
   c.ray.server_gpus = 0.0      # the parameter server's GPUs (0: it runs on its node's CPU)
   c.ray.log_to_driver = False  # the actors' stdout/stderr in this terminal
+  c.ray.max_restarts = 3       # restarts of a worker actor that died (its task runs again)
 
   c.comm = ml_collections.ConfigDict()
   c.comm.latency = 0.0         # seconds per message or all-reduce

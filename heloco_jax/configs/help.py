@@ -110,6 +110,8 @@ MEANINGS: dict[str, str] = {
     "ray.gpus_per_worker": "GPUs each worker actor owns",
     "ray.server_gpus": "the parameter server's GPUs (0: it runs on its node's CPU)",
     "ray.log_to_driver": "show the actors' stdout and stderr in this terminal",
+    "ray.max_restarts": "restarts of a worker actor that died (its task runs again); after "
+                        "that its workers move to the live actors",
     "comm.latency": "seconds per message or all-reduce",
     "comm.bandwidth": "bytes per second; 0 = free transfers",
 }

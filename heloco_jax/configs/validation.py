@@ -127,6 +127,7 @@ ALLOWED: dict[str, str] = {
     "ray.gpus_per_worker": "a number >= 0",
     "ray.server_gpus": "a number >= 0",
     "ray.log_to_driver": "True or False",
+    "ray.max_restarts": "an integer >= 0",
     "comm.latency": "a number >= 0",
     "comm.bandwidth": "a number >= 0",
 }
@@ -171,6 +172,7 @@ def _validate_ray(config: ml_collections.ConfigDict, method: Any) -> None:
           "runtime='devices' and the distributed.* keys")
   for key in ("num_cpus", "cpus_per_worker", "gpus_per_worker", "server_gpus"):
     _number(f"ray.{key}", config.ray[key], 0.0)
+  _integer("ray.max_restarts", config.ray.max_restarts, 0)
   try:
     devices.slowdown_factors(config.devices.slowdown, config.num_workers)
   except devices.DeviceConfigError as error:

@@ -18,11 +18,16 @@ things live changes:
   * the engine's asyncio loop awaits the actors' object refs and takes arrivals
     in the order they finish, on the real clock.
 
-Worker death: a dispatch whose actor died (or dies while computing) is sent
-again, with the same inputs, to the live actor that runs the fewest workers,
-and a ``{"event": "redispatched"}`` row in ``metrics.jsonl`` counts it. θ
-lives on the server and is never touched by a worker's death; the run stops
-with an error only when no worker actor is left.
+Worker death (``kill -9``, a node lost, an out-of-memory kill): Ray restarts
+the actor (up to ``RayOptions.max_restarts`` times) and runs its task again
+with the same inputs, so the dispatch arrives as if nothing happened; an
+``{"event": "actor_restarted"}`` row in ``metrics.jsonl`` counts each
+restart (seen as a new process id). An actor out of restarts is given up:
+its workers' dispatches are sent, with the same inputs, to the live actor
+that runs the fewest workers (an ``{"event": "redispatched"}`` row). No
+healthy actor is ever killed: an error is handled once, by the dispatch it
+belongs to. θ lives on the server and is never touched by a worker's death;
+the run stops with an error only when no worker actor is left.
 
 Synchronous methods do not run here: across processes they run SPMD with
 ``jax.distributed`` (``runtime="devices"`` with the ``distributed.*`` keys).
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -82,16 +88,18 @@ class WorkerActor:
   def devices(self) -> list[str]:
     return [f"{d.platform}:{d.id}" for d in jax.devices()]
 
+  def pid(self) -> int:
+    return os.getpid()
+
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
           batches: Any, key_data: np.ndarray,
           fresh: bool) -> tuple[inner_lib.InnerState, Any, int]:
-    """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, steps) on the host."""
+    """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, this process's id)."""
     if fresh and previous is not None:
       previous = self._runtime.fresh_moments(previous)
     state, delta = self._runtime.run_worker(worker, previous, start, batches,
                                             jax.random.wrap_key_data(key_data))
-    steps = jax.tree.leaves(batches)[0].shape[0]
-    return jax.device_get(state), jax.device_get(delta), steps
+    return jax.device_get(state), jax.device_get(delta), os.getpid()
 
 
 class RayServer:
@@ -131,8 +139,9 @@ class Dispatch:
   """One worker's dispatch on a worker actor; its refs are replaced if it is sent again.
 
   ``state`` and ``delta`` are the end state and Δ (object refs, or values
-  restored from a checkpoint); ``done`` a small ref that resolves, or raises
-  if the actor died, when both are ready.
+  restored from a checkpoint); ``done`` a small ref that resolves to the
+  computing process's id, or raises if the actor is gone for good, when both
+  are ready.
   """
   args: tuple = ()
   actor: int = -1
@@ -156,6 +165,8 @@ class RayOptions:
       f_i × its compute time (controlled heterogeneity); () = none.
     batch_size: the leading size of a batch, split over an actor's devices
       when it has several and it divides (0: never split).
+    max_restarts: how often Ray restarts a worker actor that died (its task
+      then runs again); after that its workers move to the live actors.
   """
   address: str = ""
   num_cpus: int = 0
@@ -165,6 +176,7 @@ class RayOptions:
   log_to_driver: bool = False
   slowdown: tuple[float, ...] = ()
   batch_size: int = 0
+  max_restarts: int = 3
 
 
 # Packages every actor imports itself; functions from any other module are sent by value.
@@ -207,11 +219,13 @@ class RayRuntime(base.OneProcess):
       return {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus)) if v > 0}
     _send_by_value(inner.loss_fn)
     worker = ray.remote(WorkerActor).options(
+        max_restarts=options.max_restarts, max_task_retries=options.max_restarts,
         **resources(options.cpus_per_worker, options.gpus_per_worker))
     self.actors = [worker.remote(inner.loss_fn, inner.tx, inner.reset_optimizer,
                                  options.batch_size) for _ in range(num_workers)]
     # Started (JAX imported, loop built) before the clock starts.
     self.actor_devices = ray.get([actor.devices.remote() for actor in self.actors])
+    self._pids = ray.get([actor.pid.remote() for actor in self.actors])
     self._server_options = resources(0, options.server_gpus)
     self.alive = [True] * len(self.actors)
     self._assigned = list(range(num_workers))  # worker -> actor
@@ -257,15 +271,25 @@ class RayRuntime(base.OneProcess):
         num_returns=3).remote(*dispatch.args)
 
   def kill_worker(self, worker: int) -> None:
-    """Kills worker ``worker``'s actor (``fault.kill_worker``: tests of worker death)."""
-    self._ray.kill(self.actors[self._assigned[worker]], no_restart=True)
+    """Kills worker ``worker``'s actor process (``fault.kill_worker``); Ray restarts it."""
+    self._ray.kill(self.actors[self._assigned[worker]], no_restart=False)
 
-  def redispatch(self, dispatch: Dispatch) -> None:
-    """``dispatch``'s actor died: sends it again to the live actor running the fewest workers."""
+  def _computed(self, dispatch: Dispatch, pid: int) -> None:
+    """Notes the process that computed ``dispatch``: a new one means its actor restarted."""
+    actor = dispatch.actor
+    if pid != self._pids[actor]:
+      self._pids[actor] = pid
+      self._emit({"event": "actor_restarted", "worker": dispatch.args[0], "actor": actor,
+                  "sim_time": self._clock()})
+
+  def redispatch(self, dispatch: Dispatch, failed: Any) -> None:
+    """``dispatch``'s actor is gone for good (its ref ``failed`` raised): sends the dispatch
+    again to the live actor running the fewest workers. Does nothing when ``failed`` is
+    not the dispatch's current ref (another caller has already sent it again)."""
+    if dispatch.done is not failed:
+      return
     worker, lost = dispatch.args[0], dispatch.actor
-    if self.alive[lost]:
-      self.alive[lost] = False
-      self._ray.kill(self.actors[lost], no_restart=True)
+    self.alive[lost] = False  # out of restarts: Ray has ended it; nothing is killed here
     live = [a for a, ok in enumerate(self.alive) if ok]
     if not live:
       raise RuntimeError("runtime=ray: every worker actor has died; the last checkpoint "
@@ -281,11 +305,15 @@ class RayRuntime(base.OneProcess):
   async def wait(self, dispatch: Any) -> None:
     """Returns once ``dispatch`` is computed, sending it again while its actor is dead."""
     while isinstance(dispatch, Dispatch):
+      done = dispatch.done
       try:
-        await dispatch.done
-        return
+        pid = await done
       except self._ray.exceptions.RayActorError:
-        self.redispatch(dispatch)
+        self.redispatch(dispatch, done)
+        continue
+      if dispatch.done is done:
+        self._computed(dispatch, pid)
+      return
 
   def fetch(self, tree: Any, what: str) -> Any:
     """Worker states (``what="state"``) or a pending Δ as values, waiting for them."""
@@ -293,10 +321,11 @@ class RayRuntime(base.OneProcess):
       if not isinstance(dispatch, Dispatch):
         return dispatch
       while True:
+        done = dispatch.done
         try:
           return self._ray.get(getattr(dispatch, what))
         except self._ray.exceptions.RayActorError:
-          self.redispatch(dispatch)
+          self.redispatch(dispatch, done)
     return [value(d) for d in tree] if isinstance(tree, list) else value(tree)
 
   def fresh_moments(self, state: Any) -> Any:
