@@ -23,8 +23,11 @@ with a ``CheckpointFallbackWarning``, past any step it cannot read or verify
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import warnings
 import zlib
 from typing import Any, Callable, Optional
@@ -45,6 +48,31 @@ class CheckpointError(RuntimeError):
 
 class CheckpointFallbackWarning(UserWarning):
   """The newest checkpoint could not be read; an older one is used."""
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Silences orbax's own error logs (tracebacks from its writer threads): its failures
+  reach the caller as one ``CheckpointError`` line instead."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def _reason(error: BaseException) -> str:
+  """A failed save's cause in a few words: the OS error inside orbax's and tensorstore's
+  messages when there is one (e.g. "No space left on device"), else the first line."""
+  text = str(error)
+  code = re.search(r"os_error_code='?(\d+)|OS error (\d+)", text)
+  if code:
+    return os.strerror(int(code.group(1) or code.group(2)))
+  if getattr(error, "strerror", None):
+    return error.strerror
+  return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def meta_checksum(meta: Meta) -> int:
@@ -149,13 +177,8 @@ class Checkpointer:
     """
     packed, layout = pack(arrays)
     try:
-      if step in self._manager.all_steps():  # left by a timeline a resume abandoned
-        self._manager.delete(step)
-      meta = {**meta, "layout": layout}
-      meta["crc32"] = meta_checksum(meta)
-      self._manager.save(step, args=ocp.args.Composite(
-          arrays=ocp.args.StandardSave(packed), meta=ocp.args.JsonSave(meta)), force=True)
-      self._manager.wait_until_finished()
+      with _quiet_orbax():
+        self._save(step, packed, layout, meta)
     except Exception as error:  # pylint: disable=broad-except  (OSError, or orbax's and
       # tensorstore's own errors for a full disk: ValueError, RuntimeError, ...)
       try:
@@ -163,10 +186,17 @@ class Checkpointer:
       except Exception:  # pylint: disable=broad-except
         steps = []
       kept = f"checkpoint {steps[-1]} is intact" if steps else "there is no earlier checkpoint"
-      reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:300] or (
-          type(error).__name__)
       raise CheckpointError(f"could not write checkpoint {step} to {self.directory}: "
-                            f"{reason}; {kept}") from None
+                            f"{_reason(error)}; {kept}") from None
+
+  def _save(self, step: int, packed: dict[str, np.ndarray], layout: Meta, meta: Meta) -> None:
+    if step in self._manager.all_steps():  # left by a timeline a resume abandoned
+      self._manager.delete(step)
+    meta = {**meta, "layout": layout}
+    meta["crc32"] = meta_checksum(meta)
+    self._manager.save(step, args=ocp.args.Composite(
+        arrays=ocp.args.StandardSave(packed), meta=ocp.args.JsonSave(meta)), force=True)
+    self._manager.wait_until_finished()
 
   def restore(self, template: Template, step: Optional[int] = None,
               accept: Optional[Callable[[Meta], Optional[str]]] = None

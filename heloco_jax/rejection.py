@@ -106,6 +106,6 @@ class RejectionStreak:
     workers = ", ".join(str(w) for w in sorted(self.workers)) or "?"
     return (f"{which} (from worker{'s' if len(self.workers) != 1 else ''} {workers}) were "
             f"non-finite ({', '.join(sorted(self.kinds)) or 'nan or inf'}) and were rejected: "
-            "the inner optimization diverges; likely fixes: a lower inner learning rate, "
-            "gradient clipping, or data the model can take (e.g. no token id outside the "
-            "vocabulary)")
+            "the training diverges; likely fixes: a lower inner learning rate (or outer "
+            "learning rate, when outer updates came first), gradient clipping, or data the "
+            "model can take (e.g. no token id outside the vocabulary)")

@@ -119,7 +119,7 @@ def test_a_full_disk_at_the_first_checkpoint_is_one_line(tmp_path, capsys, monke
   workdir = str(tmp_path / "run")
   assert train.main([f"--workdir={workdir}", *BASE]) == 1
   line = _one_line(capsys.readouterr().err)
-  assert f"could not write checkpoint 4 to {workdir}/checkpoints: RESOURCE_EXHAUSTED" in line
+  assert f"could not write checkpoint 4 to {workdir}/checkpoints: No space left on device" in line
   assert line.endswith("there is no earlier checkpoint")
 
 
