@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 from typing import Any, Optional, Sequence
@@ -126,6 +127,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--outer-repeats", type=int, help="timed samples per outer rule")
   parser.add_argument("--chain", type=int, help="outer updates per timed sample")
   parser.add_argument("--num-workers", type=int, default=5, help="K of the outer rules")
+  parser.add_argument("--dtypes", default="float32,bfloat16",
+                      help="model.compute_dtype values of the inner loop, measured in turn")
   parser.add_argument("--peak-tflops", type=float, help="override the device's matmul peak")
   parser.add_argument("--peak-hbm-gbs", type=float, help="override the device's HBM peak")
   return parser.parse_args(argv)
@@ -139,11 +142,11 @@ def _resolve(args: argparse.Namespace, platform: str) -> tuple[dict, bool]:
   return sizes, fallback
 
 
-def bench_inner(sizes: dict) -> dict:
+def bench_inner(sizes: dict, compute_dtype: str = "float32") -> dict:
   """Tokens/s and FLOP/s of ``InnerLoop.run_jit`` on the project's GPT."""
   config = model_lib.ModelConfig(vocab_size=sizes["vocab"], d_model=sizes["d_model"],
                                  num_layers=sizes["layers"], num_heads=sizes["heads"],
-                                 context=sizes["context"])
+                                 context=sizes["context"], compute_dtype=compute_dtype)
   graphdef, params = model_lib.init(config, seed=0)
   n_total = model_lib.num_params(params)
   n_embed = params["embed"]["embedding"].size + params["pos"].size
@@ -178,6 +181,8 @@ def bench_inner(sizes: dict) -> dict:
   return dict(d_model=config.d_model, layers=config.num_layers, heads=config.num_heads,
               context=t, vocab=config.vocab_size, params=n_total, non_embedding_params=n_non_embed,
               param_dtypes=param_dtypes, compute_dtype=logits.dtype.name, batch=batch, steps=h,
+              attention=model_lib.attention_implementation(
+                  logits.dtype, config.d_model // config.num_heads) or "xla",
               repeats=sizes["repeats"], compile_and_first_call_s=compile_s,
               seconds_per_call=seconds, seconds_per_call_min=min(times),
               seconds_per_call_max=max(times), tokens_per_s=tokens_per_s,
@@ -275,7 +280,26 @@ def run(args: argparse.Namespace) -> dict:
     print("# note: platform is cpu and --small was not given; the 125M model is too slow "
           "here, so falling back to --small sizes")
 
-  r = bench_inner(sizes)
+  inners = {}
+  for dtype in args.dtypes.split(","):
+    inners[dtype] = _report_inner(bench_inner(sizes, dtype), args, platform, flops_peaks,
+                                  table_name)
+  if len(inners) > 1:
+    base = inners[args.dtypes.split(",")[0]]["tokens_per_s"]
+    print("\ninner loop tokens/s, side by side: " + ", ".join(
+        f"{d} {r['tokens_per_s']:.0f} ({r['tokens_per_s'] / base:.2f}x)" for d, r in inners.items()))
+  r = next(iter(inners.values()))
+  o = _report_outer(bench_outer(sizes, args.num_workers), args, hbm_peak)
+  return dict(jax_version=jax.__version__, device_kind=device.device_kind, platform=platform,
+              device_count=jax.device_count(), peak_table_entry=table_name,
+              small=bool(args.small or fallback), small_fallback=fallback, inner=r,
+              inner_by_dtype=inners, outer=o,
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def _report_inner(r: dict, args: argparse.Namespace, platform: str, flops_peaks: dict,
+                  table_name: Optional[str]) -> dict:
+  """Prints one inner-loop measurement with its MFU; returns it completed."""
   peak_key, peak_reason = matmul_peak_key(platform, r["compute_dtype"])
   if args.peak_tflops:
     peak, peak_source = args.peak_tflops * 1e12, "--peak-tflops"
@@ -293,7 +317,7 @@ def run(args: argparse.Namespace) -> dict:
         f"{r['context']}, vocab {r['vocab']}: {r['params'] / 1e6:.2f}M parameters built "
         f"({r['non_embedding_params'] / 1e6:.2f}M non-embedding)")
   print(f"  dtype: params {'/'.join(r['param_dtypes'])}, activations {r['compute_dtype']}; "
-        f"matmuls: {peak_reason}")
+        f"matmuls: {peak_reason}; attention: {r['attention']}")
   print(f"  FLOPs/token = 6·N + 12·L·d·T = {r['flops_per_token'] / 1e9:.3f} GFLOP")
   print(f"  compile + first call     {r['compile_and_first_call_s']:9.2f} s")
   print(f"  per call                 {r['seconds_per_call'] * 1e3:9.2f} ms "
@@ -309,8 +333,11 @@ def run(args: argparse.Namespace) -> dict:
     print(f"  MFU vs dense bf16 peak   {r['mfu_vs_bf16_peak']:9.1%}  "
           f"(of {flops_peaks['bf16'] / 1e12:.1f} TFLOP/s)")
   print(f"  last loss                {r['last_loss']:9.3f}")
+  return r
 
-  o = bench_outer(sizes, args.num_workers)
+
+def _report_outer(o: dict, args: argparse.Namespace, hbm_peak: Optional[float]) -> dict:
+  """Prints the outer-step measurement against the HBM peak; returns it completed."""
   hbm = args.peak_hbm_gbs * 1e9 if args.peak_hbm_gbs else hbm_peak
   o["peak_hbm_bytes_per_s"] = hbm
   tree_name = ("outer_step.py's TinyGPT-shaped tree, vocab 50257" if o["tree"] == "small"
@@ -333,10 +360,7 @@ def run(args: argparse.Namespace) -> dict:
         f"{_fraction(e['achieved_bytes_per_s_two_pass'], hbm)} of peak HBM")
   print(f"  peak HBM: {f'{hbm / 1e12:.2f} TB/s' if hbm else 'unknown (pass --peak-hbm-gbs)'}")
   print(f"  ratio heloco/mla time   {o['ratio_heloco_mla']:.3f}")
-
-  return dict(jax_version=jax.__version__, device_kind=device.device_kind, platform=platform,
-              device_count=jax.device_count(), peak_table_entry=table_name,
-              small=bool(args.small or fallback), small_fallback=fallback, inner=r, outer=o)
+  return o
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -3,7 +3,14 @@
 TinyGPT: d_model 128, 8 layers, 4 heads, context 128, learned positions,
 pre-LayerNorm, GELU MLP of width 4·d_model, untied output head, byte-level
 vocabulary (256 bytes + BOS). Attention goes through
-``jax.nn.dot_product_attention`` with ``is_causal=True``.
+``jax.nn.dot_product_attention`` with ``is_causal=True``: the cuDNN flash
+kernel on GPUs in bfloat16 (where it applies), XLA's elsewhere.
+
+Mixed precision (``compute_dtype="bfloat16"``): matmuls and activations run
+in bfloat16; the parameters (``param_dtype``) stay float32, so the gradients,
+AdamW's state, the pseudo-gradients and the outer step do too; the logits are
+cast back to float32 for the loss. A user's flax.nnx model does the same by
+passing ``dtype=jnp.bfloat16, param_dtype=jnp.float32`` to its layers.
 
 Training code never holds the Module: it holds ``graphdef`` and the
 parameters as a plain nested dict (``nnx.to_pure_dict``), so optax, the outer
@@ -14,7 +21,7 @@ paths (``blocks/0/attn/qkv/kernel``), and ``apply`` merges them back.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +29,7 @@ import optax
 from flax import nnx
 
 BYTE_VOCAB_SIZE = 257  # 256 bytes + BOS (heloco_jax.data.BOS_ID = 256)
+COMPUTE_DTYPES = ("float32", "bfloat16")
 INIT_STD = 0.02  # GPT-2's initialisation: N(0, 0.02²), residual outputs / √(2·layers)
 
 
@@ -34,8 +42,12 @@ class ModelConfig:
   num_heads: int = 4
   context: int = 128
   mlp_ratio: int = 4
+  compute_dtype: str = "float32"
 
   def __post_init__(self):
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not allowed; allowed: "
+                       f"one of {', '.join(COMPUTE_DTYPES)}.")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "context", "mlp_ratio"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -48,7 +60,17 @@ class ModelConfig:
 def config_from(model: Any) -> ModelConfig:
   """The ``ModelConfig`` of a run config's ``model`` section (configs/default.py)."""
   return ModelConfig(d_model=model.d_model, num_layers=model.num_layers,
-                     num_heads=model.num_heads, context=model.context)
+                     num_heads=model.num_heads, context=model.context,
+                     compute_dtype=model.get("compute_dtype", "float32"))
+
+
+def attention_implementation(dtype: Any, head_dim: int) -> Optional[str]:
+  """``jax.nn.dot_product_attention``'s implementation: "cudnn" (flash) on a GPU for
+  bfloat16/float16 and head sizes it takes, else None (XLA's)."""
+  if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+      and head_dim % 8 == 0 and head_dim <= 128):
+    return "cudnn"
+  return None
 
 
 class CausalSelfAttention(nnx.Module):
@@ -59,18 +81,21 @@ class CausalSelfAttention(nnx.Module):
   and Adam would turn the rounding noise in it into ±lr random-walk steps.
   """
 
-  def __init__(self, d_model: int, num_heads: int, out_std: float, *, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, num_heads: int, out_std: float, *, dtype: Any,
+               rngs: nnx.Rngs):
     self.num_heads = num_heads
+    self.implementation = attention_implementation(dtype, d_model // num_heads)
     self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False,
-                          kernel_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+                          kernel_init=nnx.initializers.normal(INIT_STD), dtype=dtype, rngs=rngs)
     self.out = nnx.Linear(d_model, d_model, kernel_init=nnx.initializers.normal(out_std),
-                          rngs=rngs)
+                          dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, length, d_model = x.shape
     head_dim = d_model // self.num_heads
     q, k, v = jnp.split(self.qkv(x).reshape(batch, length, 3 * self.num_heads, head_dim), 3, axis=2)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation=self.implementation)
     return self.out(y.reshape(batch, length, d_model))
 
 
@@ -78,15 +103,15 @@ class Block(nnx.Module):
   """Pre-LN transformer block: x + attn(ln(x)); x + mlp(ln(x))."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    d = config.d_model
+    d, dtype = config.d_model, jnp.dtype(config.compute_dtype)
     out_std = INIT_STD / (2 * config.num_layers) ** 0.5
-    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attn = CausalSelfAttention(d, config.num_heads, out_std, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
+    self.attn = CausalSelfAttention(d, config.num_heads, out_std, dtype=dtype, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
     self.up = nnx.Linear(d, config.mlp_ratio * d, kernel_init=nnx.initializers.normal(INIT_STD),
-                         rngs=rngs)
+                         dtype=dtype, rngs=rngs)
     self.down = nnx.Linear(config.mlp_ratio * d, d, kernel_init=nnx.initializers.normal(out_std),
-                           rngs=rngs)
+                           dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + self.attn(self.ln1(x))
@@ -98,18 +123,22 @@ class GPT(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
+    dtype = jnp.dtype(config.compute_dtype)
     self.embed = nnx.Embed(config.vocab_size, config.d_model,
-                           embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+                           embedding_init=nnx.initializers.normal(INIT_STD), dtype=dtype,
+                           rngs=rngs)
     self.pos = nnx.Param(INIT_STD * jax.random.normal(rngs.params(),
                                                       (config.context, config.d_model)))
     self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
-    self.ln_f = nnx.LayerNorm(config.d_model, rngs=rngs)
+    self.ln_f = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(config.d_model, config.vocab_size,
-                           kernel_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+                           kernel_init=nnx.initializers.normal(INIT_STD), dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    """Logits (batch, length, vocab) for int tokens (batch, length <= context)."""
-    x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
+    """Logits (batch, length, vocab) for int tokens (batch, length <= context), in the
+    compute dtype."""
+    x = self.embed(tokens)
+    x = x + self.pos[: tokens.shape[-1]].astype(x.dtype)
     for block in self.blocks:
       x = block(x)
     return self.head(self.ln_f(x))

@@ -61,3 +61,29 @@ def test_invalid_sizes(kwargs, named):
   with pytest.raises(ValueError, match="allowed:") as error:
     model.ModelConfig(**kwargs)
   assert named in str(error.value)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_gradients_and_close_losses():
+  sizes = dict(d_model=32, num_layers=2, num_heads=4, context=16)
+  graphdef, params = model.init(model.ModelConfig(**sizes), seed=0)
+  graphdef16, params16 = model.init(model.ModelConfig(**sizes, compute_dtype="bfloat16"), seed=0)
+  # The same initial parameters, in float32; only the computation differs.
+  assert all(a.dtype == b.dtype == jnp.float32 and np.array_equal(a, b)
+             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params16)))
+  sequences = jax.random.randint(jax.random.key(1), (4, 17), 0, model.BYTE_VOCAB_SIZE)
+  assert model.apply(graphdef16, params16, sequences[:, :-1]).dtype == jnp.bfloat16
+  loss32, grads32 = jax.value_and_grad(model.loss, argnums=1)(graphdef, params, sequences)
+  loss16, grads16 = jax.value_and_grad(model.loss, argnums=1)(graphdef16, params16, sequences)
+  assert loss16.dtype == jnp.float32 and {g.dtype for g in jax.tree.leaves(grads16)} == {
+      jnp.dtype(jnp.float32)}
+  np.testing.assert_allclose(loss16, loss32, rtol=1e-2)
+  assert float(loss16) != float(loss32)  # bfloat16 did run
+  cosines = [float(jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b) + 1e-30))
+             for a, b in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads32))]
+  assert min(cosines) > 0.95, cosines
+
+
+def test_an_unknown_compute_dtype_is_refused():
+  with pytest.raises(ValueError, match="model.compute_dtype='float16' is not allowed; allowed: "
+                     "one of float32, bfloat16"):
+    model.ModelConfig(compute_dtype="float16")

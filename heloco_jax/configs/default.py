@@ -39,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_layers = 4
   c.model.num_heads = 4
   c.model.context = 128
+  c.model.compute_dtype = "float32"  # float32 | bfloat16 (matmuls and activations; the
+                                     # parameters, optimizer states and outer step stay float32)
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"  # synthetic | text_dir | jsonl | tfds

@@ -61,6 +61,8 @@ MEANINGS: dict[str, str] = {
     "model.num_layers": "transformer blocks",
     "model.num_heads": "attention heads per block",
     "model.context": "tokens per training sequence (learned positions)",
+    "model.compute_dtype": "dtype of matmuls and activations; parameters, optimizer states, "
+                           "pseudo-gradients and the outer step stay float32",
     "data.source": "where the text comes from (synthetic needs no download)",
     "data.path": "the folder or dataset name of the source; '' for synthetic",
     "data.languages": "the languages to use, comma-separated; '' = all the source has",

@@ -48,6 +48,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "outer.weight_order": WEIGHT_ORDERS,
     "outer.scope": SCOPES,
     "fault.value": ("nan", "inf"),
+    "model.compute_dtype": model.COMPUTE_DTYPES,
 }
 
 
@@ -80,6 +81,7 @@ ALLOWED: dict[str, str] = {
     "model.num_layers": "an integer >= 1",
     "model.num_heads": "an integer >= 1 that divides model.d_model",
     "model.context": "an integer >= 1",
+    "model.compute_dtype": _one_of("model.compute_dtype"),
     "data.source": _one_of("data.source"),
     "data.path": "a directory (text_dir, jsonl) or a tensorflow-datasets name (tfds)",
     "data.languages": "comma-separated language names, or '' (all)",

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU figures of the performance issue in one go (run from the repository root on a
+# machine with a GPU; OUT defaults to ./gpu_results):
+#   1. benchmarks/device_step.py, inner loop in float32 and bfloat16 + outer step, twice:
+#      with XLA's deterministic GPU ops off and on (their cost, side by side);
+#   2. the quickstart in float32 and in bfloat16 (loss curves from metrics.jsonl).
+set -uo pipefail
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+nvidia-smi -L
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+XLA_FLAGS= timeout 240 python3 benchmarks/device_step.py > "$OUT/device_step.txt" 2>&1
+grep -v '^RESULT' "$OUT/device_step.txt" | tail -45
+XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 240 python3 benchmarks/device_step.py \
+  > "$OUT/device_step_deterministic.txt" 2>&1
+echo "## deterministic ops on"; grep -E "tokens/s|ms/update|side by side" "$OUT/device_step_deterministic.txt"
+for dtype in float32 bfloat16; do
+  timeout 200 python3 -m heloco_jax.train --workdir="$OUT/quickstart_$dtype" \
+    --config.model.compute_dtype=$dtype 2>&1 | tail -1
+  python3 - "$OUT/quickstart_$dtype/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(" ".join(f"{r['tokens'] // 1000}k:{r['val_loss']:.3f}" for r in rows if r["event"] == "eval"))
+PY
+done
