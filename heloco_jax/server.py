@@ -76,6 +76,12 @@ def to_host(rows: list[Row]) -> list[Row]:
           for row in fetched]
 
 
+def _copy(tree: Any) -> Any:
+  """New buffers with ``tree``'s values (the outer step donates the server's): one
+  transfer call for the whole tree, no compiled program per leaf shape."""
+  return jax.device_put(tree, may_alias=False)
+
+
 def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., Any]:
   """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated."""
   tx = optax.with_extra_args_support(tx)
@@ -114,8 +120,9 @@ class OuterServer:
                place: Callable[[Any], Any] = lambda tree: tree):
     self._place = place
     self.outer_tx = outer_tx
-    self.outer_state = place(outer_tx.init(params)) if outer_tx is not None else None
-    self.params = place(jax.tree.map(jnp.array, params))
+    # One compiled program each (not one small eager op per leaf): start-up time.
+    self.outer_state = place(jax.jit(outer_tx.init)(params)) if outer_tx is not None else None
+    self.params = place(_copy(params))
     self.lookahead = lookahead
     if lookahead and not _find(self.outer_state, _lookahead_finder):
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
@@ -144,7 +151,7 @@ class OuterServer:
     """
     if self.lookahead:
       return outer.lookahead_params(self.params, self.outer_state)
-    return jax.tree.map(jnp.copy, self.params)
+    return _copy(self.params)
 
   def apply(self, delta: Any, staleness: int) -> None:
     """One outer update with pseudo-gradient ``delta`` of staleness τ."""

@@ -2,6 +2,10 @@
 
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -165,6 +169,38 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   asyncio.run(simulation.run(force))
   assert len(runs) == 8 + arrivals
   assert simulation.rows == lazy_rows
+
+
+TWO_DEVICES = """
+import os, sys, json
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count={n}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, {tests!r})
+import asyncio, jax, numpy as np, tiny
+from heloco_jax import harness
+from heloco_jax.runtime import simulated
+config = tiny.config("heloco", 3, jitter=0.2, **{{"budget.tokens": 3000, "eval_every_tokens": 1000}})
+sim = harness.Simulation(config, tiny.dataset(3))
+asyncio.run(sim.run())
+where = sorted({{d.id for w in sim.state.workers for x in jax.tree.leaves(w) for d in x.devices()}})
+print(json.dumps({{"rows": sim.rows, "where": where, "concurrency": sim.runtime.concurrency,
+                  "params": [np.asarray(x).tolist() for x in jax.tree.leaves(sim.params)]}}))
+"""
+
+
+def test_workers_on_two_host_devices_give_the_numbers_of_one():
+  """In-flight workers spread over 2 host devices (run concurrently) change nothing."""
+  runs = []
+  for n in (1, 2):
+    out = subprocess.run([sys.executable, "-c", TWO_DEVICES.format(
+        n=n, tests=os.path.dirname(os.path.abspath(__file__)))], capture_output=True, text=True,
+        timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  one, two = runs
+  assert (one["concurrency"], two["concurrency"]) == (1, 2)
+  assert one["where"] == [0] and two["where"] == [0, 1]  # worker i on device i % 2
+  assert two["rows"] == one["rows"] and two["params"] == one["params"]
 
 
 @pytest.mark.parametrize("method", ["ddp", "local_sgd", "diloco", "async_nesterov",

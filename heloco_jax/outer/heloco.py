@@ -133,7 +133,8 @@ def heloco(
   def init_fn(params):
     m = zeros_momentum(params)
     # Diagnostics of "no arrival yet": every field zero (branch_counts included).
-    info = jax.tree.map(jnp.zeros_like, correct(m, m, **correction_args)[1])
+    shapes = jax.eval_shape(lambda m: correct(m, m, **correction_args)[1], m)
+    info = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return HeLoCoState(
         count=jnp.zeros((), jnp.int32), momentum=m,
         **hyperparams_fields(learning_rate, momentum),

@@ -22,7 +22,11 @@ Row = dict[str, Any]
 
 
 class Arrivals(Protocol):
-  """Jobs in flight, taken in arrival order (with a grace window, in groups)."""
+  """Jobs in flight, taken in arrival order (with a grace window, in groups).
+
+  Those of a lazy clock (``SimulatedArrivals``) also give ``heads(n)``, the
+  workers of the next n arrivals, whose work the engine starts ahead.
+  """
 
   def __len__(self) -> int: ...
   def push(self, worker: int, job: Any) -> None: ...

@@ -111,12 +111,23 @@ async def _take_arrivals(engine: "Engine", queue: base.Arrivals,
     engine.evaluate()
     for w in group:
       dispatch(w, now)
-    if not engine.clock.eager and len(queue):  # the next arrival computes while the host
-      job = s.jobs[queue.head()]  # goes on, unless the budget will discard it
-      if not budget.over(s.units + job.units, job.finish):
-        engine.compute(queue.head())
+    if not engine.clock.eager:  # the next arrivals compute (on D devices, concurrently)
+      _launch_ahead(engine, queue)  # while the host goes on
     engine.maybe_checkpoint()
     await asyncio.sleep(0)
+
+
+def _launch_ahead(engine: "Engine", queue: base.Arrivals) -> None:
+  """Starts the work of the next D arrivals (D = the runtime's concurrency), in arrival
+  order, unless the budget will discard it as things stand; JAX runs it asynchronously."""
+  s, budget = engine.state, engine.spec.budget
+  units = s.units
+  for worker in queue.heads(getattr(engine.runtime, "concurrency", 1)):
+    job = s.jobs[worker]
+    units += job.units
+    if budget.over(units, job.finish):
+      return
+    engine.compute(worker)
 
 
 async def run_rounds(engine: "Engine") -> None:

@@ -39,6 +39,10 @@ class SimulatedArrivals:
     """The worker whose job arrives next, or None when none is in flight."""
     return self._heap[0][1] if self._heap else None
 
+  def heads(self, n: int) -> list[int]:
+    """The workers of the ``n`` jobs that arrive next, in arrival order."""
+    return [worker for _, worker in heapq.nsmallest(n, self._heap)]
+
   async def pop(self, grace_window: float) -> tuple[float, list[int]]:
     """(finish time of the group's last arrival, its workers in arrival order)."""
     first, worker = heapq.heappop(self._heap)
@@ -62,15 +66,33 @@ def round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
   return jax.tree.map(lambda theta, end: theta - mean(end), params, ends)
 
 
+@jax.jit
+def _subtract(start: Any, end: Any) -> Any:
+  """Δ = start − end, one compiled program for the whole tree."""
+  return jax.tree.map(jnp.subtract, start, end)
+
+
 class SimulatedRuntime(base.OneProcess):
-  """Every computation on the default device; time is the simulated clock.
+  """Computation on this process's devices; time is the simulated clock.
+
+  θ, the outer step and synchronous rounds live on the default device. An
+  asynchronous worker's inner steps run on ``devices[worker % D]``, so with
+  several devices (e.g. host CPU devices, ``--xla_force_host_platform_device_count``)
+  the in-flight workers' steps run concurrently: JAX dispatches them
+  asynchronously and the engine launches the next D arrivals' work ahead.
+  Every device runs the same compiled program, so the numbers do not depend
+  on where a worker ran; the clock alone decides the order of arrivals.
 
   Args:
     inner: the workers' compiled inner loop.
+    devices: where workers compute (default: ``jax.local_devices()``; the
+      first holds θ).
   """
 
-  def __init__(self, inner: inner_lib.InnerLoop):
+  def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None):
     self.inner = inner
+    self.devices = list(devices) if devices is not None else jax.local_devices()
+    self.concurrency = len(self.devices)
     self._round_delta = jax.jit(round_delta)
 
   def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.SimulatedClock:
@@ -110,9 +132,14 @@ class SimulatedRuntime(base.OneProcess):
     ``previous`` is its inner state after its last dispatch (None at first):
     the step count and, unless reset, the optimizer state carry over.
     """
-    del worker
+    device = self.devices[worker % len(self.devices)]
+    if device != self.devices[0]:  # inputs follow the worker; Δ goes back to θ's device
+      start, previous, batches, key = jax.device_put((start, previous, batches, key), device)
     state, _ = self.inner.run_jit(self.inner.start(start, previous), batches, key)
-    return state, jax.tree.map(jnp.subtract, start, state.params)
+    delta = _subtract(start, state.params)
+    if device != self.devices[0]:
+      delta = jax.device_put(delta, self.devices[0])
+    return state, delta
 
   def run_round(self, states, batches, keys, anchor):
     return self.inner.run_many(states, batches, keys, anchor)
