@@ -7,7 +7,9 @@
    arrival (eval rows excluded by turning periodic evals off), the bare loop
    over the same number of dispatches.
 2. Scaling: wall time and peak RSS of a HeLoCo simulation at a fixed token
-   budget for K = 5, 16 and 64 workers, each K in a fresh subprocess.
+   budget for K = 5, 16 and 64 workers, each K in a fresh subprocess; and the
+   same run (K = 5) on 1, 2, ... host CPU devices (``host_devices``: the
+   simulated runtime spreads in-flight workers over them).
 
   python benchmarks/simulator_overhead.py [--dispatches 40] [--scale-tokens 400000]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -44,11 +47,14 @@ def overhead(dispatches: int) -> dict:
   config.budget.tokens = (dispatches + 1) * tokens_per_dispatch
   arrivals: list[tuple[float, int]] = []
   simulation = scheduler.Simulation(config)
+  update = simulation.server.update
 
-  def on_row(row):
-    if row["event"] == "arrival":
-      arrivals.append((time.perf_counter(), simulation.units))
-  asyncio.run(simulation.run(on_row))
+  def timed_update(*args, **kwargs):  # when each outer update is applied (rows are
+    out = update(*args, **kwargs)     # fetched in batches, so on_row would time those)
+    arrivals.append((time.perf_counter(), simulation.units))
+    return out
+  simulation.server.update = timed_update
+  asyncio.run(simulation.run())
   (t0, tokens0), (t1, tokens1) = arrivals[0], arrivals[-1]
   simulated = (tokens1 - tokens0) / (t1 - t0)
 
@@ -74,11 +80,14 @@ def overhead(dispatches: int) -> dict:
 
 def scale_one(num_workers: int, tokens: int) -> None:
   """Child process: one simulation; prints JSON with wall time and peak RSS."""
+  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  train.use_compilation_cache(train.default_cache_dir())  # as the CLI: warm after one run
   start = time.perf_counter()
   summary, _ = scheduler.simulate(_config(num_workers, tokens))
   print(json.dumps({"K": num_workers, "wall_seconds": time.perf_counter() - start,
                     "tokens": summary["tokens"], "outer_updates": summary["outer_updates"],
-                    "peak_rss_mb": _peak_rss_mb()}))
+                    "tokens_per_second": summary["tokens_per_second"],
+                    "devices": jax.device_count(), "peak_rss_mb": _peak_rss_mb()}))
 
 
 def _peak_rss_mb() -> float:
@@ -102,6 +111,26 @@ def main() -> None:
     return
   overhead(args.dispatches)
   scaling(args.workers, args.scale_tokens)
+
+
+def host_devices(counts: list[int], tokens: int) -> list[dict]:
+  """The K = 5 run on n host CPU devices for each n (fresh processes); prints and returns."""
+  print(f"\nhost CPU devices at {tokens} tokens (HeLoCo, K = 5, severe preset; "
+        f"{os.cpu_count()} cores):")
+  base, results = None, []
+  for n in counts:
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    for _ in range(2):  # the second run is timed from a warm compilation cache
+      out = subprocess.run([sys.executable, __file__, "--child=5", f"--scale-tokens={tokens}"],
+                           capture_output=True, text=True, check=True, env=env).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    base = base or result["tokens_per_second"]
+    result["ratio"] = result["tokens_per_second"] / base
+    results.append(result)
+    print(f"{n} device(s): {result['tokens_per_second']:8.0f} tokens/s ({result['ratio']:.2f}x), "
+          f"wall {result['wall_seconds']:.1f} s")
+  return results
 
 
 def scaling(workers: list[int], tokens: int) -> list[dict]:
