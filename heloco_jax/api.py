@@ -95,6 +95,7 @@ def make_engine(
     metrics_fetch_every: int = 16,
     rejection_limit: int = 0,
     deterministic: Optional[bool] = None,
+    palsgd_coins: str = "shared",
 ) -> engine_lib.Engine:
   """The engine of a ``simulate`` call, for ``await engine.run()`` in a notebook.
 
@@ -102,6 +103,9 @@ def make_engine(
   """
   determinism.require(runtime == "simulated" if deterministic is None else deterministic)
   spec_method = methods.get(method)
+  if palsgd_coins not in ("shared", "independent"):
+    raise ValueError(f"palsgd_coins={palsgd_coins!r} is not allowed; allowed: 'shared' or "
+                     "'independent'")
   if isinstance(data, (str, bytes)) or not hasattr(data, "__len__") or len(data) < 1:
     raise ValueError("data must be a sequence of K >= 1 per-worker iterables of batches; "
                      f"got {type(data).__name__}")
@@ -131,7 +135,7 @@ def make_engine(
       budget=state_lib.Budget(budget_steps or 0, budget_sim_seconds or 0.0),
       eval_every=eval_every_steps or 0,
       checkpoint_every=checkpoint_every, metrics_fetch_every=metrics_fetch_every,
-      rejection_limit=rejection_limit, seed=seed)
+      rejection_limit=rejection_limit, palsgd_coins=palsgd_coins, seed=seed)
   if runtime == "simulated":
     runtime = simulated.SimulatedRuntime(inner)
   elif callable(runtime):  # a factory: (inner loop, spec) -> runtime (devices, Ray)
@@ -206,7 +210,9 @@ def simulate(
       ``metrics_fetch_every``, ``rejection_limit`` (non-finite pseudo-gradients
       in a row that stop the run; 0 = K, at least 2) and ``deterministic``
       (None: True for the simulated runtime; on a GPU, True needs XLA's
-      deterministic ops, see ``hj.enable_deterministic_ops``).
+      deterministic ops, see ``hj.enable_deterministic_ops``) and ``palsgd_coins``
+      ("shared", the default: all workers pseudo-sync on the same steps, as the
+      authors' code; or "independent").
 
   Returns:
     ``SimulationResult(params, history, summary)``.

@@ -81,7 +81,8 @@ def spec_from(config: ml_collections.ConfigDict) -> state.RunSpec:
       eval_every=config.eval_every_tokens,
       units_per_step=config.batch_size * config.model.context, unit="tokens",
       checkpoint_every=config.checkpoint_every, metrics_fetch_every=config.metrics_fetch_every,
-      rejection_limit=config.rejection_limit, seed=config.seed,
+      rejection_limit=config.rejection_limit, palsgd_coins=config.inner.palsgd_coins,
+      seed=config.seed,
       fault=state.Fault(fault.worker, fault.arrival, fault.value, fault.kill_worker))
 
 

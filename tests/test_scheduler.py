@@ -91,6 +91,30 @@ def test_palsgd_pseudo_sync_steps_read_no_tokens():
   assert summary["outer_updates"] >= 1 and 0 < summary["tokens"] < full_rounds_tokens
 
 
+@pytest.mark.parametrize("coins", ["shared", "independent"])
+def test_palsgd_coins_shared_means_every_worker_pseudo_syncs_on_the_same_steps(
+    coins, monkeypatch):
+  patterns = []
+  run_round = simulated.SimulatedRuntime.run_round
+
+  def recording(self, *args):
+    states, metrics = run_round(self, *args)
+    patterns.append(np.asarray(metrics.pseudo_sync))  # (K, H)
+    return states, metrics
+  monkeypatch.setattr(simulated.SimulatedRuntime, "run_round", recording)
+  summary, _ = _run(_config("palsgd", palsgd_warmup_steps=0, inner_steps=8,
+                            speeds="homogeneous", **{"budget.sim_seconds": 40.0,
+                                                     "inner.pseudo_sync_prob": 0.4,
+                                                     "inner.palsgd_coins": coins}))
+  coins_drawn = np.stack(patterns)  # (rounds, K, H)
+  assert summary["outer_updates"] >= 2 and 0 < coins_drawn.mean() < 1
+  same = (coins_drawn == coins_drawn[:, :1]).all()
+  assert same if coins == "shared" else not same
+  if coins == "shared":  # equal real steps: no worker waits for another in a round
+    real = (~coins_drawn).sum(axis=2)
+    assert (real == real[:, :1]).all()
+
+
 def test_token_budget_stops_before_the_arrival_that_would_pass_it():
   per_dispatch = 2 * 4 * 16
   summary, rows = _run(_config(**{"budget.tokens": 5 * per_dispatch + per_dispatch // 2}))

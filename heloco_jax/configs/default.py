@@ -61,6 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.inner.reset_optimizer = -1  # -1: the method's default; 0: keep; 1: reset at dispatch
   c.inner.pseudo_sync_prob = 0.2
   c.inner.pseudo_sync_rate = 0.5
+  c.inner.palsgd_coins = "shared"  # shared (the authors' code: all workers pseudo-sync on the
+                                   # same steps) | independent (a coin per worker)
 
   c.outer = ml_collections.ConfigDict()
   c.outer.learning_rate = 0.0  # 0 = the method's default (ALGORITHMS.md)

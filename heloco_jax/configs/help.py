@@ -78,6 +78,8 @@ MEANINGS: dict[str, str] = {
     "inner.min_learning_rate_ratio": "final learning rate as a fraction of α",
     "inner.weight_decay": "AdamW decoupled weight decay (matrices only)",
     "inner.grad_clip": "global-norm gradient clipping; 0 = off",
+    "inner.palsgd_coins": "PALSGD: shared (all workers pseudo-sync on the same steps, as the "
+                          "authors' code) or independent (a coin per worker)",
     "inner.reset_optimizer": "-1: the method's default; 0: keep AdamW state across "
                              "dispatches; 1: reset it at every dispatch",
     "inner.pseudo_sync_prob": "PALSGD's p, the probability of a pseudo-sync step",

@@ -48,6 +48,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "outer.weight_order": WEIGHT_ORDERS,
     "outer.scope": SCOPES,
     "fault.value": ("nan", "inf"),
+    "inner.palsgd_coins": ("shared", "independent"),
     "model.compute_dtype": model.COMPUTE_DTYPES,
 }
 
@@ -96,6 +97,7 @@ ALLOWED: dict[str, str] = {
     "inner.weight_decay": "a number >= 0",
     "inner.grad_clip": "a number >= 0",
     "inner.reset_optimizer": _one_of("inner.reset_optimizer"),
+    "inner.palsgd_coins": _one_of("inner.palsgd_coins"),
     "inner.pseudo_sync_prob": "a number in [0, 1)",
     "inner.pseudo_sync_rate": ("a number >= 0; palsgd: pseudo_sync_rate·learning_rate/"
                                "pseudo_sync_prob <= 1"),
@@ -278,6 +280,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.data.source == "tfds" and not config.data.path:
     _fail("data.path", config.data.path, "a tensorflow-datasets name for data.source='tfds'")
 
+  _choice("inner.palsgd_coins", config.inner.palsgd_coins, CHOICES["inner.palsgd_coins"])
   _choice("inner.reset_optimizer", config.inner.reset_optimizer,
           CHOICES["inner.reset_optimizer"])
   try:

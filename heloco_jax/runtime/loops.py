@@ -150,7 +150,9 @@ async def run_rounds(engine: "Engine") -> None:
     theta = runtime.to_rounds(engine.params)
     starts = inner.start_many(theta, s.workers, k)
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[engine.batches(i, h) for i in range(k)])
-    keys = jnp.stack([engine.next_key() for _ in range(k)])
+    # The keys draw PALSGD's coins: one per round for all (shared) or one per worker.
+    keys = jnp.stack([engine.next_key()] * k if spec.palsgd_coins == "shared"
+                     else [engine.next_key() for _ in range(k)])
     states, metrics = runtime.run_round(starts, batches, keys, theta if palsgd else None)
     # PALSGD: pseudo-sync steps read no data and cost no compute time.
     real_steps = h - runtime.to_host(metrics.pseudo_sync).sum(axis=1)

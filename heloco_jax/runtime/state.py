@@ -78,6 +78,9 @@ class RunSpec:
     checkpoint_every: outer updates between checkpoint hooks (0 = off).
     rejection_limit: pseudo-gradients rejected in a row that stop the run
       (``DivergenceError``); 0 = K, at least 2.
+    palsgd_coins: "shared" (every worker of a round gets the same PRNG key, so
+      all pseudo-sync on the same steps, as the PALSGD authors' code) or
+      "independent" (a key per worker).
     metrics_fetch_every: arrival rows whose device scalars are fetched together.
     seed: PRNG seed of dispatch keys and the clock's jitter.
     fault: fault injection (tests).
@@ -97,6 +100,7 @@ class RunSpec:
   unit: str = "steps"
   checkpoint_every: int = 0
   rejection_limit: int = 0
+  palsgd_coins: str = "shared"
   metrics_fetch_every: int = 16
   seed: int = 0
   fault: Fault = Fault()
