@@ -10,8 +10,9 @@ USAGE = """usage: heloco-jax COMMAND [ARGS]
 commands:
   train    train with any method on simulated workers:
            heloco-jax train --workdir=DIR [--config=PATH.py] [--config.KEY=VALUE ...]
-  corpus   build the offline multilingual corpus:
+  corpus   build the offline multilingual corpus (and its BPE vocabulary):
            heloco-jax corpus debian_docs --languages=de,en,es,fr,it --out=DIR
+           heloco-jax corpus bpe --out=DIR [--vocab-size=8192]   (any text_dir corpus)
 """
 
 

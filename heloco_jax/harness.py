@@ -38,7 +38,8 @@ _DATA_KEYS = {"source": "data.source", "path": "data.path", "languages": "data.l
               "num_workers": "num_workers", "context": "model.context",
               "batch_size": "batch_size",
               "val_sequences_per_language": "data.val_sequences_per_language",
-              "max_bytes_per_language": "data.max_bytes_per_language"}
+              "max_bytes_per_language": "data.max_bytes_per_language",
+              "tokenizer": "data.tokenizer"}
 
 
 def make_dataset(config: ml_collections.ConfigDict) -> data_lib.Data:
@@ -55,7 +56,8 @@ def make_dataset(config: ml_collections.ConfigDict) -> data_lib.Data:
         dirichlet_alpha=config.data.dirichlet_alpha, num_workers=config.num_workers,
         context=config.model.context, batch_size=config.batch_size,
         val_sequences_per_language=config.data.val_sequences_per_language, seed=config.seed,
-        max_bytes_per_language=config.data.max_bytes_per_language or None)
+        max_bytes_per_language=config.data.max_bytes_per_language or None,
+        tokenizer_path=None if config.data.tokenizer == "bytes" else config.data.tokenizer)
   except ValueError as error:
     message = re.sub(r"^make_data: ", "", str(error))
     # `name=value`, and bare names that are identifiers (not words such as "languages")
@@ -130,8 +132,9 @@ class Simulation(engine.Engine):
                dataset: Optional[data_lib.Data] = None):
     self.config = config
     method = methods.get(config.method)
-    graphdef, params = model_lib.init(model_lib.config_from(config.model), config.seed)
     self.data = dataset or make_dataset(config)
+    graphdef, params = model_lib.init(
+        model_lib.config_from(config.model, self.data.vocab_size), config.seed)
     evaluator = evaluate.Evaluator(functools.partial(model_lib.token_losses, graphdef),
                                    self.data.validation_tokens,
                                    self.data.validation_language_ids, self.data.languages)

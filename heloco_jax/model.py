@@ -57,9 +57,10 @@ class ModelConfig:
                        f"of model.d_model={self.d_model}.")
 
 
-def config_from(model: Any) -> ModelConfig:
-  """The ``ModelConfig`` of a run config's ``model`` section (configs/default.py)."""
-  return ModelConfig(d_model=model.d_model, num_layers=model.num_layers,
+def config_from(model: Any, vocab_size: int = BYTE_VOCAB_SIZE) -> ModelConfig:
+  """The ``ModelConfig`` of a run config's ``model`` section (configs/default.py), for a
+  vocabulary of ``vocab_size`` ids (the data's)."""
+  return ModelConfig(vocab_size=vocab_size, d_model=model.d_model, num_layers=model.num_layers,
                      num_heads=model.num_heads, context=model.context,
                      compute_dtype=model.get("compute_dtype", "float32"))
 

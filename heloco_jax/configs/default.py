@@ -50,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.dirichlet_alpha = 1.0
   c.data.val_sequences_per_language = 16
   c.data.max_bytes_per_language = 0  # 0 = no cap (synthetic: its default size)
+  c.data.tokenizer = "bytes"   # bytes | a BPE vocabulary's tokenizer.json (heloco-jax corpus bpe)
 
   c.inner = ml_collections.ConfigDict()
   c.inner.learning_rate = 3e-3

@@ -70,6 +70,8 @@ MEANINGS: dict[str, str] = {
                       "mixtures drawn from Dirichlet(alpha)",
     "data.dirichlet_alpha": "α of the Dirichlet partition (small = more skew)",
     "data.val_sequences_per_language": "held-out validation sequences per language",
+    "data.tokenizer": "token ids: bytes (257 ids), or a BPE vocabulary trained offline on the "
+                      "corpus (heloco-jax corpus bpe --out=DIR writes DIR/tokenizer.json)",
     "data.max_bytes_per_language": "cap on the text read per language; 0 = no cap "
                                    "(synthetic: its default size)",
     "inner.learning_rate": "peak inner learning rate α",

@@ -90,6 +90,7 @@ ALLOWED: dict[str, str] = {
     "data.dirichlet_alpha": "a number > 0",
     "data.val_sequences_per_language": "an integer >= 1",
     "data.max_bytes_per_language": "an integer >= 0",
+    "data.tokenizer": "'bytes', or the path of a tokenizer.json (heloco-jax corpus bpe)",
     "inner.learning_rate": "a number > 0",
     "inner.warmup_steps": "an integer >= 0",
     "inner.total_steps": "an integer > inner.warmup_steps",
@@ -273,6 +274,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _number("data.dirichlet_alpha", config.data.dirichlet_alpha, 0.0, low_open=True)
   _integer("data.val_sequences_per_language", config.data.val_sequences_per_language, 1)
   _integer("data.max_bytes_per_language", config.data.max_bytes_per_language, 0)
+  if config.data.tokenizer != "bytes" and not os.path.exists(str(config.data.tokenizer)):
+    _fail("data.tokenizer", config.data.tokenizer, ALLOWED["data.tokenizer"])
   if config.data.source in ("text_dir", "jsonl"):
     if not config.data.path or not os.path.isdir(config.data.path):
       _fail("data.path", config.data.path, f"an existing directory for data.source="

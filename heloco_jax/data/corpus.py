@@ -5,7 +5,11 @@ translated documentation packages with ``apt-get download`` (no root needed), un
 with ``dpkg-deb -x``, turns their HTML/XHP help pages and roff manual pages into plain text
 (one paragraph per line), keeps only the lines written in the target language, drops
 duplicates and writes ``DIR/<lang>/<source>.txt`` plus ``DIR/manifest.json``. The result is
-read with ``--config.data.source=text_dir --config.data.path=DIR``.
+read with ``--config.data.source=text_dir --config.data.path=DIR``. It then trains a
+byte-level BPE vocabulary of ``--vocab-size`` ids (default 8192; 0: none) on the corpus's
+training text (``heloco_jax.data.bpe``) and writes ``DIR/tokenizer.json``, used with
+``--config.data.tokenizer=DIR/tokenizer.json``; ``heloco-jax corpus bpe --out=DIR``
+trains it for any text_dir corpus.
 
 Sources (``--sources``): ``libreoffice-help`` (default; about 3 MB of clean text per
 language), ``manpages`` and ``debian-reference`` (used where the language has the package).
@@ -59,6 +63,8 @@ import time
 import urllib.parse
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, TextIO
+
+from heloco_jax.data import bpe
 
 SOURCES = ("libreoffice-help", "manpages", "debian-reference")
 MB = 1_000_000
@@ -601,9 +607,10 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="heloco-jax corpus",
       description="Build the offline multilingual corpus from Debian's documentation.")
-  parser.add_argument("builder", choices=["debian_docs"])
-  parser.add_argument("--languages", required=True,
-                      help=f"comma list of: {', '.join(LANGUAGES)}")
+  parser.add_argument("builder", choices=["debian_docs", "bpe"],
+                      help="debian_docs: build the corpus (then its BPE vocabulary); bpe: "
+                           "train the BPE vocabulary of the text_dir corpus in --out")
+  parser.add_argument("--languages", help=f"debian_docs: comma list of: {', '.join(LANGUAGES)}")
   parser.add_argument("--out", required=True, type=Path, help="output folder")
   parser.add_argument("--cache", type=Path, default=_default_cache(),
                       help="apt lists and downloaded .debs (default: %(default)s)")
@@ -611,7 +618,26 @@ def _parser() -> argparse.ArgumentParser:
                       help="cap on each language's output, in MB (10^6 bytes)")
   parser.add_argument("--sources", default=SOURCES[0],
                       help=f"comma list of: {', '.join(SOURCES)} (default: %(default)s)")
+  parser.add_argument("--vocab-size", type=int, default=bpe.DEFAULT_VOCAB_SIZE,
+                      help="ids of the byte-level BPE vocabulary written to OUT/tokenizer.json "
+                           "(0: none; default: %(default)s)")
   return parser
+
+
+def train_bpe(out: Path, vocab_size: int) -> Path:
+  """Trains the BPE vocabulary of the text_dir corpus in ``out``; returns its path."""
+  from heloco_jax.data import sources as sources_lib  # pylint: disable=g-import-not-at-top
+  try:
+    documents = sources_lib.load_documents("text_dir", str(out), None, None)
+    vocabulary = bpe.train(documents, vocab_size)
+  except ValueError as error:
+    raise CorpusError(str(error).replace("make_data: ", "")) from None
+  path = out / bpe.FILENAME
+  vocabulary.save(str(path))
+  print(f"heloco-jax corpus: wrote {path} ({vocabulary.vocab_size} ids, trained on "
+        f"{len(documents)} languages without the last {bpe.HOLDOUT:.0%} of each)",
+        file=sys.stderr)
+  return path
 
 
 def main(argv: Sequence[str]) -> int:
@@ -621,6 +647,14 @@ def main(argv: Sequence[str]) -> int:
   except SystemExit as e:
     return int(e.code or 0)
   try:
+    if args.vocab_size and not 258 <= args.vocab_size <= 65535:
+      raise CorpusError(f"--vocab-size={args.vocab_size} is not allowed; allowed: 0 (none) or "
+                        "an integer in [258, 65535]")
+    if args.builder == "bpe":
+      train_bpe(args.out, args.vocab_size or bpe.DEFAULT_VOCAB_SIZE)
+      return 0
+    if not args.languages:
+      raise CorpusError("--languages is required with debian_docs")
     languages = _parse_list(args.languages, LANGUAGES, "language")
     sources = _parse_list(args.sources, SOURCES, "source")
     if args.max_mb_per_language is not None and args.max_mb_per_language <= 0:
@@ -631,6 +665,8 @@ def main(argv: Sequence[str]) -> int:
         raise CorpusError(f"{tool} not found (debian_docs needs Debian's apt and dpkg); "
                           f"{_TEXT_DIR_HINT}")
     build(languages, args.out, args.cache.expanduser(), sources, args.max_mb_per_language)
+    if args.vocab_size:
+      train_bpe(args.out, args.vocab_size)
   except CorpusError as e:
     print(f"heloco-jax corpus: {e}", file=sys.stderr)
     return 2

@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 import grain
 import numpy as np
 
+from heloco_jax.data import bpe
 from heloco_jax.data import partition as partition_lib
 from heloco_jax.data import sources
 from heloco_jax.data import tokenizer
@@ -107,11 +108,14 @@ class Data:
     batch_size: sequences per batch.
     validation_tokens: int32 (L * val_sequences_per_language, context + 1).
     validation_language_ids: int32 (L * val_sequences_per_language,).
+    vocab_size: the number of token ids (257 for bytes + BOS).
   """
 
   def __init__(self, streams: dict[str, np.ndarray], counts: np.ndarray, *, context: int,
-               batch_size: int, val_sequences_per_language: int, seed: int):
+               batch_size: int, val_sequences_per_language: int, seed: int,
+               vocab_size: int = tokenizer.VOCAB_SIZE):
     self.languages = list(streams)
+    self.vocab_size = vocab_size
     self.num_workers = len(counts)
     self.context = context
     self.batch_size = batch_size
@@ -187,6 +191,7 @@ def make_data(
     split: str = "train",
     data_dir: Optional[str] = None,
     text_field: str = "text",
+    tokenizer_path: Optional[str] = None,
 ) -> Data:
   """Loads, tokenizes and partitions a corpus; see ``sources`` and ``partition``.
 
@@ -209,6 +214,8 @@ def make_data(
     split: tfds only: the split, which may contain ``{lang}``.
     data_dir: tfds only: where the prepared datasets live.
     text_field: jsonl and tfds: the field holding the text.
+    tokenizer_path: None for bytes (the default), or a BPE vocabulary's
+      ``tokenizer.json`` (``heloco_jax.data.bpe``, written by ``heloco-jax corpus bpe``).
 
   Returns:
     The ``Data``.
@@ -235,7 +242,8 @@ def make_data(
 
   documents = sources.load_documents(source, path, languages, max_bytes_per_language,
                                      split=split, data_dir=data_dir, text_field=text_field)
-  streams = {lang: tokenizer.pack(docs) for lang, docs in documents.items()}
+  vocab = tokenizer if tokenizer_path is None else bpe.load(tokenizer_path)
+  streams = {lang: vocab.pack(docs) for lang, docs in documents.items()}
   needed = val_sequences_per_language * (context + 1) + batch_size * context + 1
   for lang, stream in streams.items():
     if len(stream) < needed:
@@ -248,4 +256,5 @@ def make_data(
           "val_sequences_per_language, batch_size or context.")
   counts = partition_lib.mixtures(partition, len(streams), num_workers, dirichlet_alpha, seed)
   return Data(streams, counts, context=context, batch_size=batch_size,
-              val_sequences_per_language=val_sequences_per_language, seed=seed)
+              val_sequences_per_language=val_sequences_per_language, seed=seed,
+              vocab_size=tokenizer.VOCAB_SIZE if tokenizer_path is None else vocab.vocab_size)
