@@ -250,6 +250,7 @@ class Checkpointer:
     """Deletes the checkpoints newer than ``step`` (a timeline a resume abandoned)."""
     for newer in [s for s in self.steps() if s > step]:
       self._manager.delete(newer)
+    self._manager.wait_until_finished()  # deletions may run on orbax's own threads
 
   def close(self) -> None:
     self._manager.close()
