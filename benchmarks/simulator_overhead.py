@@ -24,6 +24,7 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,14 @@ def main() -> None:
   scaling(args.workers, args.scale_tokens)
 
 
+def _child(num_workers: int, tokens: int, env: Optional[dict] = None) -> dict:
+  """``scale_one``'s result, from a fresh process (with ``env``, else this one's)."""
+  out = subprocess.run([sys.executable, __file__, f"--child={num_workers}",
+                        f"--scale-tokens={tokens}"], capture_output=True, text=True,
+                       check=True, env=env).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
 def host_devices(counts: list[int], tokens: int) -> list[dict]:
   """The K = 5 run on n host CPU devices for each n (fresh processes); prints and returns."""
   print(f"\nhost CPU devices at {tokens} tokens (HeLoCo, K = 5, severe preset; "
@@ -122,9 +131,7 @@ def host_devices(counts: list[int], tokens: int) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
     for _ in range(2):  # the second run is timed from a warm compilation cache
-      out = subprocess.run([sys.executable, __file__, "--child=5", f"--scale-tokens={tokens}"],
-                           capture_output=True, text=True, check=True, env=env).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+      result = _child(5, tokens, env)
     base = base or result["tokens_per_second"]
     result["ratio"] = result["tokens_per_second"] / base
     results.append(result)
@@ -138,9 +145,7 @@ def scaling(workers: list[int], tokens: int) -> list[dict]:
   print(f"\nscaling at {tokens} tokens (HeLoCo, severe preset cycled over K):")
   base, results = None, []
   for k in workers:
-    out = subprocess.run([sys.executable, __file__, f"--child={k}", f"--scale-tokens={tokens}"],
-                         capture_output=True, text=True, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = _child(k, tokens)
     base = base or result["wall_seconds"]
     result["ratio"] = result["wall_seconds"] / base
     results.append(result)

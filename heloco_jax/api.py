@@ -103,9 +103,9 @@ def make_engine(
   """
   determinism.require(runtime == "simulated" if deterministic is None else deterministic)
   spec_method = methods.get(method)
-  if palsgd_coins not in ("shared", "independent"):
-    raise ValueError(f"palsgd_coins={palsgd_coins!r} is not allowed; allowed: 'shared' or "
-                     "'independent'")
+  if palsgd_coins not in state_lib.PALSGD_COINS:
+    raise ValueError(f"palsgd_coins={palsgd_coins!r} is not allowed; allowed: one of "
+                     f"{', '.join(map(repr, state_lib.PALSGD_COINS))}")
   if isinstance(data, (str, bytes)) or not hasattr(data, "__len__") or len(data) < 1:
     raise ValueError("data must be a sequence of K >= 1 per-worker iterables of batches; "
                      f"got {type(data).__name__}")

@@ -69,7 +69,6 @@ class RejectionStreak:
   """
 
   def __init__(self, num_workers: int, limit: int = 0):
-    self.num_workers = num_workers
     self.limit = limit or default_limit(num_workers)
     self.count = 0
     self.kinds: set[str] = set()

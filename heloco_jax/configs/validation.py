@@ -20,6 +20,7 @@ import ml_collections
 
 from heloco_jax import clock, data, inner, model
 from heloco_jax.runtime import devices
+from heloco_jax.runtime.state import PALSGD_COINS
 from heloco_jax.methods import METHODS
 from heloco_jax.outer import _validation
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
@@ -48,7 +49,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "outer.weight_order": WEIGHT_ORDERS,
     "outer.scope": SCOPES,
     "fault.value": ("nan", "inf"),
-    "inner.palsgd_coins": ("shared", "independent"),
+    "inner.palsgd_coins": PALSGD_COINS,
     "model.compute_dtype": model.COMPUTE_DTYPES,
 }
 

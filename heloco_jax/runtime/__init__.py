@@ -12,5 +12,5 @@ from heloco_jax.runtime.state import Budget, Fault, RunSpec, RunState
 from heloco_jax.rejection import DivergenceError
 from heloco_jax.runtime.simulated import SimulatedRuntime
 
-__all__ = ["Budget", "Clock", "DivergenceError", "Engine", "Fault", "RunState", "RealClock", "RunSpec", "Runtime",
-           "SimulatedClock", "SimulatedRuntime"]
+__all__ = ["Budget", "Clock", "DivergenceError", "Engine", "Fault", "RealClock", "RunSpec",
+           "RunState", "Runtime", "SimulatedClock", "SimulatedRuntime"]

@@ -13,15 +13,16 @@ run's spec, budget, state, data streams and rows in ``runtime.state``.
 Budgets count *units*: ``units_per_step`` per inner step whose result
 reached the server (1: local steps, the authors' budget; the CLI counts
 tokens), applied or rejected: a rejected pseudo-gradient's compute was spent.
-The summary reports the applied and the rejected units apart. PALSGD's pseudo-sync steps read no data and count none. Work whose
-arrival would pass a budget is discarded, with everything still in flight.
+The summary reports the applied and the rejected units apart. PALSGD's
+pseudo-sync steps read no data and count none. Work whose arrival would pass
+a budget is discarded, with everything still in flight.
 
 Faults (``heloco_jax.rejection``): a non-finite pseudo-gradient is
 rejected before the outer rule, with a ``{"event": "rejected"}`` row; the
-worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit`` rejections in a row
-(default K, at least 2), at the end of a run in which every arrival was
-rejected, or when an evaluation is not finite, the run stops with a
-``DivergenceError`` naming the workers and the cause.
+worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit``
+rejections in a row (default K, at least 2), at the end of a run in which
+every arrival was rejected, or when an evaluation is not finite, the run stops
+with a ``DivergenceError`` naming the workers and the cause.
 """
 
 from __future__ import annotations
@@ -280,8 +281,8 @@ class Engine:
       the wall time of every resumed part.
 
     Raises:
-      DivergenceError: ``rejection_limit`` pseudo-gradients in a row were rejected, every one
-        of the run was, or an evaluation is not finite.
+      DivergenceError: ``rejection_limit`` pseudo-gradients in a row were
+        rejected, every one of the run was, or an evaluation is not finite.
       Stopped: ``request_stop`` was called.
     """
     if on_row is not None:

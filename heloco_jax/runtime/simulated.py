@@ -35,10 +35,6 @@ class SimulatedArrivals:
   def push(self, worker: int, job: Any) -> None:
     heapq.heappush(self._heap, (job.finish, worker))
 
-  def head(self) -> Optional[int]:
-    """The worker whose job arrives next, or None when none is in flight."""
-    return self._heap[0][1] if self._heap else None
-
   def heads(self, n: int) -> list[int]:
     """The workers of the ``n`` jobs that arrive next, in arrival order."""
     return [worker for _, worker in heapq.nsmallest(n, self._heap)]
@@ -92,8 +88,12 @@ class SimulatedRuntime(base.OneProcess):
   def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None):
     self.inner = inner
     self.devices = list(devices) if devices is not None else jax.local_devices()
-    self.concurrency = len(self.devices)
     self._round_delta = jax.jit(round_delta)
+
+  @property
+  def concurrency(self) -> int:
+    """How many workers' steps can run at once: one per device."""
+    return len(self.devices)
 
   def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.SimulatedClock:
     return base.SimulatedClock(seconds_per_step, jitter, seed, comm, model_bytes)

@@ -19,6 +19,7 @@ import numpy as np
 from heloco_jax import clock as clock_lib, methods as methods_lib, server as server_lib
 
 Row = dict[str, Any]
+PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
 
 
 @dataclasses.dataclass(frozen=True)
