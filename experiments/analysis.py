@@ -35,19 +35,62 @@ class Result:
   arrivals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
-def load(out_dir: str, runs: Sequence[grids.Run]) -> list[Result]:
-  """The finished runs among ``runs`` (those with a summary.json)."""
+# The arrival fields the tables and figures read; a digest keeps only these.
+ARRIVAL_FIELDS = ("worker", "staleness", "sim_time", "outer_updates", "cosine_mean",
+                  "rotation_mean", "shrinkage_mean",
+                  *(f"branch_count/{name}" for name in outer.BRANCH_NAMES))
+
+
+def _round(value: Any) -> Any:
+  """Floats to 6 significant digits (the digests' size), everything else as it is."""
+  return float(f"{value:.6g}") if isinstance(value, float) and math.isfinite(value) else value
+
+
+def digest(workdir: str) -> dict[str, Any]:
+  """A finished run's summary, evaluations and arrivals (``ARRIVAL_FIELDS``, as columns):
+  what RESULTS.md needs, small enough to commit (experiments/results/)."""
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  fields = [k for k in ARRIVAL_FIELDS if arrivals and k in arrivals[0]]
+  return {"summary": summary,
+          "evals": [{k: _round(v) for k, v in r.items()} for r in rows if r["event"] == "eval"],
+          "arrivals": {k: [_round(a.get(k)) for a in arrivals] for k in fields}}
+
+
+def digest_path(results_dir: str, run: grids.Run) -> str:
+  return os.path.join(results_dir, run.name + ".json")
+
+
+def write_digest(workdir: str, results_dir: str, run: grids.Run) -> None:
+  path = digest_path(results_dir, run)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(digest(workdir), f, separators=(",", ":"), sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+def _from_digest(run: grids.Run, data: dict[str, Any]) -> Result:
+  columns = data["arrivals"]
+  count = len(next(iter(columns.values()), []))
+  arrivals = [{k: v[i] for k, v in columns.items()} for i in range(count)]
+  return Result(run, data["summary"], data["evals"], arrivals)
+
+
+def load(out_dir: str, runs: Sequence[grids.Run], results_dir: str = "") -> list[Result]:
+  """The finished runs among ``runs``: from their digest in ``results_dir`` when there is one,
+  else from ``OUT/runs/<name>`` (those with a summary.json)."""
   results = []
   for run in runs:
-    workdir = os.path.join(out_dir, "runs", run.name)
-    if not os.path.exists(os.path.join(workdir, "summary.json")):
+    if results_dir and os.path.exists(digest_path(results_dir, run)):
+      with open(digest_path(results_dir, run)) as f:
+        results.append(_from_digest(run, json.load(f)))
       continue
-    with open(os.path.join(workdir, "summary.json")) as f:
-      summary = json.load(f)
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      rows = [json.loads(line) for line in f]
-    results.append(Result(run, summary, [r for r in rows if r["event"] == "eval"],
-                          [r for r in rows if r["event"] == "arrival"]))
+    workdir = os.path.join(out_dir, "runs", run.name)
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+      results.append(_from_digest(run, digest(workdir)))
   return results
 
 

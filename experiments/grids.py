@@ -17,7 +17,7 @@ for all methods.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class Scale:
   seeds: tuple[int, ...] = (0, 1, 2)
   data: tuple[tuple[str, Any], ...] = (("data.source", "text_dir"),
                                        ("data.languages", LANGUAGES))
+  extra: tuple[tuple[str, Any], ...] = ()  # any further config keys
 
   def overrides(self) -> dict[str, Any]:
     return {"model.d_model": self.d_model, "model.num_layers": self.num_layers,
@@ -54,7 +55,7 @@ class Scale:
             "batch_size": self.batch_size, "inner_steps": self.inner_steps,
             "inner.total_steps": self.inner_total_steps,
             "inner.learning_rate": self.inner_learning_rate,
-            "eval_every_tokens": self.eval_every_tokens, **dict(self.data)}
+            "eval_every_tokens": self.eval_every_tokens, **dict(self.data), **dict(self.extra)}
 
 
 PAPER = Scale()
@@ -85,11 +86,19 @@ class Run:
   overrides: tuple[tuple[str, Any], ...]
 
   def args(self, data_path: str = "") -> list[str]:
-    """The ``heloco-jax train`` config flags of this run."""
+    """The ``heloco-jax train`` config flags of this run (``CORPUS`` in a value: the corpus
+    folder ``data_path``)."""
     overrides = dict(self.overrides)
     if data_path and overrides.get("data.source") == "text_dir":
       overrides["data.path"] = data_path
-    return [f"--config.{key}={_flag(value)}" for key, value in overrides.items()]
+    return [f"--config.{key}={_flag(value).replace(CORPUS, data_path)}"
+            for key, value in overrides.items()]
+
+  def needs_corpus(self) -> bool:
+    return dict(self.overrides).get("data.source") == "text_dir"
+
+
+CORPUS = "{corpus}"
 
 
 def _flag(value: Any) -> str:
@@ -210,6 +219,8 @@ def family(name: str) -> list[Run]:
   scale = SCALES[name]
   if scale is SMOKE:
     return grid(name)
+  if name in SCIENCE:
+    return grid("science")
   return grid("all")
 
 
@@ -218,3 +229,131 @@ def grid(name: str) -> list[Run]:
   if name not in GRIDS:
     raise ValueError(f"--grid={name!r} is not allowed; allowed: {', '.join(GRIDS)}.")
   return GRIDS[name]()
+
+
+# Issue 18: the HeLoCo authors' language-model harness (heloco_stable_v2.py, aaasif-isu/
+# panofabric-engine): TinyGPT d_model 128, 8 layers, 4 heads, context 128, batch 2 × 128 tokens,
+# H = 20, 10,000 local steps in all; inner AdamW lr 2e-4, betas (0.9, 0.999), weight decay 1e-2,
+# no clipping, a fresh AdamW state at every dispatch, and a cosine decay from 2e-4 to 1e-6 over
+# each worker's own 2,000 steps without warm-up. Outer rules at the registry's defaults, which are
+# the authors' (async Nesterov 0.07, MLA, HeLoCo and sync 0.7, μ 0.9, ρ = 1/√5). One change:
+# the authors' GPT-2 vocabulary (50,257 ids) becomes a 2,048-id byte-level BPE trained on the
+# corpus (``heloco-jax corpus bpe --vocab-size=2048``): at 2,048 ids a step costs 0.80× what it
+# costs at 8,192 on this CPU (4,216 vs 3,376 tokens/s), and the depth stays the authors'.
+AUTHORS_VOCAB = 2048
+AUTHORS = Scale(
+    d_model=128, num_layers=8, num_heads=4, context=128, batch_size=2, inner_steps=20,
+    tokens=10_000 * 2 * 128, eval_every_tokens=10_000 * 2 * 128 // 20, inner_total_steps=2_000,
+    inner_learning_rate=2e-4, seeds=(0, 1, 2),
+    data=(("data.source", "text_dir"), ("data.languages", LANGUAGES),
+          ("data.tokenizer", f"{CORPUS}/tokenizer.json"),
+          ("data.val_sequences_per_language", 32)),
+    extra=(("inner.warmup_steps", 0), ("inner.min_learning_rate_ratio", 1e-6 / 2e-4),
+           ("inner.weight_decay", 1e-2), ("inner.grad_clip", 0.0), ("inner.reset_optimizer", 1),
+           ("checkpoint_every", 50)))
+# The paper's four presets and the authors' own mix (WORKER_PACES = [1, 2, 3, 1, 5]).
+AUTHORS_PRESETS = ("homogeneous", "mild", "moderate", "severe", "mixed")
+# The budget points at which RESULTS.md reports losses (evaluations fall on each of them).
+BUDGET_FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def authors_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
+  """Every preset × method at the token budget, and synchronous DiLoCo at the time budget.
+
+  At the time budget the asynchronous methods are their token runs: non-waiting workers read
+  the token budget in ``time_budget`` (they end within one arrival of it; RESULTS.md gives the
+  spread). Synchronous DiLoCo reads fewer tokens in that time, so it has its own run, except
+  with homogeneous workers, where no one waits and its token run is that run.
+  """
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    for preset in AUTHORS_PRESETS:
+      for method in METHODS:
+        overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": preset,
+                     "budget.tokens": scale.tokens, "budget.sim_seconds": 0.0}
+        runs.append(Run(f"authors/tokens/{preset}/{method}/seed{seed}", "tokens", preset,
+                        method, seed, tuple(overrides.items())))
+      if preset == "homogeneous":
+        continue
+      overrides = {**scale.overrides(), "method": "diloco", "seed": seed, "speeds": preset,
+                   "budget.tokens": 0, "budget.sim_seconds": time_budget(scale, preset)}
+      runs.append(Run(f"authors/time/{preset}/diloco/seed{seed}", "time", preset, "diloco",
+                      seed, tuple(overrides.items())))
+  return runs
+
+
+# Outer learning rates of the one-seed check: the authors' (the registry default) times these.
+LR_FACTORS = (0.25, 0.5, 2.0)
+
+
+def authors_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
+  """Each method's outer lr × ``LR_FACTORS``, mixed paces, seed 0, token budget (× 1 is the
+  authors grid's run)."""
+  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  runs = []
+  for method in METHODS:
+    for factor in LR_FACTORS:
+      lr = methods.get(method).learning_rate * factor
+      overrides = {**scale.overrides(), "method": method, "seed": 0, "speeds": "mixed",
+                   "budget.tokens": scale.tokens, "outer.learning_rate": lr}
+      runs.append(Run(f"authors/lr/{method}/x{factor:g}", "lr", "mixed", method, 0,
+                      tuple(overrides.items())))
+  return runs
+
+
+# PALSGD as its authors ran it (Hiroki11x/Pseudo-Asynchronous-LocalSGD, gptneo_8m/README.md):
+# shared coins, p = 0.2, outer Nesterov lr 0.1, an IID split, and the pull η_ps·α/p = 0.05 of
+# their example (AdamW α = 0.01, η_ps = 1); with this grid's α = 6e-4 that is η_ps = 0.05·p/α.
+# DDP with and without its all-reduce overlapped with the backward pass (2/3 of a step, as
+# PyTorch DDP); all-reduce c seconds against 1 s of compute per step.
+COMM_RATIOS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
+PALSGD_PULL = 0.05
+DDP_OVERLAP = 2 / 3
+
+
+def palsgd_c_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> list[Run]:
+  """DDP (plain, overlapped), DiLoCo and PALSGD over ``COMM_RATIOS``, IID, homogeneous.
+
+  DDP reads the token budget, DiLoCo and PALSGD twice it (same schedule), so that their
+  time to DDP's final loss can be measured where they need more tokens than DDP.
+  """
+  p = 0.2
+  palsgd = {"inner.pseudo_sync_prob": p, "inner.palsgd_coins": "shared",
+            "inner.pseudo_sync_rate": PALSGD_PULL * p / scale.inner_learning_rate,
+            "outer.learning_rate": 0.1}
+  variants = (("ddp", "ddp", 1, {}), ("ddp_overlap", "ddp", 1, {"comm.ddp_overlap": DDP_OVERLAP}),
+              ("diloco", "diloco", 2, {}), ("palsgd", "palsgd", 2, palsgd))
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    for c in COMM_RATIOS:
+      for name, method, factor, changes in variants:
+        if name == "ddp_overlap" and c == 0:
+          continue  # nothing to hide: the plain DDP run
+        overrides = {**scale.overrides(), "method": method, "seed": seed,
+                     "speeds": "homogeneous", "data.partition": "iid", "comm.latency": c,
+                     "budget.tokens": factor * scale.tokens,
+                     "eval_every_tokens": scale.eval_every_tokens // 4, **changes}
+        runs.append(Run(f"palsgd_c/c{c:g}/{name}/seed{seed}", f"palsgd_c/c{c:g}",
+                        "homogeneous", name, seed, tuple(overrides.items())))
+  return runs
+
+
+def science_grid() -> list[Run]:
+  """Issue 18's runs in the order they are worth having: seed by seed, so that an interrupted
+  grid has whole seeds; the one-seed lr check after the first seed."""
+  runs = []
+  for seed in AUTHORS.seeds:
+    runs += authors_grid(seeds=(seed,)) + palsgd_c_grid(seeds=(seed,))
+    if seed == AUTHORS.seeds[0]:
+      runs += authors_lr_grid()
+  return runs
+
+
+GRIDS.update({
+    "authors": authors_grid,
+    "authors_lr": authors_lr_grid,
+    "palsgd_c": palsgd_c_grid,
+    "science": science_grid,
+})
+SCIENCE = ("authors", "authors_lr", "palsgd_c", "science")  # issue 18's grids: one RESULTS.md
+SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "science": AUTHORS})

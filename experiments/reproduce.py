@@ -16,31 +16,50 @@ about a minute, Debian packages only).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
+import numpy as np
+
 from experiments import analysis, grids
+from heloco_jax import clock
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _corpus(path: Optional[str], out: str) -> str:
-  """An existing corpus folder, or one built into OUT/corpus."""
+def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
+  """An existing corpus folder, or one built into OUT/corpus; with its BPE vocabulary of the
+  grid's size when the grid reads one (``grids.CORPUS`` in ``data.tokenizer``)."""
+  vocab = grids.AUTHORS_VOCAB if grids.CORPUS in dict(scale.data).get("data.tokenizer", "") else 0
+  from heloco_jax import cli  # pylint: disable=g-import-not-at-top
   if path:
     if not os.path.isdir(path):
       raise SystemExit(f"reproduce: --corpus={path!r} is not a directory")
-    return path
-  path = os.path.join(out, "corpus")
-  if not os.path.exists(os.path.join(path, "manifest.json")):
-    from heloco_jax import cli  # pylint: disable=g-import-not-at-top
-    print(f"reproduce: building the debian_docs corpus into {path}", file=sys.stderr)
-    if cli.main(["corpus", "debian_docs", f"--languages={grids.LANGUAGES}",
-                 f"--out={path}"]) != 0:
-      raise SystemExit("reproduce: the corpus could not be built; pass --corpus=DIR (a folder "
-                       "of text per language) instead")
+  else:
+    path = os.path.join(out, "corpus")
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+      print(f"reproduce: building the debian_docs corpus into {path}", file=sys.stderr)
+      if cli.main(["corpus", "debian_docs", f"--languages={grids.LANGUAGES}", f"--out={path}",
+                   f"--vocab-size={vocab}"]) != 0:
+        raise SystemExit("reproduce: the corpus could not be built; pass --corpus=DIR (a "
+                         "folder of text per language) instead")
+  tokenizer = os.path.join(path, "tokenizer.json")
+  if vocab:
+    size = 0
+    if os.path.exists(tokenizer):
+      with open(tokenizer) as f:
+        size = len(json.load(f)["model"]["vocab"])
+    if size != vocab:
+      print(f"reproduce: training the {vocab}-id BPE vocabulary of {path} (it has "
+            f"{size or 'none'})", file=sys.stderr)
+      if cli.main(["corpus", "bpe", f"--out={path}", f"--vocab-size={vocab}"]) != 0:
+        raise SystemExit(f"reproduce: the BPE vocabulary of {path} could not be trained")
   return path
 
 
@@ -64,6 +83,155 @@ def _scale_note(name: str) -> str:
       "defaults are the paper's.")
 
 
+def _cores() -> list[int]:
+  return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+      range(os.cpu_count() or 1))
+
+
+def expected_tokens(run: grids.Run) -> float:
+  """The tokens a run will read: its token budget, or for a time budget what synchronous
+  workers read in it (K·batch·context per slowest step)."""
+  o = dict(run.overrides)
+  if o.get("budget.tokens"):
+    return float(o["budget.tokens"])
+  k = int(o.get("num_workers", 5))
+  slowest = float(np.max(clock.seconds_per_step(o.get("speeds", "severe"), k)))
+  return o["budget.sim_seconds"] * k * o["batch_size"] * o["model.context"] / slowest
+
+
+def _shape(run: grids.Run) -> tuple:
+  o = dict(run.overrides)
+  return tuple(o.get(k) for k in ("model.d_model", "model.num_layers", "model.context",
+                                  "data.tokenizer", "batch_size"))
+
+
+class Progress:
+  """The grid's position and time left: seconds per token of each model shape, from the runs
+  finished by this command, times the tokens left, over the runs running at once."""
+
+  def __init__(self, todo: Sequence[grids.Run], jobs: int):
+    self.left = {r.name: r for r in todo}
+    self.jobs, self.total, self.done = jobs, len(todo), 0
+    self.start = time.monotonic()
+    self._per_token: dict[tuple, list[float]] = {}
+
+  def finished(self, run: grids.Run, wall_seconds: float) -> None:
+    self.done += 1
+    self.left.pop(run.name, None)
+    self._per_token.setdefault(_shape(run), []).append(wall_seconds / expected_tokens(run))
+
+  def eta(self) -> str:
+    seconds, unknown = 0.0, 0
+    for run in self.left.values():
+      rates = self._per_token.get(_shape(run))
+      if rates:
+        seconds += np.mean(rates) * expected_tokens(run)
+      else:
+        unknown += 1
+    if not self.left:
+      return "all done"
+    seconds /= self.jobs
+    text = ("time left unknown" if not seconds else f"about {seconds / 3600:.1f} h left"
+            if seconds >= 3600 else f"about {seconds / 60:.0f} min left")
+    if seconds and unknown:
+      text += f" (+ {unknown} runs of a size not timed yet)"
+    return text
+
+
+def _last_progress(log: str) -> str:
+  """The newest ``heloco-jax train: N tokens ...`` line of a run's log, shortened."""
+  try:
+    with open(log, errors="replace") as f:
+      lines = [line for line in f.read().splitlines() if " tokens" in line]
+  except OSError:
+    return ""
+  return lines[-1].replace("heloco-jax train: ", "") if lines else ""
+
+
+def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
+                 jobs: int, heartbeat: float = 300.0) -> int:
+  """Runs ``todo`` as ``python -m heloco_jax.train`` processes, ``jobs`` at a time, each pinned
+  to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
+  2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
+  ``results_dir``. SIGTERM or Ctrl-C stops the running runs at their next checkpoint boundary
+  (they resume when the command is run again). Returns 0, 1 (some run failed) or 130."""
+  cores = _cores()
+  jobs = max(1, min(jobs, len(cores), len(todo)))
+  per_job = len(cores) // jobs
+  slots = [cores[i * per_job:(i + 1) * per_job] for i in range(jobs)]
+  progress, queue, running, failed = Progress(todo, jobs), list(todo), {}, []
+  stopping = []
+
+  def stop(signum, frame):
+    del frame
+    stopping.append(signum)
+    for proc, *_ in running.values():
+      proc.send_signal(signal.SIGTERM)
+  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+  print(f"reproduce: {len(todo)} runs, {jobs} at a time, {per_job} core(s) each; logs in "
+        f"{os.path.join(out, 'logs')}", file=sys.stderr, flush=True)
+  last_beat = time.monotonic()
+  try:
+    while queue or running:
+      while queue and len(running) < jobs and not stopping:
+        run = queue.pop(0)
+        index = next(i for i in range(jobs) if i not in running)
+        slot = slots[index]
+        log = os.path.join(out, "logs", run.name + ".log")
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                          " --xla_cpu_multi_thread_eigen=false "
+                                          f"intra_op_parallelism_threads={len(slot)}").strip())
+        command = [sys.executable, "-m", "heloco_jax.train",
+                   f"--workdir={os.path.join(out, 'runs', run.name)}", *run.args(data_path),
+                   f"--compilation_cache={os.path.join(out, 'xla_cache')}"]
+        with open(log, "a") as f:
+          proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  preexec_fn=lambda s=tuple(slot): os.sched_setaffinity(0, s))
+        running[index] = (proc, run, log, time.monotonic())
+        print(f"reproduce: [{progress.done + len(running)}/{progress.total}] started {run.name} "
+              f"(cores {','.join(map(str, slot))})", file=sys.stderr, flush=True)
+      time.sleep(1.0)
+      for index, (proc, run, log, started) in list(running.items()):
+        if proc.poll() is None:
+          continue
+        del running[index]
+        minutes = (time.monotonic() - started) / 60
+        if proc.returncode == 0:
+          analysis.write_digest(os.path.join(out, "runs", run.name), results_dir, run)
+          progress.finished(run, minutes * 60)
+          with open(os.path.join(out, "runs", run.name, "summary.json")) as f:
+            loss = json.load(f)["final_val_loss"]
+          print(f"reproduce: [{progress.done}/{progress.total} done] {run.name}: val_loss "
+                f"{loss:.4f} in {minutes:.1f} min; {progress.eta()}", file=sys.stderr,
+                flush=True)
+        elif stopping:
+          print(f"reproduce: {run.name} stopped (exit {proc.returncode}); it resumes from its "
+                "checkpoint when the command runs again", file=sys.stderr, flush=True)
+        else:
+          failed.append(run.name)
+          with open(log, errors="replace") as f:
+            tail = f.read().splitlines()[-3:]
+          print(f"reproduce: {run.name} failed (exit {proc.returncode}; {log}):\n  " +
+                "\n  ".join(tail), file=sys.stderr, flush=True)
+      if running and time.monotonic() - last_beat >= heartbeat:
+        last_beat = time.monotonic()
+        states = "; ".join(f"{run.name}: {_last_progress(log) or 'starting'}"
+                           for _, run, log, _ in running.values())
+        print(f"reproduce: [{progress.done}/{progress.total} done] running {states}; "
+              f"{progress.eta()}", file=sys.stderr, flush=True)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  if stopping:
+    return 130
+  if failed:
+    print(f"reproduce: {len(failed)} runs failed: {', '.join(failed)}; re-run the command to "
+          "retry them (finished runs are skipped)", file=sys.stderr)
+    return 1
+  return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m experiments.reproduce",
                                    description=__doc__.splitlines()[0])
@@ -74,7 +242,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--results", default="",
                       help="RESULTS.md to write (default: experiments/RESULTS.md for the paper "
                            "grid, OUT/RESULTS.md otherwise)")
+  parser.add_argument("--jobs", type=int, default=0,
+                      help="runs at a time, each a process on its own cores (0: one per core "
+                           "this process may use; 1: one after another in this process)")
+  parser.add_argument("--digests", default="",
+                      help="folder of the finished runs' digests, which RESULTS.md is written "
+                           "from (default: experiments/results, or OUT/results for the smoke "
+                           "grid)")
   args = parser.parse_args(argv)
+  if args.jobs < 0:
+    parser.error(f"--jobs={args.jobs} is not allowed; allowed: 0 (one per core) or more")
 
   import jax  # pylint: disable=g-import-not-at-top
   from heloco_jax import train  # pylint: disable=g-import-not-at-top
@@ -82,16 +259,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.out, "xla_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+  smoke = grids.SCALES[args.grid] is grids.SMOKE
+  results_dir = args.digests or (os.path.join(args.out, "results") if smoke
+                                 else os.path.join(_HERE, "results"))
   runs = grids.grid(args.grid)
   chosen = [r for r in runs if re.search(args.only, r.name)] if args.only else runs
-  needs_text = any(dict(r.overrides).get("data.source") == "text_dir" for r in chosen)
-  data_path = _corpus(args.corpus, args.out) if needs_text else ""
-  todo = [r for r in chosen if not os.path.exists(
-      os.path.join(args.out, "runs", r.name, "summary.json"))]
+  data_path = _corpus(args.corpus, args.out, grids.SCALES[args.grid]) if any(
+      r.needs_corpus() for r in chosen) else ""
+  todo = []
+  for run in chosen:
+    if os.path.exists(analysis.digest_path(results_dir, run)):
+      continue
+    workdir = os.path.join(args.out, "runs", run.name)
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+      analysis.write_digest(workdir, results_dir, run)  # finished before digests were kept
+      continue
+    todo.append(run)
   print(f"reproduce: grid {args.grid}: {len(chosen)} runs, {len(chosen) - len(todo)} already "
         f"finished", file=sys.stderr)
+  jobs = args.jobs or len(_cores())
+  if jobs > 1 and todo:
+    status = run_parallel(todo, args.out, data_path, results_dir, jobs)
+    if status != 0:
+      return status
   start = time.perf_counter()
-  for i, run in enumerate(todo):
+  for i, run in enumerate(todo if jobs == 1 else []):
     workdir = os.path.join(args.out, "runs", run.name)
     elapsed = time.perf_counter() - start
     eta = f", about {elapsed / i * (len(todo) - i) / 60:.1f} min left" if i else ""
@@ -101,12 +293,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"reproduce: {run.name} failed (exit {status}); re-run the same command to resume",
             file=sys.stderr)
       return status
+    analysis.write_digest(workdir, results_dir, run)
 
-  # RESULTS.md reports every finished run of this scale found in OUT (tuning, paper grid,
-  # PALSGD, ablations), whichever grid this command ran.
+  # RESULTS.md reports every finished run of this scale found (tuning, paper grid, PALSGD,
+  # ablations; or the issue-18 grids), whichever grid this command ran.
   family = grids.family(args.grid)
-  results = analysis.load(args.out, family)
-  paper_scale = grids.SCALES[args.grid] is grids.PAPER
+  results = analysis.load(args.out, family, results_dir)
+  paper_scale = not smoke
   path = args.results or (os.path.join(_HERE, "RESULTS.md") if paper_scale
                           else os.path.join(args.out, "RESULTS.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures")

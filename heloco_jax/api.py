@@ -262,7 +262,8 @@ def _spec_json(engine: engine_lib.Engine, options: dict[str, Any]) -> str:
   spec["method"] = engine.spec.method.name
   spec["comm"] = {"latency": engine.spec.comm.latency,
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
-                  else engine.spec.comm.bandwidth}
+                  else engine.spec.comm.bandwidth,
+                  "ddp_overlap": engine.spec.comm.ddp_overlap}
   spec["options"] = options  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"

@@ -12,7 +12,9 @@ Writes ``DIR/config.json`` (the resolved config), ``DIR/metrics.jsonl`` (eval,
 arrival and rejected rows, written as they happen), ``DIR/checkpoints/`` (every
 ``checkpoint_every`` outer updates; the newest ``keep_checkpoints``) and
 ``DIR/summary.json``. A progress bar (tokens, simulated time, last validation
-loss) shows on a terminal.
+loss) shows on a terminal; elsewhere (a batch job, nohup, CI, a notebook) a
+progress line every 30 s and at every evaluation (tokens, simulated time, last
+validation loss, tokens/s, time left). ``--config.quiet=true`` shows neither.
 
 Resume: the same command with the same ``--workdir`` continues from the
 newest readable checkpoint (falling back past a corrupt one, with a
@@ -44,6 +46,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Optional, Sequence
 
 from absl import flags
@@ -109,6 +112,59 @@ def _progress(total_tokens: int):
     return None
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   return tqdm(total=total_tokens or None, unit="tok", unit_scale=True, dynamic_ncols=True)
+
+
+class ProgressLines:
+  """Progress for a stderr that is not a terminal (a batch job, nohup, CI, a notebook): one
+  line at most every ``interval`` seconds and one at every evaluation.
+
+  Rows come in bursts (``metrics_fetch_every``), so a line that is due at an arrival waits for
+  the next row: when that row is an evaluation of the same burst, the evaluation's line
+  (with the new loss) is the only one.
+
+  Attributes:
+    total_tokens: the token budget (0: none).
+    total_seconds: the time budget in the run's seconds (0: none).
+  """
+
+  def __init__(self, total_tokens: int, total_seconds: float, interval: float = 30.0,
+               clock=time.monotonic, stream=None):
+    self.total_tokens, self.total_seconds, self.interval = total_tokens, total_seconds, interval
+    self._clock, self._stream = clock, stream
+    self._start = self._last = clock()
+    self._start_done: Optional[float] = None  # a resumed run's ETA counts this process only
+    self._due: Optional[tuple] = None  # a line due at an arrival, printed at the next row
+
+  def _done(self, tokens: int, seconds: float) -> Optional[float]:
+    """The fraction of the budget done (the larger of tokens and time), None without one."""
+    fractions = ([tokens / self.total_tokens] if self.total_tokens else []) + (
+        [seconds / self.total_seconds] if self.total_seconds else [])
+    return min(1.0, max(fractions)) if fractions else None
+
+  def update(self, tokens: int, seconds: float, val_loss: float, evaluated: bool) -> None:
+    now = self._clock()
+    if self._start_done is None:
+      self._start_done, self._start_tokens = self._done(tokens, seconds) or 0.0, tokens
+    if self._due is not None and not evaluated and now - self._due[0] > 0.5:
+      self._print(*self._due)  # no evaluation followed in its burst
+    self._due = None
+    if evaluated:
+      self._print(now, tokens, seconds, val_loss)
+    elif now - self._last >= self.interval:
+      self._due = (now, tokens, seconds, val_loss)
+
+  def _print(self, now: float, tokens: int, seconds: float, val_loss: float) -> None:
+    self._last, done = now, self._done(tokens, seconds)
+    elapsed = max(now - self._start, 1e-9)
+    line = f"heloco-jax train: {tokens:,} tokens"
+    line += f" of {self.total_tokens:,}" if self.total_tokens else ""
+    line += f" ({100 * done:.0f}%)" if done is not None else ""
+    line += (f", {seconds:.0f} s simulated, val_loss {val_loss:.3f}, "
+             f"{(tokens - self._start_tokens) / elapsed:,.0f} tokens/s")
+    if done is not None and self._start_done < done < 1:
+      left = elapsed * (1 - done) / (done - self._start_done)
+      line += f", about {left / 60:.1f} min left"
+    print(line, file=self._stream or sys.stderr, flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -183,7 +239,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
         f"{config.data.partition} ({', '.join(simulation.data.languages)}); writing {workdir}",
         file=sys.stderr)
-  bar = _progress(config.budget.tokens)
+  bar = None if config.quiet else _progress(config.budget.tokens)
+  lines = (ProgressLines(config.budget.tokens, config.budget.sim_seconds)
+           if bar is None and not config.quiet else None)
   last_loss = float("nan")
 
   def on_row(row):
@@ -191,6 +249,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     directory.write_row(row)
     if row["event"] == "eval":
       last_loss = row["val_loss"]
+    if lines is not None:
+      lines.update(simulation.units, simulation.sim_time, last_loss, row["event"] == "eval")
     if bar is not None:
       bar.n = simulation.units
       bar.set_postfix(sim_time=f"{simulation.sim_time:.0f}s", val_loss=f"{last_loss:.3f}",

@@ -1,12 +1,14 @@
 """The heloco-jax console script: usage, config errors, a full run and its files."""
 
+import io
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from heloco_jax import cli
+from heloco_jax import cli, train
 
 TINY = ["--config.num_workers=3", "--config.model.d_model=32", "--config.model.num_layers=1",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
@@ -158,3 +160,35 @@ def test_compilation_cache_directory_fills_and_can_be_turned_off(tmp_path, monke
                          capture_output=True, text=True).stdout
     assert out.strip() == expected
   assert any((tmp_path / "cache").iterdir())
+
+
+def test_progress_lines_without_a_terminal_come_every_interval_and_at_each_evaluation():
+  now = [0.0]
+  out = io.StringIO()
+  lines = train.ProgressLines(1000, 0.0, interval=30.0, clock=lambda: now[0], stream=out)
+  lines.update(0, 0.0, 5.0, evaluated=True)        # the initial evaluation: a line
+  now[0] = 10.0
+  lines.update(100, 5.0, 5.0, evaluated=False)     # within 30 s: none
+  now[0] = 40.0
+  lines.update(400, 20.0, 5.0, evaluated=False)    # 30 s on: a line, printed at the next row
+  now[0] = 41.0
+  lines.update(450, 22.0, 5.0, evaluated=False)    # ... a later burst: printed now
+  now[0] = 80.0
+  lines.update(450, 22.0, 5.0, evaluated=False)    # due again, but in the burst of
+  lines.update(500, 25.0, 4.2, evaluated=True)     # an evaluation: only its line
+  printed = out.getvalue().splitlines()
+  assert len(printed) == 3
+  assert printed[1] == ("heloco-jax train: 400 tokens of 1,000 (40%), 20 s simulated, "
+                        "val_loss 5.000, 10 tokens/s, about 1.0 min left")
+  assert printed[2].startswith("heloco-jax train: 500 tokens of 1,000 (50%), 25 s simulated, "
+                               "val_loss 4.200") and "about 1.3 min left" in printed[2]
+
+
+def test_progress_lines_show_in_a_batch_job_unless_quiet(tmp_path):
+  common = [sys.executable, "-m", "heloco_jax.train", *TINY, "--config.budget.tokens=4096"]
+  shown = subprocess.run([*common, f"--workdir={tmp_path / 'a'}"], capture_output=True,
+                         text=True, check=True)
+  assert re.search(r"train: [\d,]+ tokens of [\d,]+ \(\d+%\), .* val_loss \d", shown.stderr)
+  quiet = subprocess.run([*common, f"--workdir={tmp_path / 'b'}", "--config.quiet=true"],
+                         capture_output=True, text=True, check=True)
+  assert "tokens of" not in quiet.stderr and "done:" in quiet.stderr

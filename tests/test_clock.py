@@ -49,6 +49,24 @@ def test_communication_cost_model():
     clock.CommModel(bandwidth=0)
 
 
+@pytest.mark.parametrize("overlap,compute,allreduce,expected", [
+    (0.0, 1.0, 0.25, 1.25),     # no overlap: compute then the all-reduce
+    (2 / 3, 1.0, 0.25, 1.0),    # hidden behind the backward pass
+    (2 / 3, 1.0, 1.0, 1 + 1 / 3),  # only the part beyond 2/3 of the step shows
+    (0.5, 2.0, 0.0, 2.0),
+])
+def test_ddp_overlap_hides_the_allreduce_behind_the_backward_pass(overlap, compute, allreduce,
+                                                                   expected):
+  comm = clock.CommModel(ddp_overlap=overlap)
+  assert comm.ddp_step_seconds(compute, allreduce) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("overlap", [-0.1, 1.0, float("nan")])
+def test_ddp_overlap_outside_its_range_is_refused(overlap):
+  with pytest.raises(ValueError, match="comm.ddp_overlap=.*allowed: a number in"):
+    clock.CommModel(ddp_overlap=overlap)
+
+
 def test_step_clock_without_jitter_is_exact():
   steps = clock.StepClock(clock.seconds_per_step("moderate", 5))
   assert steps.duration(0, 20) == 20.0 and steps.duration(3, 20) == 120.0

@@ -1,6 +1,9 @@
 """The reproduction grid: its runs, budgets and flags, and the smoke grid end to end."""
 
+import json
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -47,7 +50,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, science"):
     grids.grid("huge")
 
 
@@ -69,7 +72,7 @@ def test_improvement_is_relative_to_the_baseline():
 
 def test_smoke_grid_runs_writes_results_and_skips_finished_runs(tmp_path, capsys):
   out = str(tmp_path / "out")
-  assert reproduce.main(["--grid=smoke", f"--out={out}"]) == 0
+  assert reproduce.main(["--grid=smoke", f"--out={out}", "--jobs=1"]) == 0
   results_md = open(os.path.join(out, "RESULTS.md")).read()
   for heading in ("## Fixed token budget", "## Fixed wall-clock (simulated) budget",
                   "## Per-language validation loss", "HeLoCo vs mla", "up to 7.5%"):
@@ -199,3 +202,94 @@ def test_palsgd_table_times_each_seed_to_its_ddp_loss_and_marks_a_target_never_r
   assert "| palsgd | 1,000 | 1.7500 ± 0.2500 | 100 | +33.3% |" in table
   assert "| diloco | 1,000 | 3.0000 ± 0.0000 | not reached in 1 of 1 seeds | – |" in table
   assert "diloco: DDP's loss not reached" in analysis.claims_table(results)
+
+
+def test_authors_grid_mirrors_the_authors_harness():
+  runs = grids.grid("authors")
+  tokens = [r for r in runs if r.table == "tokens"]
+  assert {(r.preset, r.method, r.seed) for r in tokens} == {
+      (p, m, s) for p in grids.AUTHORS_PRESETS for m in grids.METHODS for s in (0, 1, 2)}
+  time_runs = [r for r in runs if r.table == "time"]  # homogeneous: no one waits
+  assert {(r.preset, r.method) for r in time_runs} == {
+      (p, "diloco") for p in grids.AUTHORS_PRESETS if p != "homogeneous"}
+  for run in runs:
+    keys = dict(run.overrides)
+    assert (keys["model.d_model"], keys["model.num_layers"], keys["model.num_heads"],
+            keys["model.context"], keys["batch_size"], keys["inner_steps"]) == (
+                128, 8, 4, 128, 2, 20)
+    assert keys["inner.learning_rate"] == 2e-4 and keys["inner.warmup_steps"] == 0
+    assert keys["inner.learning_rate"] * keys["inner.min_learning_rate_ratio"] == (
+        pytest.approx(1e-6))
+    assert (keys["inner.weight_decay"], keys["inner.grad_clip"],
+            keys["inner.reset_optimizer"]) == (1e-2, 0.0, 1)
+    assert "outer.learning_rate" not in keys  # the registry's defaults are the authors'
+    if run.table == "tokens":
+      assert keys["budget.tokens"] == 10_000 * 256
+      # Evaluations fall on 25%, 50% and 100% of the budget.
+      assert all((f * keys["budget.tokens"]) % keys["eval_every_tokens"] == 0
+                 for f in grids.BUDGET_FRACTIONS)
+    else:
+      assert keys["budget.sim_seconds"] == grids.time_budget(grids.AUTHORS, run.preset)
+  args = runs[0].args("/data/corpus")
+  assert "--config.data.tokenizer=/data/corpus/tokenizer.json" in args
+  assert "--config.data.path=/data/corpus" in args
+
+
+def test_authors_lr_grid_scales_each_methods_default():
+  from heloco_jax import methods
+  runs = grids.grid("authors_lr")
+  assert len(runs) == len(grids.METHODS) * len(grids.LR_FACTORS)
+  for run in runs:
+    factor = float(run.name.rsplit("/x", 1)[1])
+    assert dict(run.overrides)["outer.learning_rate"] == pytest.approx(
+        methods.get(run.method).learning_rate * factor)
+
+
+def test_palsgd_c_grid_runs_every_ratio_with_the_authors_pull():
+  runs = grids.grid("palsgd_c")
+  assert len(runs) == 3 * (4 * len(grids.COMM_RATIOS) - 1)
+  for run in runs:
+    keys = dict(run.overrides)
+    assert keys["data.partition"] == "iid" and keys["comm.latency"] in grids.COMM_RATIOS
+    if run.method == "palsgd":
+      pull = (keys["inner.pseudo_sync_rate"] * keys["inner.learning_rate"]
+              / keys["inner.pseudo_sync_prob"])
+      assert pull == pytest.approx(0.05) and keys["outer.learning_rate"] == 0.1
+      assert keys["inner.palsgd_coins"] == "shared"
+    assert keys.get("comm.ddp_overlap", 0) == (grids.DDP_OVERLAP if run.method == "ddp_overlap"
+                                               else 0)
+
+
+def test_science_grid_finishes_seed_by_seed():
+  runs = grids.grid("science")
+  names = [r.name for r in runs]
+  assert len(set(names)) == len(names) == 90 - 3 + 15 + 69
+  seeds = [r.seed for r in runs]
+  assert seeds == sorted(seeds)
+  for name in grids.SCIENCE:
+    assert grids.family(name) == runs
+
+
+def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
+  out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
+  args = ["--grid=smoke", f"--out={out}", f"--digests={digests}", "--jobs=2",
+          "--only=tokens/homogeneous/(mla|heloco)/"]
+  assert reproduce.main(args) == 0
+  err = capsys.readouterr().err
+  assert "2 at a time, 1 core(s) each" in err and "[2/2 done]" in err
+  runs = [r for r in grids.grid("smoke") if re.search(args[-1][7:], r.name)]
+  for run in runs:
+    with open(analysis.digest_path(digests, run)) as f:
+      digest = json.load(f)
+    with open(os.path.join(out, "runs", run.name, "summary.json")) as f:
+      assert digest["summary"] == json.load(f)
+    assert digest["evals"][-1]["val_loss"] == pytest.approx(
+        digest["summary"]["final_val_loss"], rel=1e-5)
+    assert len(digest["arrivals"]["worker"]) == digest["summary"]["outer_updates"]
+    log = os.path.join(out, "logs", run.name + ".log")
+    assert "done:" in open(log).read()
+  # The digests alone hold the results: with the runs gone, nothing runs again.
+  shutil.rmtree(os.path.join(out, "runs"))
+  assert reproduce.main(args) == 0
+  assert "2 runs, 2 already finished" in capsys.readouterr().err
+  assert len(analysis.load(out, runs, digests)) == 2

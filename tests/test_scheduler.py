@@ -128,6 +128,15 @@ def test_ddp_budget_counts_every_workers_tokens():
   assert summary["sim_time"] == pytest.approx(7 * 15.0)  # every step waits for the slowest
 
 
+@pytest.mark.parametrize("overlap,step_seconds", [(0.0, 15.0 + 9.0), (0.5, 15.0 + 1.5)])
+def test_ddp_steps_hide_the_overlapped_part_of_the_allreduce(overlap, step_seconds):
+  config = _config("ddp", speeds=[1.0, 15.0, 3.0], **{"budget.tokens": 4 * 3 * 4 * 16,
+                                                      "comm.latency": 9.0,
+                                                      "comm.ddp_overlap": overlap})
+  summary, _ = _run(config)
+  assert summary["sim_time"] == pytest.approx(4 * step_seconds)
+
+
 def test_dylu_gives_slow_workers_fewer_steps():
   summary, rows = _run(_config(speeds=[1.0, 4.0, 4.0], inner_steps=8, dylu=True,
                                **{"budget.sim_seconds": 8.0}))

@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.palsgd_warmup_steps = -1   # DDP steps before PALSGD's rounds; -1 = H
   c.rejection_limit = 0        # non-finite pseudo-gradients in a row that stop the run;
                                # 0 = num_workers (at least 2)
+  c.quiet = False              # no progress bar (terminal) or progress lines (otherwise)
   c.deterministic = -1         # XLA's deterministic GPU ops (bit-exact replay); -1: on for
                                # runtime=simulated, off otherwise; 0: off; 1: on
 
@@ -116,4 +117,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.comm = ml_collections.ConfigDict()
   c.comm.latency = 0.0         # seconds per message or all-reduce
   c.comm.bandwidth = 0.0       # bytes per second; 0 = free transfers
+  c.comm.ddp_overlap = 0.0     # fraction of a DDP step's compute its all-reduce hides behind,
+                               # [0, 1); 2/3 ~ PyTorch DDP (all-reduce during the backward pass)
   return c

@@ -53,6 +53,7 @@ MEANINGS: dict[str, str] = {
     "palsgd_warmup_steps": "DDP steps before PALSGD's rounds; -1 = H",
     "rejection_limit": "non-finite pseudo-gradients in a row (none applied between) that stop "
                        "the run; 0 = num_workers, at least 2",
+    "quiet": "no progress: neither the bar (terminal) nor the lines every 30 s (otherwise)",
     "deterministic": "XLA's deterministic GPU ops, for bit-exact replay on GPUs (~20% slower "
                      "there); -1: on for runtime=simulated; 0: off; 1: on",
     "budget.tokens": "tokens of all applied inner steps together; 0 = none",
@@ -120,6 +121,8 @@ MEANINGS: dict[str, str] = {
                         "that its workers move to the live actors",
     "comm.latency": "seconds per message or all-reduce",
     "comm.bandwidth": "bytes per second; 0 = free transfers",
+    "comm.ddp_overlap": "fraction of a DDP step's compute that its all-reduce hides behind "
+                        "(0 = none; 2/3 ~ PyTorch DDP)",
 }
 
 

@@ -136,6 +136,7 @@ ALLOWED: dict[str, str] = {
     "ray.max_restarts": "an integer >= 0",
     "comm.latency": "a number >= 0",
     "comm.bandwidth": "a number >= 0",
+    "comm.ddp_overlap": "a number in [0, 1)",
 }
 
 
@@ -319,3 +320,5 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   _number("comm.latency", config.comm.latency, 0.0)
   _number("comm.bandwidth", config.comm.bandwidth, 0.0)
+  if not 0 <= config.comm.ddp_overlap < 1:
+    _fail("comm.ddp_overlap", config.comm.ddp_overlap, "a number in [0, 1)")

@@ -130,7 +130,7 @@ class SimulatedClock:
 
   A dispatch takes message + compute + message; a round its slowest worker
   plus one ring all-reduce; a DDP step the slowest worker's step plus one
-  all-reduce. Work is computed lazily (``eager`` False).
+  all-reduce, less what ``comm.ddp_overlap`` hides. Work is computed lazily (``eager`` False).
   """
 
   eager = False
@@ -141,6 +141,7 @@ class SimulatedClock:
     self.num_workers = len(seconds_per_step)
     self.message = comm.message_seconds(model_bytes)
     self.allreduce = comm.allreduce_seconds(model_bytes, self.num_workers)
+    self.comm = comm
 
   def start(self, elapsed: float) -> None:
     del elapsed
@@ -155,7 +156,8 @@ class SimulatedClock:
 
   def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]:
     """(steps to run, their seconds): only the steps that end within ``limit`` (0 = none)."""
-    seconds = [max(self.steps.duration(i, 1) for i in range(self.num_workers)) + self.allreduce
+    seconds = [self.comm.ddp_step_seconds(
+        max(self.steps.duration(i, 1) for i in range(self.num_workers)), self.allreduce)
                for _ in range(chunk)]
     if limit > 0:
       chunk = int(np.sum(start + np.cumsum(seconds) <= limit))
