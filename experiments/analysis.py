@@ -341,15 +341,19 @@ def _save(fig, path: str) -> str:
   return path
 
 
-def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) -> list[str]:
-  """Staleness per worker and preset; alignment over time per method; HeLoCo's branches, λ, β."""
+def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0,
+                        presets: Sequence[str] = grids.PRESETS,
+                        branches_preset: str = "severe") -> list[str]:
+  """Staleness per worker and preset; alignment over time per method; HeLoCo's branches, λ, β
+  (at ``branches_preset``)."""
+  all_presets = presets
   plt = _pyplot(fig_dir)
   paths = []
   pick = lambda preset, method: next((r for r in results if (
       r.run.table, r.run.preset, r.run.method, r.run.seed) == ("tokens", preset, method, seed)
       and r.arrivals), None)
 
-  presets = [p for p in grids.PRESETS if pick(p, "heloco")]
+  presets = [p for p in all_presets if pick(p, "heloco")]
   if presets:
     fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.2), squeeze=False)
     for ax, preset in zip(axes[0], presets):
@@ -365,7 +369,7 @@ def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) 
     paths.append(_save(fig, os.path.join(fig_dir, "staleness_per_worker.png")))
 
   async_methods = [m for m in grids.METHODS if m != "diloco"]
-  presets = [p for p in grids.PRESETS if any(pick(p, m) for m in async_methods)]
+  presets = [p for p in all_presets if any(pick(p, m) for m in async_methods)]
   if presets:
     fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.2), squeeze=False)
     for ax, preset in zip(axes[0], presets):
@@ -382,7 +386,7 @@ def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) 
     axes[0][-1].legend(fontsize=7)
     paths.append(_save(fig, os.path.join(fig_dir, "alignment_over_time.png")))
 
-  r = pick("severe", "heloco")
+  r = pick(branches_preset, "heloco")
   if r is not None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     times = [a["sim_time"] for a in r.arrivals]
@@ -390,13 +394,13 @@ def diagnostics_figures(results: Sequence[Result], fig_dir: str, seed: int = 0) 
                       float)
     fractions = counts / counts.sum(axis=1, keepdims=True)
     left.stackplot(times, fractions.T, labels=list(outer.BRANCH_NAMES))
-    left.set_title("HeLoCo branches per arrival (severe)")
+    left.set_title(f"HeLoCo branches per arrival ({branches_preset})")
     left.set_xlabel("simulated seconds")
     left.set_ylabel("fraction of blocks")
     left.legend(fontsize=7, loc="lower right")
     right.plot(times, [a["rotation_mean"] for a in r.arrivals], label="λ (rotation, mean)")
     right.plot(times, [a["shrinkage_mean"] for a in r.arrivals], label="β (shrinkage, mean)")
-    right.set_title("HeLoCo λ and β (severe)")
+    right.set_title(f"HeLoCo λ and β ({branches_preset})")
     right.set_xlabel("simulated seconds")
     right.legend(fontsize=7)
     paths.append(_save(fig, os.path.join(fig_dir, "heloco_branches.png")))

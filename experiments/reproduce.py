@@ -3,11 +3,16 @@
   python -m experiments.reproduce --grid=paper --out=DIR [--corpus=PATH] [--only=REGEX]
   python -m experiments.reproduce --grid=all --out=DIR        # + tuning, PALSGD, ablations
   python -m experiments.reproduce --grid=smoke --out=DIR      # a few minutes, synthetic data
+  python -m experiments.reproduce --grid=science --out=DIR    # issue 18's grids: hours
+  python -m experiments.reproduce --grid=science --out=DIR --report-only  # RESULTS.md only
 
-Each run is ``heloco-jax train`` in ``OUT/runs/<name>``, in this process (one
-JAX start-up; compiled programs are cached in ``OUT/xla_cache``). Finished runs
-(with a summary.json) are skipped and interrupted ones resume from their
-checkpoints, so the same command continues a grid after any interruption.
+Each run is ``heloco-jax train`` in ``OUT/runs/<name>``: ``--jobs`` at a time
+as processes pinned to their own cores (default: one per core), or with
+``--jobs=1`` in this process (compiled programs are cached in
+``OUT/xla_cache``). A finished run's digest goes to experiments/results (the
+smoke grid: OUT/results); runs with a digest are skipped and interrupted ones
+resume from their checkpoints, so the same command continues a grid after any
+interruption (experiments/README.md, "The runner").
 The paper grid reads the debian_docs corpus (de, en, es, fr, it); it is built
 into ``OUT/corpus`` when ``--corpus`` is not given (``heloco-jax corpus``,
 about a minute, Debian packages only).
@@ -27,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from experiments import analysis, grids
+from experiments import analysis, grids, science
 from heloco_jax import clock
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,6 +70,18 @@ def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
 
 def _scale_note(name: str) -> str:
   scale = grids.SCALES[name]
+  if name in grids.SCIENCE:
+    return (
+        f"The HeLoCo authors' harness (`heloco_stable_v2.py`): 5 workers, one language each "
+        f"(de, en, es, fr, it; Debian's translated LibreOffice help), GPT d_model 128, 8 "
+        f"layers, 4 heads, context 128, batch 2 × 128 tokens, H = 20, 10,000 local steps "
+        f"(2.56M tokens) per run, inner AdamW lr 2e-4 with cosine decay to 1e-6 over each "
+        f"worker's 2,000 steps, weight decay 1e-2, no clipping, a fresh AdamW state per "
+        f"dispatch; outer lrs 0.07 (async Nesterov, DN), 0.7 (MLA, HeLoCo, sync), μ 0.9, "
+        f"ρ = 1/√5; seeds {list(scale.seeds)}. **One change:** a {grids.AUTHORS_VOCAB}-id "
+        f"byte-level BPE trained on the corpus instead of GPT-2's 50,257 ids (2.1M instead of "
+        f"14.5M parameters; the depth and width are the authors'), so that the grid fits a "
+        f"2-core CPU; losses are therefore not comparable with the authors' in absolute terms.")
   note = (f"Grid `{name}`: 5 workers, one language each, GPT d_model {scale.d_model}, "
           f"{scale.num_layers} layers, context {scale.context}, batch {scale.batch_size}, "
           f"H = {scale.inner_steps}, {scale.tokens:,} tokens per run (token table), seeds "
@@ -148,6 +165,12 @@ def _last_progress(log: str) -> str:
   return lines[-1].replace("heloco-jax train: ", "") if lines else ""
 
 
+# ``python -m heloco_jax.train`` on the given cores (Linux; elsewhere unpinned).
+_PINNED = ("import os, runpy, sys\n"
+           "if hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {cores})\n"
+           "runpy.run_module('heloco_jax.train', run_name='__main__', alter_sys=True)")
+
+
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
                  jobs: int, heartbeat: float = 300.0) -> int:
   """Runs ``todo`` as ``python -m heloco_jax.train`` processes, ``jobs`` at a time, each pinned
@@ -182,12 +205,11 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                                           " --xla_cpu_multi_thread_eigen=false "
                                           f"intra_op_parallelism_threads={len(slot)}").strip())
-        command = [sys.executable, "-m", "heloco_jax.train",
+        command = [sys.executable, "-c", _PINNED.format(cores=tuple(slot)),
                    f"--workdir={os.path.join(out, 'runs', run.name)}", *run.args(data_path),
                    f"--compilation_cache={os.path.join(out, 'xla_cache')}"]
-        with open(log, "a") as f:
-          proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                  preexec_fn=lambda s=tuple(slot): os.sched_setaffinity(0, s))
+        with open(log, "a") as f:  # no preexec_fn: forking this (JAX) process is unsafe
+          proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env)
         running[index] = (proc, run, log, time.monotonic())
         print(f"reproduce: [{progress.done + len(running)}/{progress.total}] started {run.name} "
               f"(cores {','.join(map(str, slot))})", file=sys.stderr, flush=True)
@@ -249,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="folder of the finished runs' digests, which RESULTS.md is written "
                            "from (default: experiments/results, or OUT/results for the smoke "
                            "grid)")
+  parser.add_argument("--report-only", action="store_true",
+                      help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
   if args.jobs < 0:
     parser.error(f"--jobs={args.jobs} is not allowed; allowed: 0 (one per core) or more")
@@ -264,8 +288,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  else os.path.join(_HERE, "results"))
   runs = grids.grid(args.grid)
   chosen = [r for r in runs if re.search(args.only, r.name)] if args.only else runs
-  data_path = _corpus(args.corpus, args.out, grids.SCALES[args.grid]) if any(
-      r.needs_corpus() for r in chosen) else ""
   todo = []
   for run in chosen:
     if os.path.exists(analysis.digest_path(results_dir, run)):
@@ -277,6 +299,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     todo.append(run)
   print(f"reproduce: grid {args.grid}: {len(chosen)} runs, {len(chosen) - len(todo)} already "
         f"finished", file=sys.stderr)
+  if args.report_only:
+    todo = []
+  data_path = _corpus(args.corpus, args.out, grids.SCALES[args.grid]) if any(
+      r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
   if jobs > 1 and todo:
     status = run_parallel(todo, args.out, data_path, results_dir, jobs)
@@ -299,12 +325,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # ablations; or the issue-18 grids), whichever grid this command ran.
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
-  paper_scale = not smoke
-  path = args.results or (os.path.join(_HERE, "RESULTS.md") if paper_scale
-                          else os.path.join(args.out, "RESULTS.md"))
-  fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures")
+  issue18 = args.grid in grids.SCIENCE
+  path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
+      _HERE, "RESULTS.md" if issue18 else "RESULTS_small_scale.md"))
+  fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
+                         *(["science"] if issue18 else []))
   command = f"python -m experiments.reproduce --grid={args.grid} --out=DIR"
-  analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
+  writer = science.write_results if issue18 else analysis.write_results
+  writer(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
         file=sys.stderr)
   return 0

@@ -1,0 +1,377 @@
+"""RESULTS.md of issue 18's grids (``grids.SCIENCE``): the HeLoCo authors' setups, the outer-lr
+check and PALSGD over the communication ratio c, from the runs' digests (experiments/results).
+
+Headline numbers follow ALGORITHMS.md: the relative improvement (L_baseline − L_HeLoCo) /
+L_baseline of the mean validation loss over seeds, at a fixed token budget and at a fixed
+simulated wall-clock budget, here at 25%, 50% and 100% of each budget. A claim's verdict:
+*reproduced* when its sign holds on every seed in every preset it covers, *partly* when it
+holds on every seed in some of them (or on the mean of all), *not reproduced* otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from experiments import analysis, grids
+
+Result = analysis.Result
+
+# The HeLoCo paper's claims (Al Asif et al. 2026): (name, table, presets, baselines, paper).
+CLAIMS = (
+    ("HeLoCo beats async DiLoCo (Nesterov, Delayed Nesterov), token budget", "tokens",
+     grids.AUTHORS_PRESETS, ("async_nesterov", "delayed_nesterov"), "up to +7.5%"),
+    ("HeLoCo beats MLA, wall-clock budget", "time", grids.AUTHORS_PRESETS, ("mla",),
+     "up to +3.3%"),
+    ("HeLoCo beats synchronous DiLoCo, wall-clock budget, extreme paces", "time", ("severe",),
+     ("diloco",), "up to +22.1%"),
+)
+# The authors' final losses in this harness (GPT-2 vocabulary, paces [1,2,3,1,5], tokens).
+AUTHORS_FINAL = {"async_nesterov": 7.98, "mla": 7.68, "heloco": 7.60, "diloco": 7.59}
+
+
+def _authors(results: Sequence[Result]) -> list[Result]:
+  return [r for r in results if r.run.name.startswith("authors/")
+          and r.run.table in ("tokens", "time")]
+
+
+def loss_at_time(evals: Sequence[dict[str, Any]], seconds: float) -> float:
+  """Validation loss at simulated ``seconds``, linear between evaluations; the last
+  evaluation's when the run ended before ``seconds``."""
+  times = [e["sim_time"] for e in evals]
+  losses = [e["val_loss"] for e in evals]
+  return float(np.interp(seconds, times, losses))
+
+
+def loss_at(result: Result, table: str, fraction: float) -> float:
+  """``result``'s validation loss at ``fraction`` of its table's budget.
+
+  Token table: the evaluation at that many tokens (evaluations fall on 25/50/100%; the final
+  one for 100%). Time table: at ``fraction``·T simulated seconds (``loss_at_time``).
+  """
+  if table == "tokens":
+    if fraction >= 1:
+      return result.summary["final_val_loss"]
+    target = fraction * dict(result.run.overrides)["budget.tokens"]
+    return min(result.evals, key=lambda e: abs(e["tokens"] - target))["val_loss"]
+  return loss_at_time(result.evals, fraction * grids.time_budget(grids.AUTHORS,
+                                                                   result.run.preset))
+
+
+def runs_for(results: Sequence[Result], table: str, preset: str, method: str) -> list[Result]:
+  """The runs of a cell, by seed. The time table's asynchronous runs are the token runs (they
+  read the token budget in T), as is homogeneous synchronous DiLoCo's (no one waits)."""
+  own = "time" if table == "time" and method == "diloco" and preset != "homogeneous" else "tokens"
+  chosen = [r for r in results if (r.run.table, r.run.preset, r.run.method) == (own, preset,
+                                                                                 method)]
+  return sorted(chosen, key=lambda r: r.run.seed)
+
+
+def losses(results, table, preset, method, fraction=1.0) -> dict[int, float]:
+  """seed -> validation loss at ``fraction`` of the budget."""
+  return {r.run.seed: loss_at(r, table, fraction) for r in runs_for(results, table, preset,
+                                                                     method)}
+
+
+def improvement(results, table, preset, baseline, fraction=1.0) -> Optional[dict[str, Any]]:
+  """HeLoCo vs ``baseline`` in one cell: the relative improvement of the means (%), and per
+  seed (paired by seed) whether HeLoCo's loss is lower. None without paired runs."""
+  heloco = losses(results, table, preset, "heloco", fraction)
+  base = losses(results, table, preset, baseline, fraction)
+  seeds = sorted(set(heloco) & set(base))
+  if not seeds:
+    return None
+  h, b = np.array([heloco[s] for s in seeds]), np.array([base[s] for s in seeds])
+  return {"gain": analysis._improvement(b.mean(), h.mean()),  # pylint: disable=protected-access
+          "wins": int(np.sum(h < b)), "seeds": len(seeds),
+          "per_seed": [analysis._improvement(x, y) for x, y in zip(b, h)]}  # pylint: disable=protected-access
+
+
+def verdict(cells: Sequence[dict[str, Any]]) -> str:
+  """reproduced / partly / not reproduced, from the cells a claim covers (module docstring)."""
+  if not cells:
+    return "no runs yet"
+  every_seed = [c["wins"] == c["seeds"] for c in cells]
+  if all(every_seed) and all(c["seeds"] >= 3 for c in cells):
+    return "**reproduced**"
+  if any(every_seed) or all(c["gain"] > 0 for c in cells):
+    return "**partly**"
+  return "**not reproduced**"
+
+
+def claims_table(results: Sequence[Result]) -> str:
+  """Markdown: each claim, its verdict and the measured magnitude at 25/50/100% of budget."""
+  authors = _authors(results)
+  lines = ["| claim | paper | verdict (100% of budget) | HeLoCo's gain, mean over seeds: at "
+           "25% / 50% / 100% of the budget, per preset and baseline (wins/seeds at 100%) |",
+           "|---|---|---|---|"]
+  for name, table, presets, baselines, paper in CLAIMS:
+    cells, text = [], []
+    for preset in presets:
+      for baseline in baselines:
+        at = [improvement(authors, table, preset, baseline, f) for f in grids.BUDGET_FRACTIONS]
+        if at[-1] is None:
+          continue
+        cells.append(at[-1])
+        gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
+        text.append(f"{preset} vs {baseline}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
+    lines.append(f"| {name} | {paper} | {verdict(cells)} | {'; '.join(text) or '–'} |")
+  speedup = palsgd_claim(results)
+  if speedup:
+    lines.append(f"| PALSGD trains faster than DDP (time to DDP's final loss) | 21.1–24.4% "
+                 f"faster | {speedup[0]} | {speedup[1]} |")
+  return "\n".join(lines)
+
+
+def loss_table(results: Sequence[Result], table: str) -> str:
+  """Markdown: validation loss per preset × method at 25/50/100% of the budget (mean ± std)."""
+  authors = _authors(results)
+  lines = ["| paces | method | 25% | 50% | 100% | seeds |", "|---|---|---|---|---|---|"]
+  rows = 0
+  for preset in grids.AUTHORS_PRESETS:
+    for method in grids.METHODS:
+      cells = [list(losses(authors, table, preset, method, f).values())
+               for f in grids.BUDGET_FRACTIONS]
+      if not cells[-1]:
+        continue
+      rows += 1
+      text = " | ".join(f"{np.mean(c):.4f} ± {np.std(c):.4f}" for c in cells)
+      lines.append(f"| {preset} | {method} | {text} | {len(cells[-1])} |")
+  return "\n".join(lines) if rows else ""
+
+
+def time_budget_note(results: Sequence[Result]) -> str:
+  """How close to T the asynchronous token runs ended, and what synchronous DiLoCo read."""
+  authors = _authors(results)
+  spread, sync = [], []
+  for preset in grids.AUTHORS_PRESETS:
+    t = grids.time_budget(grids.AUTHORS, preset)
+    spread += [r.summary["sim_time"] / t - 1 for r in authors if r.run.table == "tokens"
+               and r.run.preset == preset and r.run.method != "diloco"]
+    sync += [f"{preset} {np.mean([r.summary['tokens'] for r in runs_for(authors, 'time', preset, 'diloco')]):,.0f}"
+             for _ in [0] if runs_for(authors, "time", preset, "diloco")]
+  if not spread:
+    return ""
+  return ("T per preset = the simulated seconds in which non-waiting workers read the token "
+          "budget (`grids.time_budget`): "
+          + ", ".join(f"{p} {grids.time_budget(grids.AUTHORS, p):,.0f} s"
+                      for p in grids.AUTHORS_PRESETS)
+          + f". The asynchronous token runs ended between {100 * min(spread):+.1f}% and "
+          f"{100 * max(spread):+.1f}% of T; in T synchronous DiLoCo read (mean tokens) "
+          + "; ".join(sync) + ".")
+
+
+def lr_table(results: Sequence[Result]) -> str:
+  """Markdown: the one-seed outer-lr check (mixed paces, seed 0, token budget)."""
+  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  factors = sorted((*grids.LR_FACTORS, 1.0))
+  lines = ["| method | authors' lr | " + " | ".join(f"× {f:g}" for f in factors)
+           + " | authors' lr vs the best |", "|---|---|" + "---|" * len(factors) + "---|"]
+  rows = 0
+  for method in grids.METHODS:
+    found = {}
+    for r in results:
+      if r.run.table == "lr" and r.run.method == method:
+        found[float(r.run.name.rsplit("/x", 1)[1])] = r.summary["final_val_loss"]
+    base = [r for r in runs_for(_authors(results), "tokens", "mixed", method) if r.run.seed == 0]
+    if base:
+      found[1.0] = base[0].summary["final_val_loss"]
+    if len(found) < 2 or 1.0 not in found:
+      continue
+    rows += 1
+    best = min(found, key=found.get)
+    cells = [("**" if f == best else "") + (f"{found[f]:.4f}" if f in found else "–")
+             + ("**" if f == best else "") for f in factors]
+    gap = 100 * (found[1.0] - found[best]) / found[best]
+    where = "the best" if best == 1.0 else f"{gap:.2f}% above the best (× {best:g})"
+    lines.append(f"| {method} | {methods.get(method).learning_rate:g} | {' | '.join(cells)} | "
+                 f"{where} |")
+  return "\n".join(lines) if rows else ""
+
+
+def _palsgd_runs(results, c, name):
+  return {r.run.seed: r for r in results if r.run.table == f"palsgd_c/c{c:g}"
+          and r.run.method == name}
+
+
+def palsgd_times(results: Sequence[Result]) -> dict[float, dict[str, list[float]]]:
+  """c -> method -> per seed, the simulated seconds to that seed's DDP final validation loss
+  (DDP's trajectory does not depend on c; its time does)."""
+  out = {}
+  for c in grids.COMM_RATIOS:
+    ddp = _palsgd_runs(results, c, "ddp")
+    if not ddp:
+      continue
+    times = {}
+    for name in ("ddp", "ddp_overlap", "diloco", "palsgd"):
+      runs = _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
+      times[name] = [analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
+                     for s in sorted(runs) if s in ddp]
+    out[c] = times
+  return out
+
+
+def _speedup(reference: Sequence[float], method: Sequence[float]) -> float:
+  """How much sooner (%) ``method`` reaches the target than ``reference``, mean over seeds."""
+  if not reference or not method or not np.all(np.isfinite(method)):
+    return -math.inf
+  return float(100 * (np.mean(reference) - np.mean(method)) / np.mean(reference))
+
+
+def crossover(times: dict[float, dict[str, list[float]]], reference: str) -> Optional[float]:
+  """The smallest c from which on PALSGD reaches the target sooner than ``reference``."""
+  wins = [(c, _speedup(t[reference], t["palsgd"]) > 0) for c, t in sorted(times.items())]
+  for i, (c, _) in enumerate(wins):
+    if all(w for _, w in wins[i:]):
+      return c
+  return None
+
+
+def palsgd_table(results: Sequence[Result]) -> str:
+  times = palsgd_times(results)
+  if not times:
+    return ""
+  lines = ["| c (all-reduce ÷ step) | DDP s | DDP overlapped s | DiLoCo s | PALSGD s | PALSGD vs "
+           "DDP | PALSGD vs DDP overlapped | DiLoCo vs DDP | seeds |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for c, t in sorted(times.items()):
+    secs = [f"{np.mean(t[m]):,.0f}" if t[m] and np.all(np.isfinite(t[m])) else "not reached"
+            for m in ("ddp", "ddp_overlap", "diloco", "palsgd")]
+    gains = [_speedup(t[ref], t[m]) for ref, m in (("ddp", "palsgd"), ("ddp_overlap", "palsgd"),
+                                                   ("ddp", "diloco"))]
+    lines.append(f"| {c:g} | {' | '.join(secs)} | "
+                 + " | ".join(f"{g:+.1f}%" if np.isfinite(g) else "–" for g in gains)
+                 + f" | {len(t['ddp'])} |")
+  for reference, label in (("ddp", "DDP"), ("ddp_overlap", "overlapped DDP")):
+    c = crossover(times, reference)
+    lines.append("")
+    lines.append(f"PALSGD reaches DDP's loss sooner than {label} from c = {c:g} on."
+                 if c is not None else f"PALSGD is not faster than {label} at any c measured.")
+  return "\n".join(lines)
+
+
+def palsgd_claim(results: Sequence[Result]) -> Optional[tuple[str, str]]:
+  """(verdict, measured) for the PALSGD claim: PALSGD faster than DDP on every seed at some c."""
+  times = palsgd_times(results)
+  if not times:
+    return None
+  per_c = []
+  for c, t in sorted(times.items()):
+    seeds = [d > p for d, p in zip(t["ddp"], t["palsgd"])]
+    per_c.append((c, _speedup(t["ddp"], t["palsgd"]), all(seeds) and len(seeds) >= 3, any(seeds)))
+  best = max(per_c, key=lambda x: x[1])
+  text = ", ".join(f"c={c:g}: {g:+.1f}%" for c, g, _, _ in per_c)
+  if all(every for _, _, every, _ in per_c):
+    verdict_text = "**reproduced**"
+  elif any(every for _, _, every, _ in per_c) or best[1] > 0:
+    verdict_text = "**partly**"
+  else:
+    verdict_text = "**not reproduced**"
+  return verdict_text, f"faster than DDP by {text} (mean over seeds)"
+
+
+def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
+  """Mean validation loss over seeds vs local steps and vs simulated time, per paces."""
+  plt = analysis._pyplot(fig_dir)  # pylint: disable=protected-access
+  authors = _authors(results)
+  paths = []
+  presets = [p for p in grids.AUTHORS_PRESETS if runs_for(authors, "tokens", p, "heloco")]
+  if not presets:
+    return paths
+  tokens_per_step = grids.AUTHORS.batch_size * grids.AUTHORS.context
+  for table, axis, label in (("tokens", "tokens", "local steps (all workers)"),
+                             ("time", "sim_time", "simulated seconds")):
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.4), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+      for color, method in enumerate(grids.METHODS):
+        runs = runs_for(authors, table, preset, method)
+        if not runs:
+          continue
+        n = min(len(r.evals) for r in runs)
+        x = np.mean([[e[axis] for e in r.evals[:n]] for r in runs], axis=0)
+        y = np.array([[e["val_loss"] for e in r.evals[:n]] for r in runs])
+        if axis == "tokens":
+          x = x / tokens_per_step
+        ax.plot(x, y.mean(0), color=f"C{color}", lw=1.3, label=method)
+        ax.fill_between(x, y.min(0), y.max(0), color=f"C{color}", alpha=0.15)
+      if table == "time":
+        ax.axvline(grids.time_budget(grids.AUTHORS, preset), color="k", lw=0.6, ls="--")
+      ax.set_title(f"{preset} paces")
+      ax.set_xlabel(label)
+      ax.set_ylabel("validation loss")
+      ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    paths.append(analysis._save(fig, os.path.join(  # pylint: disable=protected-access
+        fig_dir, f"authors_loss_vs_{'steps' if axis == 'tokens' else 'sim_time'}.png")))
+  return paths
+
+
+def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
+  times = palsgd_times(results)
+  if not times:
+    return []
+  plt = analysis._pyplot(fig_dir)  # pylint: disable=protected-access
+  fig, ax = plt.subplots(figsize=(5.5, 3.6))
+  cs = sorted(times)
+  for (reference, method), style in zip(
+      (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco")), ("o-", "s--", "^:")):
+    gains = [_speedup(times[c][reference], times[c][method]) for c in cs]
+    ax.plot(cs, [g if np.isfinite(g) else np.nan for g in gains], style,
+            label=f"{method} vs {reference.replace('_', ' ')}")
+  ax.axhline(0, color="k", lw=0.6)
+  ax.set_xlabel("c = all-reduce seconds ÷ step seconds")
+  ax.set_ylabel("reaches DDP's final loss sooner (%)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return [analysis._save(fig, os.path.join(fig_dir, "palsgd_speedup_vs_c.png"))]  # pylint: disable=protected-access
+
+
+def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
+                  scale_note: str, small_scale: str = "RESULTS_small_scale.md") -> None:
+  """Writes RESULTS.md for issue 18's grids with its figures under ``fig_dir``."""
+  authors = [r for r in _authors(results) if r.run.table == "tokens"]
+  figures = (curves(results, fig_dir) + palsgd_figure(results, fig_dir)
+             + analysis.diagnostics_figures(authors, fig_dir, presets=grids.AUTHORS_PRESETS,
+                                            branches_preset="mixed"))
+  rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
+  core_hours = sum(r.summary.get("wall_seconds", 0.0) for r in results) / 3600
+  parts = [
+      "# Results", "",
+      f"Regenerate from the committed digests (`experiments/results/`) with `{command}`; the "
+      f"runs missing there are run first. {len(results)} of {len(grids.grid('science'))} runs "
+      f"are finished ({core_hours:.1f} core-hours, one core per run).", "", scale_note, "",
+      *analysis._section(  # pylint: disable=protected-access
+          "The claims, measured", claims_table(results),
+          "Gain = (L_baseline − L_HeLoCo) / L_baseline of the mean validation loss over seeds. "
+          "Verdict: *reproduced* when HeLoCo's loss is lower on every seed in every preset the "
+          "claim covers (≥ 3 seeds); *partly* when on every seed in some presets, or on the "
+          "mean in all; *not reproduced* otherwise."),
+      *analysis._section(  # pylint: disable=protected-access
+          "The authors' harness: fixed token budget (10,000 local steps)",
+          loss_table(results, "tokens"),
+          "Validation loss at 25%, 50% and 100% of the budget, mean ± std over seeds. The "
+          "authors' own final losses (GPT-2 vocabulary, paces [1,2,3,1,5]): "
+          + ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()) + "."),
+      *analysis._section(  # pylint: disable=protected-access
+          "The authors' harness: fixed wall-clock (simulated) budget",
+          loss_table(results, "time"), time_budget_note(results)),
+      *analysis._section(  # pylint: disable=protected-access
+          "Outer learning rate: the authors' against × 0.25, 0.5, 2 (paces [1,2,3,1,5], seed 0)",
+          lr_table(results)),
+      *analysis._section(  # pylint: disable=protected-access
+          "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
+          "Homogeneous workers, IID split, the byte-level small-scale model; shared coins, "
+          "p = 0.2, pull η_ps·α/p = 0.05 and outer Nesterov lr 0.1 as in the PALSGD authors' "
+          "example; DDP plain, and with its all-reduce overlapped with the backward pass "
+          "(`comm.ddp_overlap` = 2/3). Time to each seed's DDP final loss; DiLoCo and PALSGD "
+          "may read up to twice DDP's tokens. Paper: PALSGD 21.1–24.4% faster than DDP."),
+      "## Figures", "",
+      *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
+      "## Small scale", "",
+      f"The earlier byte-level grid (0.28M-parameter GPT, 1M tokens per run): "
+      f"[{small_scale}]({small_scale}).", ""]
+  with open(path, "w") as f:
+    f.write("\n".join(parts))

@@ -1,0 +1,119 @@
+"""RESULTS.md of issue 18's grids (experiments/science.py) on made-up runs: budget points,
+verdicts, the outer-lr table and the PALSGD crossover."""
+
+import os
+
+import numpy as np
+import pytest
+
+from experiments import analysis, grids, science
+
+
+def _authors_run(table, preset, method, seed, final, curve=None):
+  name = f"authors/{table}/{preset}/{method}/seed{seed}"
+  run = next((r for r in grids.grid("authors") if r.name == name), None)
+  assert run is not None, name
+  budget = dict(run.overrides)["budget.tokens"] or grids.AUTHORS.tokens
+  t = grids.time_budget(grids.AUTHORS, preset)
+  curve = curve or (lambda f: final + 1.0 - f)
+  evals = [{"tokens": int(f * budget), "sim_time": f * t, "val_loss": curve(f)}
+           for f in np.linspace(0, 1, 21)]
+  evals[-1]["val_loss"] = final
+  return analysis.Result(run, {"final_val_loss": final, "tokens": budget, "sim_time": t,
+                               "wall_seconds": 60.0}, evals, [])
+
+
+def test_losses_are_read_at_25_50_and_100_percent_of_each_budget():
+  r = _authors_run("tokens", "mixed", "heloco", 0, 5.0, curve=lambda f: 9.0 - 2 * f)
+  assert science.loss_at(r, "tokens", 0.25) == pytest.approx(8.5)
+  assert science.loss_at(r, "tokens", 0.5) == pytest.approx(8.0)
+  assert science.loss_at(r, "tokens", 1.0) == 5.0
+  # The time table interpolates over simulated seconds (here evals sit at f·T).
+  assert science.loss_at(r, "time", 0.25) == pytest.approx(8.5)
+  assert science.loss_at_time(r.evals, 10 * r.evals[-1]["sim_time"]) == 5.0  # ended before
+
+
+@pytest.mark.parametrize("gaps,expected", [
+    ({"mild": (0.1, 0.1, 0.1), "severe": (0.2, 0.1, 0.3)}, "**reproduced**"),
+    ({"mild": (0.1, 0.1, 0.1), "severe": (0.2, -0.1, 0.3)}, "**partly**"),
+    ({"mild": (0.1, -0.1, 0.1), "severe": (-0.2, 0.1, 0.3)}, "**partly**"),  # the means
+    ({"mild": (0.1, -0.5, 0.1), "severe": (-0.2, -0.1, 0.3)}, "**not reproduced**"),
+])
+def test_a_verdict_needs_the_sign_on_every_seed(gaps, expected):
+  results = []
+  for preset, per_seed in gaps.items():
+    for seed, gap in enumerate(per_seed):
+      results.append(_authors_run("tokens", preset, "mla", seed, 5.0))
+      results.append(_authors_run("tokens", preset, "heloco", seed, 5.0 - gap))
+  cells = [science.improvement(results, "tokens", p, "mla") for p in gaps]
+  assert science.verdict(cells) == expected
+  mild = science.improvement(results, "tokens", "mild", "mla")
+  assert mild["seeds"] == 3 and mild["gain"] == pytest.approx(
+      100 * np.mean(gaps["mild"]) / 5.0)
+
+
+def test_time_table_uses_the_token_runs_of_async_methods_and_diloco_own_run():
+  results = [_authors_run("tokens", "severe", "heloco", 0, 5.0),
+             _authors_run("tokens", "severe", "diloco", 0, 4.0),
+             _authors_run("time", "severe", "diloco", 0, 6.0),
+             _authors_run("tokens", "homogeneous", "diloco", 0, 4.5)]
+  assert science.losses(results, "time", "severe", "heloco") == {0: 5.0}
+  assert science.losses(results, "time", "severe", "diloco") == {0: 6.0}
+  assert science.losses(results, "time", "homogeneous", "diloco") == {0: 4.5}
+  assert science.improvement(results, "time", "severe", "diloco")["gain"] == pytest.approx(
+      100 / 6)
+
+
+def test_lr_table_marks_the_best_and_says_where_the_authors_lr_is():
+  results = [_authors_run("tokens", "mixed", "mla", 0, 5.0)]
+  lr_runs = {r.name: r for r in grids.grid("authors_lr")}
+  for factor, loss in ((0.25, 5.3), (0.5, 4.9), (2.0, 5.1)):
+    results.append(analysis.Result(lr_runs[f"authors/lr/mla/x{factor:g}"],
+                                   {"final_val_loss": loss}, [], []))
+  table = science.lr_table(results)
+  assert "| mla | 0.7 | 5.3000 | **4.9000** | 5.0000 | 5.1000 | 2.04% above the best (× 0.5) |" \
+      in table
+
+
+def _palsgd(c, name, seed, final, seconds_per_eval):
+  run = next(r for r in grids.grid("palsgd_c")
+             if r.name == f"palsgd_c/c{c:g}/{name}/seed{seed}")
+  evals = [{"sim_time": i * seconds_per_eval, "val_loss": 5.0 - i * 0.5, "tokens": i}
+           for i in range(5)]
+  return analysis.Result(run, {"final_val_loss": final}, evals, [])
+
+
+def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
+  results = []
+  for seed in range(3):
+    for c in grids.COMM_RATIOS:
+      # DDP's time per eval grows with c; PALSGD's barely: it wins from c = 0.25 on.
+      results.append(_palsgd(c, "ddp", seed, 3.0, 10 * (1 + c)))
+      if c:
+        results.append(_palsgd(c, "ddp_overlap", seed, 3.0, 10 * max(1.0, 1 / 3 + c)))
+      results.append(_palsgd(c, "diloco", seed, 3.0, 10 * (1 + c / 20) * 1.3))
+      results.append(_palsgd(c, "palsgd", seed, 3.0, 10 * (1 + c / 20) * 1.2))
+  times = science.palsgd_times(results)
+  assert times[0.25]["ddp"] == [pytest.approx(50.0)] * 3  # 4 evals of 12.5 s to loss 3.0
+  assert science.crossover(times, "ddp") == 0.25
+  assert science.crossover(times, "ddp_overlap") == 1.0
+  table = science.palsgd_table(results)
+  assert "from c = 0.25 on" in table and "| 0.25 |" in table
+  verdict, measured = science.palsgd_claim(results)
+  assert verdict == "**partly**" and "c=1: " in measured
+
+
+def test_results_md_and_figures_from_made_up_runs(tmp_path):
+  results = [_authors_run("tokens", p, m, s, 5.0 + 0.1 * i + 0.01 * s)
+             for p in ("mild", "mixed") for i, m in enumerate(grids.METHODS) for s in range(3)]
+  results += [_authors_run("time", p, "diloco", s, 6.0) for p in ("mild", "mixed")
+              for s in range(3)]
+  path = str(tmp_path / "RESULTS.md")
+  science.write_results(results, path, str(tmp_path / "figures"), "CMD", "NOTE")
+  text = open(path).read()
+  for part in ("## The claims, measured", "## The authors' harness: fixed token budget",
+               "## The authors' harness: fixed wall-clock", "| mixed | heloco |",
+               "RESULTS_small_scale.md", "NOTE", "CMD"):
+    assert part in text
+  for figure in ("authors_loss_vs_steps.png", "authors_loss_vs_sim_time.png"):
+    assert os.path.getsize(tmp_path / "figures" / figure) > 10_000 and figure in text
