@@ -47,12 +47,14 @@ from heloco_jax.rejection import DivergenceError
 from heloco_jax.runtime.engine import BudgetError, Stopped
 from heloco_jax.server import Server
 from heloco_jax.workdir import WorkdirError
+from heloco_jax.writers import TensorBoardWriter, Writers
 
 __version__ = "0.1.0"
 
 __all__ = [
     "METHODS", "BudgetError", "CommModel", "DeterminismError", "DivergenceError", "Stopped",
-    "PalsgdState", "Server", "SimulationResult", "WorkdirError", "devices_runtime",
+    "PalsgdState", "Server", "SimulationResult", "TensorBoardWriter", "WorkdirError",
+    "Writers", "devices_runtime",
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",

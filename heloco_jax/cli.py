@@ -13,6 +13,8 @@ commands:
   corpus   build the offline multilingual corpus (and its BPE vocabulary):
            heloco-jax corpus debian_docs --languages=de,en,es,fr,it --out=DIR
            heloco-jax corpus bpe --out=DIR [--vocab-size=8192]   (any text_dir corpus)
+  plot     a run's figures (loss, staleness, alignment, arrivals) as PNGs:
+           heloco-jax plot RUN_DIR [RUN_DIR ...] [--out DIR]
 """
 
 
@@ -32,7 +34,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return train.main(rest)
   if command == "corpus":
     return _corpus(rest)
-  print(f"heloco-jax: unknown command {command!r}; allowed: train, corpus\n\n{USAGE}",
+  if command == "plot":
+    from heloco_jax import plot  # pylint: disable=g-import-not-at-top
+    return plot.main(rest)
+  print(f"heloco-jax: unknown command {command!r}; allowed: train, corpus, plot\n\n{USAGE}",
         end="", file=sys.stderr)
   return 2
 

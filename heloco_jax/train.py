@@ -11,7 +11,8 @@ naming the key, the value and what is allowed (exit status 2).
 Writes ``DIR/config.json`` (the resolved config), ``DIR/metrics.jsonl`` (eval,
 arrival and rejected rows, written as they happen), ``DIR/checkpoints/`` (every
 ``checkpoint_every`` outer updates; the newest ``keep_checkpoints``) and
-``DIR/summary.json``. A progress bar (tokens, simulated time, last validation
+``DIR/summary.json``; with tensorboardX installed also TensorBoard event files
+in ``DIR/tensorboard`` (``--config.writers``). A progress bar (tokens, simulated time, last validation
 loss) shows on a terminal; elsewhere (a batch job, nohup, CI, a notebook) a
 progress line every 30 s and at every evaluation (tokens, simulated time, last
 validation loss, tokens/s, time left). ``--config.quiet=true`` shows neither.
@@ -239,6 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
         f"{config.data.partition} ({', '.join(simulation.data.languages)}); writing {workdir}",
         file=sys.stderr)
+  from heloco_jax import writers  # pylint: disable=g-import-not-at-top
+  extra = writers.for_workdir(writers.parse(config.writers), workdir)
   bar = None if config.quiet else _progress(config.budget.tokens)
   lines = (ProgressLines(config.budget.tokens, config.budget.sim_seconds)
            if bar is None and not config.quiet else None)
@@ -247,6 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   def on_row(row):
     nonlocal last_loss
     directory.write_row(row)
+    if extra is not None:
+      extra(row)
     if row["event"] == "eval":
       last_loss = row["val_loss"]
     if lines is not None:
@@ -294,6 +299,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       signal.signal(signum, handler)
     if bar is not None:
       bar.close()
+    if extra is not None:
+      extra.close()
     directory.close()
     simulation.close()
   rejected = (f" ({summary['rejected_tokens']} of them rejected: {summary['rejected']} "

@@ -23,7 +23,7 @@ def test_train_without_workdir_fails_with_usage(capsys):
 
 def test_unknown_command_lists_the_allowed_ones(capsys):
   assert cli.main(["fly"]) == 2
-  assert "unknown command 'fly'; allowed: train, corpus" in capsys.readouterr().err
+  assert "unknown command 'fly'; allowed: train, corpus, plot" in capsys.readouterr().err
 
 
 def test_train_help_lists_the_config_keys_with_defaults_and_allowed_values(capsys):

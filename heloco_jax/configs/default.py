@@ -27,6 +27,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.palsgd_warmup_steps = -1   # DDP steps before PALSGD's rounds; -1 = H
   c.rejection_limit = 0        # non-finite pseudo-gradients in a row that stop the run;
                                # 0 = num_workers (at least 2)
+  c.writers = ""               # metric writers: jsonl[,tensorboard]; "" = jsonl, plus
+                               # tensorboard (DIR/tensorboard) when tensorboardX is installed
   c.quiet = False              # no progress bar (terminal) or progress lines (otherwise)
   c.deterministic = -1         # XLA's deterministic GPU ops (bit-exact replay); -1: on for
                                # runtime=simulated, off otherwise; 0: off; 1: on

@@ -53,6 +53,8 @@ MEANINGS: dict[str, str] = {
     "palsgd_warmup_steps": "DDP steps before PALSGD's rounds; -1 = H",
     "rejection_limit": "non-finite pseudo-gradients in a row (none applied between) that stop "
                        "the run; 0 = num_workers, at least 2",
+    "writers": "metric writers, comma-separated: jsonl (always), tensorboard (DIR/tensorboard, "
+               "needs tensorboardX); '' = jsonl, plus tensorboard when tensorboardX is installed",
     "quiet": "no progress: neither the bar (terminal) nor the lines every 30 s (otherwise)",
     "deterministic": "XLA's deterministic GPU ops, for bit-exact replay on GPUs (~20% slower "
                      "there); -1: on for runtime=simulated; 0: off; 1: on",

@@ -18,7 +18,7 @@ from typing import Any
 
 import ml_collections
 
-from heloco_jax import clock, data, inner, model
+from heloco_jax import clock, data, inner, model, writers
 from heloco_jax.runtime import devices
 from heloco_jax.runtime.state import PALSGD_COINS
 from heloco_jax.methods import METHODS
@@ -234,6 +234,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _integer("metrics_fetch_every", config.metrics_fetch_every, 1)
   _integer("rejection_limit", config.rejection_limit, 0)
   _choice("deterministic", config.deterministic, CHOICES["deterministic"])
+  try:
+    writers.parse(config.writers)
+  except ValueError as error:
+    raise ConfigError(f"config.{error}") from None
   validate_distributed(config)
   if config.runtime not in CHOICES["runtime"]:
     _fail("runtime", config.runtime, "'simulated', 'devices' or 'ray'")

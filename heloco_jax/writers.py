@@ -1,0 +1,138 @@
+"""Metric writers: where a run's history rows go besides ``metrics.jsonl``.
+
+A writer is a callable over history rows (the dicts of DESIGN.md, "Files a run
+writes": ``eval``, ``arrival`` and ``rejected`` rows) with a ``close()``. It is
+what ``hj.simulate(on_row=...)`` takes, so the same writers serve the public API
+and the command line (``--config.writers``)::
+
+  writer = hj.TensorBoardWriter("logs/heloco")
+  hj.simulate(loss_fn, params, data, on_row=writer)
+  writer.close()
+
+TensorBoard goes through tensorboardX (``pip install heloco-jax[tensorboard]``),
+which needs neither TensorFlow nor TensorBoard to write; ``tensorboard --logdir``
+shows the event files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Callable, Optional, Sequence
+
+Row = dict[str, Any]
+
+# Arrival-row fields written as scalars (tag: field); HeLoCo's λ and β are its mean rotation
+# and shrinkage over blocks (ALGORITHMS.md, "HeLoCo").
+_ARRIVAL_SCALARS = {"arrival/staleness": "staleness", "arrival/cosine": "cosine_mean",
+                    "arrival/weight": "weight", "heloco/lambda": "rotation_mean",
+                    "heloco/beta": "shrinkage_mean",
+                    "heloco/relative_correction": "relative_correction"}
+WRITERS = ("jsonl", "tensorboard")
+
+
+def tensorboard_available() -> bool:
+  return importlib.util.find_spec("tensorboardX") is not None
+
+
+class TensorBoardWriter:
+  """History rows as TensorBoard scalars (tensorboardX event files in ``logdir``).
+
+  - ``eval`` rows: ``val_loss`` and ``val_loss/<language>`` against tokens, and
+    ``val_loss_by_sim_second`` against simulated seconds;
+  - ``arrival`` rows, against outer updates: ``arrival/staleness``, ``arrival/cosine``
+    (cos(Δ, m)), ``arrival/weight``, ``heloco/lambda``, ``heloco/beta``,
+    ``heloco/branch_fraction/<branch>`` and ``progress/sim_time``;
+  - ``rejected`` rows: ``arrival/rejected``, the running count.
+
+  Args:
+    logdir: the folder of the event files (made if missing).
+    flush_secs: seconds between flushes to disk.
+
+  Raises:
+    ImportError: tensorboardX is not installed (naming the install command).
+  """
+
+  def __init__(self, logdir: str, flush_secs: int = 10):
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    except ImportError as error:
+      raise ImportError("the tensorboard writer needs tensorboardX: pip install "
+                        "'heloco-jax[tensorboard]' (or tensorboardX)") from error
+    self.logdir = logdir
+    self._writer = SummaryWriter(logdir=logdir, flush_secs=flush_secs)
+    self._rejected = 0
+
+  def __call__(self, row: Row) -> None:
+    scalar = self._writer.add_scalar
+    event = row.get("event")
+    if event == "eval":
+      tokens = int(row.get("tokens", 0))
+      for key, value in row.items():
+        if key == "val_loss" or key.startswith("val_loss/"):
+          scalar(key, value, tokens)
+      scalar("val_loss_by_sim_second", row["val_loss"], int(row.get("sim_time", 0)))
+    elif event == "arrival":
+      step = int(row["outer_updates"])
+      for tag, key in _ARRIVAL_SCALARS.items():
+        if row.get(key) is not None:
+          scalar(tag, row[key], step)
+      scalar("progress/sim_time", row["sim_time"], step)
+      counts = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("branch_count/")}
+      total = sum(counts.values())
+      for name, count in counts.items():
+        if total:
+          scalar(f"heloco/branch_fraction/{name}", count / total, step)
+    elif event == "rejected":
+      self._rejected += 1
+      scalar("arrival/rejected", self._rejected, int(row.get("outer_updates", 0)))
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class Writers:
+  """Several writers as one: each row goes to each, in order; ``close`` closes them all."""
+
+  def __init__(self, writers: Sequence[Callable[[Row], None]]):
+    self.writers = list(writers)
+
+  def __call__(self, row: Row) -> None:
+    for writer in self.writers:
+      writer(row)
+
+  def close(self) -> None:
+    for writer in self.writers:
+      close = getattr(writer, "close", None)
+      if close is not None:
+        close()
+
+
+def parse(spec: str) -> tuple[str, ...]:
+  """The writers a ``--config.writers`` value names; "" is jsonl, plus tensorboard when
+  tensorboardX is installed.
+
+  Raises:
+    ValueError: an unknown writer, a missing jsonl (the run's own record, which resuming
+      reads), or tensorboard without tensorboardX.
+  """
+  if not spec:
+    return ("jsonl", "tensorboard") if tensorboard_available() else ("jsonl",)
+  names = tuple(name.strip() for name in spec.split(","))
+  allowed = "a comma-separated list of jsonl (required), tensorboard; or '' (the default)"
+  if any(name not in WRITERS for name in names) or "jsonl" not in names:
+    raise ValueError(f"writers={spec!r} is not allowed; allowed: {allowed}")
+  if "tensorboard" in names and not tensorboard_available():
+    raise ValueError(f"writers={spec!r} needs tensorboardX: pip install "
+                     "'heloco-jax[tensorboard]' (or tensorboardX)")
+  return names
+
+
+def for_workdir(names: Sequence[str], workdir: str) -> Optional[Writers]:
+  """The writers besides jsonl (which the run directory keeps), logging under ``workdir``."""
+  extra = [TensorBoardWriter(os.path.join(workdir, "tensorboard"))
+           for name in names if name == "tensorboard"]
+  return Writers(extra) if extra else None
