@@ -1,0 +1,52 @@
+"""Type-checked by `.ci/run` (`pyright tests/typing`), never run: the public API as a user's
+type checker sees it (heloco_jax ships py.typed). Each line is something a user writes; an
+error here means the annotations of the public API are wrong or missing."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import heloco_jax as hj
+
+
+def outer_rules(params: dict[str, jax.Array], pseudo_grads: dict[str, jax.Array]) -> None:
+  for tx in (hj.heloco(learning_rate=0.7, momentum=0.9, num_workers=5),
+             hj.mla(0.7, num_workers=5), hj.async_nesterov(0.07, num_workers=5),
+             hj.delayed_nesterov(0.07, buffer_size=5, num_workers=5)):
+    state = tx.init(params)
+    updates, state = tx.update(pseudo_grads, state, params, staleness=2)
+    new_params = optax.apply_updates(params, updates)
+    del new_params
+  chained: optax.GradientTransformation = optax.chain(optax.clip_by_global_norm(1.0),
+                                                      hj.heloco(num_workers=5))
+  start: Any = hj.lookahead_params(params, chained.init(params))
+  weight: float = float(hj.arrival_weight(3, num_workers=5, weighting="constant"))
+  del start, weight
+
+
+def engine(params: dict[str, jax.Array], data: list[list[dict[str, jax.Array]]]) -> float:
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  writer = hj.TensorBoardWriter("/tmp/tb")
+  result: hj.SimulationResult = hj.simulate(
+      loss_fn, params, data, method="heloco", inner_steps=20, speeds="severe",
+      budget_steps=1000, inner_tx=hj.inner_adamw(), on_row=writer,
+      comm=hj.CommModel(latency=0.25, ddp_overlap=2 / 3))
+  writer.close()
+  rows: list[dict[str, Any]] = result.history
+  del rows
+  return float(result.summary["final_val_loss"])
+
+
+def server(params: dict[str, jax.Array], delta: dict[str, jax.Array]) -> None:
+  srv = hj.Server(hj.heloco(num_workers=5), params)
+  start = srv.dispatch(worker=0)
+  srv.apply(delta, staleness=1)
+  new_params, outer_state = srv.get()
+  del start, new_params, outer_state
+
+
+def errors() -> tuple[type[Exception], ...]:
+  return (hj.BudgetError, hj.DivergenceError, hj.DeterminismError, hj.WorkdirError,
+          hj.Stopped)
