@@ -151,17 +151,18 @@ def time_budget_note(results: Sequence[Result]) -> str:
     t = grids.time_budget(grids.AUTHORS, preset)
     spread += [r.summary["sim_time"] / t - 1 for r in authors if r.run.table == "tokens"
                and r.run.preset == preset and r.run.method != "diloco"]
-    sync += [f"{preset} {np.mean([r.summary['tokens'] for r in runs_for(authors, 'time', preset, 'diloco')]):,.0f}"
-             for _ in [0] if runs_for(authors, "time", preset, "diloco")]
+    sync_runs = runs_for(authors, "time", preset, "diloco")
+    if sync_runs and preset != "homogeneous":
+      sync.append(f"{preset} {np.mean([r.summary['tokens'] for r in sync_runs]):,.0f}")
   if not spread:
     return ""
+  read = ("; in T synchronous DiLoCo read (mean tokens) " + "; ".join(sync)) if sync else ""
   return ("T per preset = the simulated seconds in which non-waiting workers read the token "
           "budget (`grids.time_budget`): "
           + ", ".join(f"{p} {grids.time_budget(grids.AUTHORS, p):,.0f} s"
                       for p in grids.AUTHORS_PRESETS)
           + f". The asynchronous token runs ended between {100 * min(spread):+.1f}% and "
-          f"{100 * max(spread):+.1f}% of T; in T synchronous DiLoCo read (mean tokens) "
-          + "; ".join(sync) + ".")
+          f"{100 * max(spread):+.1f}% of T{read}.")
 
 
 def lr_table(results: Sequence[Result]) -> str:
@@ -340,8 +341,9 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
   core_hours = sum(r.summary.get("wall_seconds", 0.0) for r in results) / 3600
   parts = [
       "# Results", "",
-      f"Regenerate from the committed digests (`experiments/results/`) with `{command}`; the "
-      f"runs missing there are run first. {len(results)} of {len(grids.grid('science'))} runs "
+      f"Regenerate from the committed digests (`experiments/results/`) with `{command} "
+      f"--report-only`; without `--report-only` the runs missing there are run first. "
+      f"{len(results)} of {len(grids.grid('science'))} runs "
       f"are finished ({core_hours:.1f} core-hours, one core per run).", "", scale_note, "",
       *analysis._section(  # pylint: disable=protected-access
           "The claims, measured", claims_table(results),

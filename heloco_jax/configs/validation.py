@@ -73,6 +73,9 @@ ALLOWED: dict[str, str] = {
     "keep_checkpoints": "an integer >= 1",
     "grace_window": "a number >= 0",
     "dylu": "True or False",
+    "quiet": "True or False",
+    "writers": "'' (jsonl, plus tensorboard when tensorboardX is installed) or a "
+               "comma-separated list of jsonl (required), tensorboard",
     "lookahead_dispatch": _one_of("lookahead_dispatch") + " (heloco: not 0; only mla, heloco: 1)",
     "palsgd_warmup_steps": "an integer >= -1",
     "rejection_limit": "an integer >= 0",
