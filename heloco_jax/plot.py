@@ -141,7 +141,8 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
       r for r, _ in with_arrivals))))
   for ax, (run, label) in zip(axes, with_arrivals):
     ax.scatter([a["sim_time"] for a in run.arrivals], [a["worker"] for a in run.arrivals],
-               c=[a["staleness"] for a in run.arrivals], cmap="viridis", s=90, marker="|", linewidths=2)
+               c=[a["staleness"] for a in run.arrivals], cmap="viridis", s=90, marker="|",
+               linewidths=2)
     ax.set_yticks(range(num_workers(run)))
     ax.set_title(label, fontsize=9)
     ax.set_xlabel("simulated seconds (colour: staleness)")
