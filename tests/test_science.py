@@ -47,6 +47,8 @@ def test_a_verdict_needs_the_sign_on_every_seed(gaps, expected):
       results.append(_authors_run("tokens", preset, "heloco", seed, 5.0 - gap))
   cells = [science.improvement(results, "tokens", p, "mla") for p in gaps]
   assert science.verdict(cells) == expected
+  one_seed = [dict(c, seeds=1, wins=int(c["per_seed"][0] > 0)) for c in cells]
+  assert science.verdict(one_seed).startswith("pending (fewer than 3 seeds")
   mild = science.improvement(results, "tokens", "mild", "mla")
   assert mild["seeds"] == 3 and mild["gain"] == pytest.approx(
       100 * np.mean(gaps["mild"]) / 5.0)
