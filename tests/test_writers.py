@@ -1,6 +1,7 @@
 """Metric writers: TensorBoard event files read back, from the CLI and from hj.simulate."""
 
 import glob
+import json
 import os
 import struct
 
@@ -70,7 +71,7 @@ def test_the_cli_writes_event_files_beside_metrics_jsonl(tmp_path):
   workdir = tmp_path / "run"
   assert train.main([f"--workdir={workdir}", *TINY, "--config.budget.tokens=2048"]) == 0
   scalars = read_scalars(str(workdir / "tensorboard"))
-  evals = [r for r in map(__import__("json").loads, open(workdir / "metrics.jsonl"))
+  evals = [r for r in map(json.loads, open(workdir / "metrics.jsonl"))
            if r["event"] == "eval"]
   assert [v for _, v in scalars["val_loss"]] == pytest.approx([r["val_loss"] for r in evals])
   assert len(scalars["arrival/staleness"]) > 0
