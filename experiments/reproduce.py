@@ -195,7 +195,7 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
         f"{os.path.join(out, 'logs')}", file=sys.stderr, flush=True)
   last_beat = time.monotonic()
   try:
-    while queue or running:
+    while running or (queue and not stopping):  # a stop leaves the queue for next time
       while queue and len(running) < jobs and not stopping:
         run = queue.pop(0)
         index = next(i for i in range(jobs) if i not in running)

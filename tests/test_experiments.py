@@ -4,6 +4,9 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -293,3 +296,27 @@ def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
   assert reproduce.main(args) == 0
   assert "2 runs, 2 already finished" in capsys.readouterr().err
   assert len(analysis.load(out, runs, digests)) == 2
+
+
+def test_parallel_runner_stops_on_sigterm_with_runs_still_queued(tmp_path):
+  """SIGTERM while runs wait in the queue: the running ones stop and the command exits 130
+  (it used to wait for the queue forever)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  process = subprocess.Popen(
+      [sys.executable, "-m", "experiments.reproduce", "--grid=smoke", f"--out={tmp_path}",
+       f"--digests={tmp_path / 'digests'}", "--jobs=2", "--only=tokens/homogeneous/"],
+      cwd=root, stderr=subprocess.PIPE, text=True)
+  assert process.stderr is not None
+  started = 0
+  for line in process.stderr:
+    started += " started " in line
+    if started == 2:  # 3 of the 5 runs are still queued
+      break
+  process.send_signal(signal.SIGTERM)
+  try:
+    _, err = process.communicate(timeout=120)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    pytest.fail("the runner did not exit within 120 s of SIGTERM")
+  assert process.returncode == 130, err
+  assert len(list(tmp_path.glob("runs/tokens/homogeneous/*"))) <= 2  # no queued run started
