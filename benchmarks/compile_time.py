@@ -37,6 +37,7 @@ def _child(cache_dir: str, arrivals: int) -> None:
   config = default.get_config()
   config.budget.tokens = arrivals * config.inner_steps * config.batch_size * config.model.context
   config.eval_every_tokens = 0
+  config.metrics_fetch_every = 1  # a row per arrival as it happens, not 16 at a time
   first = []
   scheduler.simulate(config, on_row=lambda row: first.append(time.perf_counter() - start)
                      if row["event"] == "arrival" and not first else None)

@@ -276,6 +276,7 @@ class InnerLoop:
     self.tx = optax.with_extra_args_support(adamw() if inner_tx is None else inner_tx)
     self.reset_optimizer = reset_optimizer
     self.run_jit = jax.jit(self.run, donate_argnums=0)
+    self.start_jit = jax.jit(self.start)  # one program instead of eager per-leaf copies and zeros
     self.run_many = jax.jit(jax.vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)

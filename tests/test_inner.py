@@ -78,10 +78,21 @@ def test_optimizer_reset_at_dispatch_is_an_option(reset):
   assert int(restarted.step) == H
 
 
-def test_start_copies_so_the_callers_params_survive_donation():
+@pytest.mark.parametrize("start", ["start", "start_jit"])
+def test_start_copies_so_the_callers_params_survive_donation(start):
   loop, params = _setup()
-  loop.run_jit(loop.start(params), _batches(), jax.random.key(0))
+  loop.run_jit(getattr(loop, start)(params), _batches(), jax.random.key(0))
   assert float(jnp.sum(params["head"]["bias"])) == 0.0  # still readable
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_compiled_start_equals_the_eager_one(reset):
+  loop, params = _setup(reset_optimizer=reset)
+  first = loop.start(params)
+  np.testing.assert_equal(jax.device_get(loop.start_jit(params)), jax.device_get(first))
+  state, _ = loop.run_jit(first, _batches(), jax.random.key(0))
+  np.testing.assert_equal(jax.device_get(loop.start_jit(state.params, state)),
+                          jax.device_get(loop.start(state.params, state)))
 
 
 def test_palsgd_with_p_zero_equals_the_plain_loop():

@@ -107,27 +107,48 @@ def synthetic_documents(language: str, num_bytes: int) -> tuple[bytes, ...]:
   p_document_end = 1.0 / rng.uniform(8.0, 30.0)
   separators = (" ", ". ", ".\n", ".")  # continue, sentence, paragraph, document end
 
+  # The text is a chain of words: after word w comes successors[w][rank], or a random start
+  # word after a sentence end. Within a chunk the chain is followed for all sentences at once,
+  # one word position at a time.
+  piece_text = [word + sep for word in vocab for sep in separators]  # index 4 * word + kind
+  piece_length = np.array([len(piece) for piece in piece_text])
+  successors_array = np.array(successors)
   documents: list[bytes] = []
-  pieces: list[str] = []
+  pending = ""  # the text of a document that goes on into the next chunk
   total = 0
   word = 0
   while total < num_bytes:
     n = _SYNTHETIC_CHUNK_WORDS
-    ranks = np.searchsorted(successor_cdf, rng.random(n)).tolist()
-    starts = rng.choice(vocab_size, size=n, p=unigram).tolist()
+    ranks = np.searchsorted(successor_cdf, rng.random(n))
+    starts = rng.choice(vocab_size, size=n, p=unigram)
     u = rng.random((3, n))
     end_kind = np.minimum(1 + (u[1] < p_paragraph_end) + 2 * (u[2] < p_document_end), 3)
-    kinds = np.where(u[0] < p_sentence_end, end_kind, 0).tolist()
-    for t in range(n):
-      piece = vocab[word] + separators[kinds[t]]
-      pieces.append(piece)
-      total += len(piece)
-      word = starts[t] if kinds[t] else successors[word][ranks[t]]
-      if kinds[t] == 3 or total >= num_bytes:
-        documents.append("".join(pieces).encode("ascii"))
-        pieces = []
-        if total >= num_bytes:
-          break
+    kinds = np.where(u[0] < p_sentence_end, end_kind, 0)
+    words = np.empty(n + 1, dtype=np.int64)
+    words[0] = word
+    ends = np.flatnonzero(kinds)
+    words[ends + 1] = starts[ends]
+    sentence_starts = np.concatenate([[0], ends + 1])
+    sentence_lengths = np.diff(np.append(sentence_starts, n + 1))  # words[n] begins the next chunk
+    for k in range(1, int(sentence_lengths.max())):
+      at = sentence_starts[sentence_lengths > k] + k
+      words[at] = successors_array[words[at - 1], ranks[at - 1]]
+    codes = 4 * words[:n] + kinds
+    reached = np.flatnonzero(total + np.cumsum(piece_length[codes]) >= num_bytes)
+    used = int(reached[0]) + 1 if reached.size else n
+    text = pending + "".join(map(piece_text.__getitem__, codes[:used].tolist()))
+    total += int(piece_length[codes[:used]].sum())
+    word = int(words[used])
+    # Documents end at a document end (kind 3) and where the corpus reaches num_bytes.
+    closes = np.flatnonzero(kinds[:used] == 3)
+    if total >= num_bytes and (closes.size == 0 or closes[-1] != used - 1):
+      closes = np.append(closes, used - 1)
+    offsets = len(pending) + np.cumsum(piece_length[codes[:used]])[closes]
+    begin = 0
+    for end in offsets.tolist():
+      documents.append(text[begin:end].encode("ascii"))
+      begin = end
+    pending = text[begin:]
   documents[-1] = documents[-1][:len(documents[-1]) - (total - num_bytes)]
   return tuple(documents)
 

@@ -188,7 +188,7 @@ async def run_ddp(engine: "Engine", steps: Optional[int] = None) -> inner_lib.In
   s, spec, k = engine.state, engine.spec, engine.spec.num_workers
   step_units = k * spec.units_per_step
   if s.phase != "ddp":
-    s.phase, s.workers = "ddp", engine.runtime.inner.start(engine.params)
+    s.phase, s.workers = "ddp", engine.runtime.inner.start_jit(engine.params)
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,

@@ -135,7 +135,7 @@ class SimulatedRuntime(base.OneProcess):
     device = self.devices[worker % len(self.devices)]
     if device != self.devices[0]:  # inputs follow the worker; Δ goes back to θ's device
       start, previous, batches, key = jax.device_put((start, previous, batches, key), device)
-    state, _ = self.inner.run_jit(self.inner.start(start, previous), batches, key)
+    state, _ = self.inner.run_jit(self.inner.start_jit(start, previous), batches, key)
     delta = _subtract(start, state.params)
     if device != self.devices[0]:
       delta = jax.device_put(delta, self.devices[0])
