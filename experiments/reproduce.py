@@ -171,13 +171,33 @@ _PINNED = ("import os, runpy, sys\n"
            "runpy.run_module('heloco_jax.train', run_name='__main__', alter_sys=True)")
 
 
+def commit_digests(results_dir: str, message: str) -> None:
+  """Commits what is new or changed in ``results_dir`` (that folder only: whatever else is
+  staged stays staged), so that a grid spanning sessions keeps every finished run. When git
+  fails (no repository, no identity, a lock) it says so in one line; the digests stay on disk
+  and go into the next commit."""
+  git = ["git", "-C", results_dir]
+  try:
+    subprocess.run([*git, "add", "--", "."], check=True, capture_output=True, text=True)
+    changed = subprocess.run([*git, "status", "--porcelain", "--", "."], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    if changed:
+      subprocess.run([*git, "commit", "-q", "-m", message, "--", "."], check=True,
+                     capture_output=True, text=True)
+  except (OSError, subprocess.CalledProcessError) as e:
+    detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
+    print(f"reproduce: --commit: git failed ({detail[-1] if detail else e}); the digests stay "
+          f"in {results_dir}", file=sys.stderr, flush=True)
+
+
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
-                 jobs: int, heartbeat: float = 300.0) -> int:
+                 jobs: int, heartbeat: float = 300.0, commit: bool = False) -> int:
   """Runs ``todo`` as ``python -m heloco_jax.train`` processes, ``jobs`` at a time, each pinned
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
-  ``results_dir``. SIGTERM or Ctrl-C stops the running runs at their next checkpoint boundary
-  (they resume when the command is run again). Returns 0, 1 (some run failed) or 130."""
+  ``results_dir`` (and, with ``commit``, into git). SIGTERM or Ctrl-C stops the running runs at
+  their next checkpoint boundary (they resume when the command is run again). Returns 0, 1 (some
+  run failed) or 130."""
   cores = _cores()
   jobs = max(1, min(jobs, len(cores), len(todo)))
   per_job = len(cores) // jobs
@@ -221,6 +241,8 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
         minutes = (time.monotonic() - started) / 60
         if proc.returncode == 0:
           analysis.write_digest(os.path.join(out, "runs", run.name), results_dir, run)
+          if commit:
+            commit_digests(results_dir, f"experiments/results: {run.name}")
           progress.finished(run, minutes * 60)
           with open(os.path.join(out, "runs", run.name, "summary.json")) as f:
             loss = json.load(f)["final_val_loss"]
@@ -271,6 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="folder of the finished runs' digests, which RESULTS.md is written "
                            "from (default: experiments/results, or OUT/results for the smoke "
                            "grid)")
+  parser.add_argument("--commit", action="store_true",
+                      help="commit each finished run's digest to git as it is written (only "
+                           "the digests folder), so that a grid spanning sessions keeps its "
+                           "results")
   parser.add_argument("--report-only", action="store_true",
                       help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
@@ -305,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
   if jobs > 1 and todo:
-    status = run_parallel(todo, args.out, data_path, results_dir, jobs)
+    status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit)
     if status != 0:
       return status
   start = time.perf_counter()
@@ -320,6 +346,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr)
       return status
     analysis.write_digest(workdir, results_dir, run)
+    if args.commit:
+      commit_digests(results_dir, f"experiments/results: {run.name}")
 
   # RESULTS.md reports every finished run of this scale found (tuning, paper grid, PALSGD,
   # ablations; or the issue-18 grids), whichever grid this command ran.

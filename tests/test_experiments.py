@@ -320,3 +320,31 @@ def test_parallel_runner_stops_on_sigterm_with_runs_still_queued(tmp_path):
     pytest.fail("the runner did not exit within 120 s of SIGTERM")
   assert process.returncode == 130, err
   assert len(list(tmp_path.glob("runs/tokens/homogeneous/*"))) <= 2  # no queued run started
+
+
+def test_commit_puts_each_digest_into_git_and_nothing_else(tmp_path, capsys):
+  repo = tmp_path / "repo"
+  git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], check=True,
+                                     capture_output=True, text=True).stdout
+  repo.mkdir()
+  git("init", "-q")
+  git("config", "user.email", "test@example.com")
+  git("config", "user.name", "test")
+  (repo / "notes.md").write_text("work in progress\n")
+  git("add", "notes.md")  # staged by the user: the runner's commits leave it staged
+  args = ["--grid=smoke", f"--out={tmp_path / 'out'}", f"--digests={repo / 'results'}",
+          "--jobs=1", "--only=tokens/homogeneous/(mla|heloco)/", "--commit"]
+  assert reproduce.main(args) == 0
+  subjects = git("log", "--format=%s").splitlines()
+  assert subjects == ["experiments/results: tokens/homogeneous/heloco/seed0",
+                      "experiments/results: tokens/homogeneous/mla/seed0"]
+  committed = git("ls-tree", "-r", "--name-only", "HEAD").splitlines()
+  assert len(committed) == 2 and all(name.startswith("results/") for name in committed)
+  assert git("status", "--porcelain").splitlines() == ["A  notes.md"]
+  # Without a repository, git's failure is one line and the run still succeeds.
+  capsys.readouterr()
+  elsewhere = ["--grid=smoke", f"--out={tmp_path / 'out2'}", f"--digests={tmp_path / 'plain'}",
+               "--jobs=1", "--only=tokens/homogeneous/mla/", "--commit"]
+  assert reproduce.main(elsewhere) == 0
+  assert "reproduce: --commit: git failed (" in capsys.readouterr().err
+  assert os.listdir(tmp_path / "plain")
