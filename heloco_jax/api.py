@@ -42,8 +42,10 @@ class SimulationResult:
     params: the final θ, with the structure of the initial params.
     history: the metrics rows in order: ``{"event": "eval", "steps",
       "sim_time", "outer_updates", "val_loss", ...}``, ``{"event":
-      "arrival", "worker", "staleness", "sim_time", "outer_updates",
-      ...diagnostics}`` and ``{"event": "rejected", "worker", "reason", ...}``.
+      "arrival", "worker", "staleness", "steps", "sim_time", "outer_updates",
+      "train_loss", ...diagnostics}``, ``{"event": "train", "steps",
+      "sim_time", "outer_updates", "train_loss"}`` (synchronous methods) and
+      ``{"event": "rejected", "worker", "reason", ...}``.
     summary: steps, simulated time, outer updates, losses, mean staleness,
       wall time (docs/DESIGN.md, summary.json).
   """

@@ -259,6 +259,14 @@ class InnerMetrics(NamedTuple):
   step: jax.Array
 
 
+@jax.jit
+def train_loss(metrics: InnerMetrics) -> jax.Array:
+  """The mean training loss over the steps of ``metrics`` (any shape) that read a batch:
+  PALSGD's pseudo-sync steps have none."""
+  real = ~metrics.pseudo_sync
+  return jnp.sum(jnp.where(real, metrics.loss, 0.0)) / jnp.maximum(jnp.sum(real), 1)
+
+
 class InnerLoop:
   """H inner steps of ``loss_fn`` with ``inner_tx`` as one compiled call.
 

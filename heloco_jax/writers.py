@@ -1,7 +1,7 @@
 """Metric writers: where a run's history rows go besides ``metrics.jsonl``.
 
 A writer is a callable over history rows (the dicts of DESIGN.md, "Files a run
-writes": ``eval``, ``arrival`` and ``rejected`` rows) with a ``close()``. It is
+writes": ``eval``, ``arrival``, ``train`` and ``rejected`` rows) with a ``close()``. It is
 what ``hj.simulate(on_row=...)`` takes, so the same writers serve the public API
 and the command line (``--config.writers``)::
 
@@ -35,11 +35,18 @@ def tensorboard_available() -> bool:
   return importlib.util.find_spec("tensorboardX") is not None
 
 
+def _units(row: Row) -> int:
+  """The row's position in the run: its tokens (the CLI), else its steps (the public API)."""
+  return int(row.get("tokens", row.get("steps", 0)))
+
+
 class TensorBoardWriter:
   """History rows as TensorBoard scalars (tensorboardX event files in ``logdir``).
 
   - ``eval`` rows: ``val_loss`` and ``val_loss/<language>`` against tokens, and
     ``val_loss_by_sim_second`` against simulated seconds;
+  - ``arrival`` and ``train`` rows: ``train_loss`` (the mean loss of the inner steps the
+    row reports) against tokens;
   - ``arrival`` rows, against outer updates: ``arrival/staleness``, ``arrival/cosine``
     (cos(Δ, m)), ``arrival/weight``, ``heloco/lambda``, ``heloco/beta``,
     ``heloco/branch_fraction/<branch>`` and ``progress/sim_time``;
@@ -66,8 +73,10 @@ class TensorBoardWriter:
   def __call__(self, row: Row) -> None:
     scalar = self._writer.add_scalar
     event = row.get("event")
+    if row.get("train_loss") is not None:  # arrival and train rows
+      scalar("train_loss", row["train_loss"], _units(row))
     if event == "eval":
-      tokens = int(row.get("tokens", 0))
+      tokens = _units(row)
       for key, value in row.items():
         if key == "val_loss" or key.startswith("val_loss/"):
           scalar(key, value, tokens)

@@ -1,5 +1,6 @@
 """The public engine API: hj.simulate on a user's own model, loss, data and optimizers."""
 
+import itertools
 import os
 import runpy
 import subprocess
@@ -310,3 +311,34 @@ def test_a_requested_stop_ends_the_run_at_the_next_boundary():
 def test_a_budget_below_one_dispatch_raises():
   with pytest.raises(hj.BudgetError, match="before any work reached the server.*4 steps"):
     _run(budget_steps=3)
+
+
+def _numpy_sgd_losses(batches, lr=0.02, steps=4):
+  """SGD on ``_loss`` from ``_params()``, in NumPy: the loss of each step's batch."""
+  params = {k: np.asarray(v, np.float64) for k, v in _params().items()}
+  losses = []
+  for x, y in batches[:steps]:
+    residual = x @ params["w"] + params["b"] - y
+    losses.append(np.mean(residual ** 2))
+    params["w"] -= lr * 2 * x.T @ residual / len(x)
+    params["b"] -= lr * 2 * residual.mean(axis=0)
+  return losses
+
+
+@pytest.mark.parametrize("method", ["heloco", "diloco", "ddp"])
+def test_rows_report_the_mean_training_loss_of_the_steps_they_cover(method):
+  result = _run(method, k=2, eval_fn=None)
+  rows = [r for r in result.history if r["event"] in ("arrival", "train")]
+  assert rows and all(r["event"] == ("arrival" if method == "heloco" else "train") for r in rows)
+  first = [list(itertools.islice(Stream(i), 4)) for i in range(2)]  # the first 4 batches
+  if method == "heloco":  # worker 0 (the faster) arrives first, from θ0
+    want, steps = np.mean(_numpy_sgd_losses(first[0])), 4
+  elif method == "diloco":  # both workers from θ0
+    want, steps = np.mean(_numpy_sgd_losses(first[0]) + _numpy_sgd_losses(first[1])), 8
+  else:  # one step on both workers' batches together
+    together = [tuple(np.concatenate(parts) for parts in zip(a, b))
+                for a, b in zip(first[0], first[1])]
+    want, steps = np.mean(_numpy_sgd_losses(together)), 8
+  assert rows[0]["steps"] == steps
+  assert rows[0]["train_loss"] == pytest.approx(want, rel=1e-5)
+  assert rows[-1]["train_loss"] < rows[0]["train_loss"]

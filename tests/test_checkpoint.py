@@ -209,3 +209,20 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path):
     warnings.simplefilter("ignore")
     with pytest.raises(checkpoint.CheckpointError, match="other shapes than this run's"):
       ckpt.restore(bigger.state_template)
+
+
+def test_a_checkpoint_from_before_train_losses_were_kept_still_resumes(tmp_path):
+  config = _config("heloco")
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), keep=100)
+  _, rows, rows_at = _run(config, ckpt)
+  step = ckpt.steps()[len(ckpt.steps()) // 2]
+  resumed = scheduler.Simulation(config, _dataset(config.num_workers))
+  _, arrays, meta = ckpt.restore(resumed.state_template, step=step)
+  assert all(isinstance(entry[4], float) for entry in meta["jobs"])
+  meta["jobs"] = [entry[:4] for entry in meta["jobs"]]  # the layout before train losses
+  resumed.load_state(arrays, meta)
+  asyncio.run(resumed.run())
+  without_loss = lambda rs: [{k: v for k, v in r.items() if k != "train_loss"} for r in rs]
+  assert without_loss(resumed.rows) == without_loss(rows[rows_at[step]:])
+  missing = [r for r in resumed.rows if r["event"] == "arrival" and "train_loss" not in r]
+  assert 0 < len(missing) <= len(meta["jobs"])  # only the jobs in flight at the checkpoint

@@ -195,3 +195,11 @@ def test_loss_falls_on_synthetic_data_end_to_end():
   own = f"val_loss/{ds.languages[0]}"
   assert after[own] < 0.6 * before[own], (before, after)  # learns its own language
   assert float(metrics.loss[-5:].mean()) < 0.6 * before[own]
+
+
+def test_train_loss_is_the_mean_over_the_steps_that_read_a_batch():
+  metrics = inner.InnerMetrics(loss=jnp.array([[1.0, 0.0, 3.0], [2.0, 2.0, 0.0]]),
+                               pseudo_sync=jnp.array([[False, True, False], [False, False, True]]),
+                               step=jnp.zeros((2, 3), jnp.int32))
+  assert float(inner.train_loss(metrics)) == pytest.approx(2.0)  # (1 + 3 + 2 + 2) / 4
+  assert float(inner.train_loss(metrics._replace(pseudo_sync=jnp.ones((2, 3), bool)))) == 0.0

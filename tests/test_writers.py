@@ -34,11 +34,13 @@ def test_rows_become_scalars_against_tokens_and_outer_updates(tmp_path):
   writer = writers.TensorBoardWriter(str(tmp_path))
   writer({"event": "eval", "tokens": 0, "sim_time": 0.0, "outer_updates": 0, "val_loss": 5.5,
           "val_loss/en": 5.25})
-  writer({"event": "arrival", "worker": 1, "staleness": 3, "sim_time": 20.0, "outer_updates": 1,
-          "cosine_mean": 0.5, "rotation_mean": 0.25, "shrinkage_mean": 0.125, "weight": 0.5,
+  writer({"event": "arrival", "worker": 1, "staleness": 3, "tokens": 2048, "sim_time": 20.0,
+          "outer_updates": 1, "train_loss": 5.0, "cosine_mean": 0.5, "rotation_mean": 0.25, "shrinkage_mean": 0.125, "weight": 0.5,
           "branch_count/keep": 3, "branch_count/shrink": 1, "branch_count/rotate": 0,
           "branch_count/pass": 0})
   writer({"event": "rejected", "worker": 2, "outer_updates": 1, "reason": "nan"})
+  writer({"event": "train", "tokens": 3072, "sim_time": 30.0, "outer_updates": 2,
+          "train_loss": 4.75})
   writer({"event": "eval", "tokens": 4096, "sim_time": 40.0, "outer_updates": 2,
           "val_loss": 4.5, "val_loss/en": 4.25})
   writer.close()
@@ -50,6 +52,7 @@ def test_rows_become_scalars_against_tokens_and_outer_updates(tmp_path):
   assert scalars["heloco/lambda"] == [(1, 0.25)] and scalars["heloco/beta"] == [(1, 0.125)]
   assert scalars["heloco/branch_fraction/keep"] == [(1, 0.75)]
   assert scalars["arrival/rejected"] == [(1, 1.0)]
+  assert scalars["train_loss"] == [(2048, 5.0), (3072, 4.75)]
 
 
 @pytest.mark.parametrize("spec,error", [
@@ -75,6 +78,10 @@ def test_the_cli_writes_event_files_beside_metrics_jsonl(tmp_path):
            if r["event"] == "eval"]
   assert [v for _, v in scalars["val_loss"]] == pytest.approx([r["val_loss"] for r in evals])
   assert len(scalars["arrival/staleness"]) > 0
+  arrivals = [r for r in map(json.loads, open(workdir / "metrics.jsonl"))
+              if r["event"] == "arrival"]
+  assert scalars["train_loss"] == [(r["tokens"], pytest.approx(r["train_loss"]))
+                                   for r in arrivals]
   assert train.main([f"--workdir={tmp_path / 'b'}", *TINY, "--config.budget.tokens=2048",
                      "--config.writers=jsonl"]) == 0
   assert not os.path.exists(tmp_path / "b" / "tensorboard")

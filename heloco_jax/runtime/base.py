@@ -55,15 +55,16 @@ class Runtime(Protocol):
     """The queue of asynchronous work in flight, read on ``clock``."""
 
   def run_worker(self, worker: int, previous: Any, start: Any, batches: Any,
-                 key: jax.Array) -> tuple[Any, Any]:
-    """Worker ``worker``'s inner steps from ``start``: (end state, Δ = start − end)."""
+                 key: jax.Array) -> tuple[Any, Any, Any]:
+    """Worker ``worker``'s inner steps from ``start``: (end state, Δ = start − end, the mean
+    training loss of its steps)."""
 
   def run_round(self, states: Any, batches: Any, keys: jax.Array,
                 anchor: Any) -> tuple[Any, inner_lib.InnerMetrics]:
     """The K stacked workers' inner steps as one program."""
 
-  def run_ddp(self, state: Any, batches: Any, key: jax.Array) -> Any:
-    """DDP steps on the K workers' batches together."""
+  def run_ddp(self, state: Any, batches: Any, key: jax.Array) -> tuple[Any, Any]:
+    """DDP steps on the K workers' batches together: (state, their mean training loss)."""
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     """θ − the mean end parameters of the accepted workers, on the server."""
@@ -72,7 +73,8 @@ class Runtime(Protocol):
     """``state`` with a fresh inner optimizer state (its step count kept)."""
 
   def fetch(self, tree: Any, what: str) -> Any:
-    """Worker states (``what="state"``) or a pending Δ (``"delta"``) as values."""
+    """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
+    (``"train_loss"``) as values."""
 
   def to_server(self, tree: Any) -> Any: ...
   def to_rounds(self, tree: Any) -> Any: ...

@@ -233,10 +233,10 @@ class DeviceRuntime(simulated.SimulatedRuntime):
 
   def run_worker(self, worker, previous, start, batches, key):
     replicated = self._replicated[worker]
-    state, delta = super().run_worker(
+    state, delta, loss = super().run_worker(
         worker, self._put(previous, replicated), self._put(start, replicated),
         self._put(batches, self._split[worker]), self._put(key, replicated))
-    return state, self.to_server(delta)
+    return state, self.to_server(delta), loss
 
   def run_round(self, states, batches, keys, anchor):
     self.require_round_mesh()

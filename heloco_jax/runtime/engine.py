@@ -159,6 +159,9 @@ class Engine:
               "workers": fetch(s.workers, "state"),
               "pending": [fetch(s.jobs[w].delta, "delta") for w in sorted(s.jobs)]}
     meta = s.meta()
+    for entry, w in zip(meta["jobs"], sorted(s.jobs)):
+      loss = fetch(s.jobs[w].train_loss, "train_loss")
+      entry.append(None if loss is None else float(loss))
     meta["wall_before"] = s.wall_before + time.perf_counter() - self._wall_start
     meta["clock"] = self.clock.get_state()
     meta["streams"] = [stream.get_state() for stream in self.streams]
@@ -240,7 +243,7 @@ class Engine:
     """``worker``'s pending Δ, running its deferred inner steps first if needed."""
     job = self.state.jobs[worker]
     if job.work is not None:
-      self.state.workers[worker], job.delta = job.work()
+      self.state.workers[worker], job.delta, job.train_loss = job.work()
       job.work = None
     return job.delta
 

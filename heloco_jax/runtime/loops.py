@@ -42,6 +42,20 @@ def _stack_copies(tree, k: int):
   return jax.tree.map(lambda x: jnp.stack([x] * k), tree)
 
 
+def _train_loss(engine: "Engine", loss) -> dict:
+  """A row's ``train_loss`` field: the mean loss of the inner steps it reports (none for a job
+  restored from a checkpoint written before the loss was kept)."""
+  loss = engine.runtime.fetch(loss, "train_loss")
+  return {} if loss is None else {"train_loss": loss}
+
+
+def _emit_train(engine: "Engine", loss) -> None:
+  """The ``train`` row of a round or a DDP chunk: its steps' mean training loss."""
+  s = engine.state
+  engine.recorder.emit({"event": "train", engine.spec.unit: s.units, "sim_time": s.sim_time,
+                        "outer_updates": s.version, **_train_loss(engine, loss)})
+
+
 def _steps_per_dispatch(engine: "Engine") -> np.ndarray:
   """H for every worker, or DyLU's H_i = max(1, ⌊v_i/v_ref·H⌋) (ALGORITHMS.md, "DyLU")."""
   spec = engine.spec
@@ -102,11 +116,12 @@ async def _take_arrivals(engine: "Engine", queue: base.Arrivals,
         s.workers[w] = engine.runtime.fresh_moments(s.workers[w])
     if any(reason is None for reason in reasons):
       s.version += 1
-    for w, tau, reason, result in zip(group, taus, reasons, results):
+    for w, tau, reason, result, job in zip(group, taus, reasons, results, arrived):
       if reason is None:
         s.staleness.append(tau)
         engine.recorder.emit({"event": "arrival", "worker": w, "staleness": tau,
-                              "sim_time": now, "outer_updates": s.version, **result})
+                              spec.unit: s.units, "sim_time": now, "outer_updates": s.version,
+                              **_train_loss(engine, job.train_loss), **result})
     engine.streak.update(reasons, group)
     engine.evaluate()
     for w in group:
@@ -178,6 +193,7 @@ async def run_rounds(engine: "Engine") -> None:
     if accepted.any():
       engine.server.apply(runtime.round_delta(engine.params, states.params, accepted), 0)
       s.version += 1
+    _emit_train(engine, inner_lib.train_loss(metrics))
     engine.evaluate()
     engine.maybe_checkpoint()
     await asyncio.sleep(0)
@@ -202,7 +218,7 @@ async def run_ddp(engine: "Engine", steps: Optional[int] = None) -> inner_lib.In
     # Averaging K workers' gradients = one step on their K batches together.
     batches = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
                            *[engine.batches(i, chunk) for i in range(k)])
-    s.workers = engine.runtime.run_ddp(s.workers, batches, engine.next_key())
+    s.workers, loss = engine.runtime.run_ddp(s.workers, batches, engine.next_key())
     engine.params = engine.runtime.to_server(jax.tree.map(jnp.array, s.workers.params))
     seconds = engine.clock.ddp_seconds(planned, s.sim_time, engine.params)
     s.version += chunk
@@ -210,6 +226,7 @@ async def run_ddp(engine: "Engine", steps: Optional[int] = None) -> inner_lib.In
     s.sim_time += seconds
     if s.ddp_remaining is not None:
       s.ddp_remaining -= chunk
+    _emit_train(engine, loss)
     engine.evaluate()
     engine.maybe_checkpoint()
     await asyncio.sleep(0)

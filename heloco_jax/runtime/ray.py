@@ -93,13 +93,14 @@ class WorkerActor:
 
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
           batches: Any, key_data: np.ndarray,
-          fresh: bool) -> tuple[inner_lib.InnerState, Any, int]:
-    """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, this process's id)."""
+          fresh: bool) -> tuple[inner_lib.InnerState, Any, Any, int]:
+    """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
+    process's id)."""
     if fresh and previous is not None:
       previous = self._runtime.fresh_moments(previous)
-    state, delta = self._runtime.run_worker(worker, previous, start, batches,
-                                            jax.random.wrap_key_data(key_data))
-    return jax.device_get(state), jax.device_get(delta), os.getpid()
+    state, delta, loss = self._runtime.run_worker(worker, previous, start, batches,
+                                                  jax.random.wrap_key_data(key_data))
+    return jax.device_get(state), jax.device_get(delta), jax.device_get(loss), os.getpid()
 
 
 class RayServer:
@@ -138,15 +139,16 @@ class RayServer:
 class Dispatch:
   """One worker's dispatch on a worker actor; its refs are replaced if it is sent again.
 
-  ``state`` and ``delta`` are the end state and Δ (object refs, or values
-  restored from a checkpoint); ``done`` a small ref that resolves to the
-  computing process's id, or raises if the actor is gone for good, when both
-  are ready.
+  ``state``, ``delta`` and ``train_loss`` are the end state, Δ and the mean
+  training loss (object refs, or values restored from a checkpoint); ``done``
+  a small ref that resolves to the computing process's id, or raises if the
+  actor is gone for good, when they are ready.
   """
   args: tuple = ()
   actor: int = -1
   state: Any = None
   delta: Any = None
+  train_loss: Any = None
   done: Any = None
   fresh: bool = False
 
@@ -256,19 +258,20 @@ class RayRuntime(base.OneProcess):
   run_ddp = round_delta = run_round
 
   def run_worker(self, worker, previous, start, batches, key):
-    """Sends the dispatch to worker ``worker``'s actor; returns (its Dispatch, the same)."""
+    """Sends the dispatch to worker ``worker``'s actor; returns its Dispatch three times (the
+    handles of the end state, Δ and the training loss)."""
     fresh = isinstance(previous, Dispatch) and previous.fresh
     if isinstance(previous, Dispatch):
       previous = previous.state
     dispatch = Dispatch(args=(worker, start, previous, batches,
                               np.asarray(jax.random.key_data(key)), fresh))
     self._submit(dispatch, self._assigned[worker])
-    return dispatch, dispatch
+    return dispatch, dispatch, dispatch
 
   def _submit(self, dispatch: Dispatch, actor: int) -> None:
     dispatch.actor = actor
-    dispatch.state, dispatch.delta, dispatch.done = self.actors[actor].run.options(
-        num_returns=3).remote(*dispatch.args)
+    dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done = self.actors[
+        actor].run.options(num_returns=4).remote(*dispatch.args)
 
   def kill_worker(self, worker: int) -> None:
     """Kills worker ``worker``'s actor process (``fault.kill_worker``); Ray restarts it."""
@@ -316,7 +319,8 @@ class RayRuntime(base.OneProcess):
       return
 
   def fetch(self, tree: Any, what: str) -> Any:
-    """Worker states (``what="state"``) or a pending Δ as values, waiting for them."""
+    """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
+    (``"train_loss"``) as values, waiting for them."""
     def value(dispatch):
       if not isinstance(dispatch, Dispatch):
         return dispatch

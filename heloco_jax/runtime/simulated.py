@@ -126,8 +126,9 @@ class SimulatedRuntime(base.OneProcess):
     return self.inner.fresh_moments(state)
 
   def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
-                 batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any]:
-    """Worker ``worker``'s H steps from ``start``: (end state, Δ = start − end).
+                 batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any, jax.Array]:
+    """Worker ``worker``'s H steps from ``start``: (end state, Δ = start − end, mean training
+    loss).
 
     ``previous`` is its inner state after its last dispatch (None at first):
     the step count and, unless reset, the optimizer state carry over.
@@ -135,16 +136,16 @@ class SimulatedRuntime(base.OneProcess):
     device = self.devices[worker % len(self.devices)]
     if device != self.devices[0]:  # inputs follow the worker; Δ goes back to θ's device
       start, previous, batches, key = jax.device_put((start, previous, batches, key), device)
-    state, _ = self.inner.run_jit(self.inner.start_jit(start, previous), batches, key)
+    state, metrics = self.inner.run_jit(self.inner.start_jit(start, previous), batches, key)
     delta = _subtract(start, state.params)
     if device != self.devices[0]:
       delta = jax.device_put(delta, self.devices[0])
-    return state, delta
+    return state, delta, inner_lib.train_loss(metrics)
 
   def run_round(self, states, batches, keys, anchor):
     return self.inner.run_many(states, batches, keys, anchor)
 
   def run_ddp(self, state, batches, key):
-    state, _ = self.inner.run_jit(state, batches, key)
-    return state
+    state, metrics = self.inner.run_jit(state, batches, key)
+    return state, inner_lib.train_loss(metrics)
 

@@ -153,7 +153,7 @@ class WorkerStream:
 
 
 class Recorder:
-  """The run's metrics rows: arrival rows' device scalars fetched in batches.
+  """The run's metrics rows: arrival and train rows' device scalars fetched in batches.
 
   Args:
     fetch_every: arrival rows queued before one device-to-host transfer.
@@ -166,9 +166,9 @@ class Recorder:
     self._unfetched: list[Row] = []
 
   def emit(self, row: Row) -> None:
-    """Queues ``row``; arrival rows are fetched ``fetch_every`` at a time."""
+    """Queues ``row``; arrival and train rows are fetched ``fetch_every`` at a time."""
     self._unfetched.append(row)
-    if row["event"] != "arrival" or len(self._unfetched) >= self.fetch_every:
+    if row["event"] not in ("arrival", "train") or len(self._unfetched) >= self.fetch_every:
       self.flush()
 
   def flush(self) -> None:
@@ -184,13 +184,15 @@ class Job:
   """A dispatched worker's result, waiting for its finish time.
 
   ``delta`` is None while the work is deferred: ``work`` then computes
-  (end state, Δ) from the inputs fixed at dispatch (simulated clock).
+  (end state, Δ, mean training loss) from the inputs fixed at dispatch
+  (simulated clock).
   """
   delta: Any
   version: int
   units: int
   finish: float
-  work: Optional[Callable[[], tuple[Any, Any]]] = None
+  work: Optional[Callable[[], tuple[Any, Any, Any]]] = None
+  train_loss: Any = None
 
 
 @dataclasses.dataclass
@@ -236,6 +238,7 @@ class RunState:
       setattr(self, name, meta.get(name, getattr(self, name)))
     self.staleness, self.arrivals = list(self.staleness), list(self.arrivals)
     self.next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
-    self.jobs = {w: Job(delta, version, units, finish)
-                 for (w, version, units, finish), delta in zip(meta["jobs"], pending)}
+    # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
+    self.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])
+                 for entry, delta in zip(meta["jobs"], pending)}
     self.workers = workers
