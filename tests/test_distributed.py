@@ -26,9 +26,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _rows(workdir):
+def _rows(workdir, event="eval"):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
+    return [row for row in map(json.loads, f) if row["event"] == event]
 
 
 @pytest.mark.parametrize("method, num_workers", [
@@ -67,5 +67,9 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, tmp_p
       (r["tokens"], r["outer_updates"]) for r in simulated]
   np.testing.assert_allclose([r["val_loss"] for r in distributed],
                              [r["val_loss"] for r in simulated], rtol=2e-3)
+  trained = [_rows(path, "train") for path in (dist, tmp_path / "simulated")]
+  assert len(trained[0]) == len(trained[1]) > 0
+  np.testing.assert_allclose([r["train_loss"] for r in trained[0]],
+                             [r["train_loss"] for r in trained[1]], rtol=2e-3)
   summary = json.loads((dist / "summary.json").read_text())
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3

@@ -239,8 +239,8 @@ def test_diloco_round_applies_the_other_workers_mean():
   assert summary["rejected_tokens"] == DISPATCH_TOKENS and summary["rejected"] == 1
   assert summary["mean_staleness"] == 0.0
   # The faulty round did move θ (the two others' mean), and θ stays finite.
-  round_2, round_3 = run.snapshots[r - 1], run.snapshots[r + 1]
-  assert rows[r - 1]["event"] == rows[r + 1]["event"] == "eval"
+  assert [rows[i]["event"] for i in range(r - 1, r + 3)] == ["eval", "rejected", "train", "eval"]
+  round_2, round_3 = run.snapshots[r - 1], run.snapshots[r + 2]
   assert not _identical(round_2["params"], round_3["params"])
   assert _all_finite(round_3["params"]) and _all_finite(round_3["outer_state"])
   # Worker 2's AdamW moments are fresh after its rejection; its step count is kept.
@@ -315,8 +315,9 @@ def test_palsgd_rejects_a_fault_after_its_ddp_warmup():
   # The warm-up is H DDP steps; the fault is in the first round after it.
   assert (rows[r]["worker"], rows[r]["reason"], rows[r]["staleness"],
           rows[r]["outer_updates"]) == (0, "nan", 0, H)
-  after = run.snapshots[r + 1]
-  assert rows[r + 1]["event"] == "eval" and rows[r + 1]["outer_updates"] == H + 1
+  after = run.snapshots[r + 2]  # the round's train row, then its eval row
+  assert [rows[i]["event"] for i in (r + 1, r + 2)] == ["train", "eval"]
+  assert rows[r + 2]["outer_updates"] == H + 1
   # Worker 0's moments are fresh (PALSGD otherwise keeps them); step counts are kept.
   adam = _adam(after["workers"].opt_state)
   assert int(adam.count[0]) == 0 and int(adam.count[1]) > 0
