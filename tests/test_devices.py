@@ -1,9 +1,13 @@
 """runtime=devices (heloco_jax/runtime/devices.py): device groups, and whole runs on 8 host devices."""
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
+import types
 
 import jax
 import numpy as np
@@ -56,6 +60,27 @@ def test_config_validation_checks_the_devices_of_this_process():
     validation.validate(tiny.config("heloco", 1, runtime="devices", **{"budget.tokens": 100}))
   with pytest.raises(validation.ConfigError, match="'simulated', 'devices' or 'ray'"):
     validation.validate(tiny.config("heloco", 1, runtime="tpu", **{"budget.tokens": 100}))
+
+
+class _SlowResult:
+  """A Δ whose computation takes 0.5 s (``jax.block_until_ready`` calls this)."""
+
+  def block_until_ready(self):
+    time.sleep(0.5)
+    return self
+
+
+def test_closing_the_arrivals_waits_for_the_threads_that_wait_on_dropped_work():
+  # A budget ends with a worker in flight: close() drops it. Its waiting thread must be done
+  # before the event loop closes; finishing later, it would call into the closed loop.
+  arrivals = devices.DeviceArrivals(time.perf_counter, [1.0])
+
+  async def run():
+    arrivals.push(0, types.SimpleNamespace(delta=_SlowResult()))
+    await asyncio.sleep(0.1)  # its thread is waiting now
+    arrivals.close()
+  asyncio.run(run())
+  assert not [t for t in threading.enumerate() if t.name.startswith("heloco-arrivals")]
 
 
 @pytest.fixture(scope="module")

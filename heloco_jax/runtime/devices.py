@@ -318,8 +318,9 @@ class DeviceArrivals:
     return self._clock(), group
 
   def close(self) -> None:
-    """Drops whatever is still in flight (a budget ended)."""
+    """Drops whatever is still in flight (a budget ended). Waits for the threads that wait on
+    it: one finishing after the event loop closed would report to a closed loop."""
     for task in self._tasks.values():
       task.cancel()
     self._tasks.clear()
-    self._threads.shutdown(wait=False)
+    self._threads.shutdown(wait=True, cancel_futures=True)
