@@ -39,41 +39,15 @@ def _take(iterator, n: int) -> np.ndarray:
 
 def _synthetic_word_by_word(language: str, num_bytes: int) -> tuple[bytes, ...]:
   """The synthetic generator's definition, one word at a time (``synthetic_documents`` follows
-  all sentences of a chunk at once): the same draws from the same generator."""
-  k = sources.SYNTHETIC_LANGUAGES.index(language)
-  rng = np.random.default_rng([sources._SYNTHETIC_SEED, k])
-  letters = np.array(list(sources.synthetic_alphabet(language)))
-  letter_p = rng.dirichlet(np.full(len(letters), 2.0))
-  mean_length = rng.uniform(2.5, 6.5)
-  vocab_size = int(rng.integers(200, 400))
-  words: dict[str, None] = {}
-  while len(words) < vocab_size:
-    length = 1 + min(int(rng.poisson(mean_length - 1)), 11)
-    words["".join(rng.choice(letters, size=length, p=letter_p))] = None
-  vocab = sorted(words, key=len)
-  unigram = 1.0 / np.arange(1, vocab_size + 1) ** rng.uniform(0.9, 1.3)
-  unigram /= unigram.sum()
-  branching = int(rng.integers(3, 12))
-  successors = [rng.choice(vocab_size, size=branching, replace=False, p=unigram)
-                for _ in range(vocab_size)]
-  successor_cdf = np.cumsum(1.0 / np.arange(1, branching + 1))
-  successor_cdf /= successor_cdf[-1]
-  p_sentence_end = 1.0 / rng.uniform(5.0, 15.0)
-  p_paragraph_end = rng.uniform(0.1, 0.4)
-  p_document_end = 1.0 / rng.uniform(8.0, 30.0)
-  separators = (" ", ". ", ".\n", ".")
+  all sentences of a chunk at once), on the same statistics and draws."""
+  lang = sources._synthetic_language(language)
   documents, pieces, total, word = [], [], 0, 0
   while total < num_bytes:
-    n = sources._SYNTHETIC_CHUNK_WORDS
-    ranks = np.searchsorted(successor_cdf, rng.random(n))
-    starts = rng.choice(vocab_size, size=n, p=unigram)
-    u = rng.random((3, n))
-    end_kind = np.minimum(1 + (u[1] < p_paragraph_end) + 2 * (u[2] < p_document_end), 3)
-    kinds = np.where(u[0] < p_sentence_end, end_kind, 0)
-    for t in range(n):
-      pieces.append(vocab[word] + separators[kinds[t]])
+    ranks, starts, kinds = sources._synthetic_chunk(lang)
+    for t in range(len(kinds)):
+      pieces.append(lang.vocab[word] + sources._SEPARATORS[kinds[t]])
       total += len(pieces[-1])
-      word = int(starts[t]) if kinds[t] else int(successors[word][ranks[t]])
+      word = int(starts[t]) if kinds[t] else int(lang.successors[word][ranks[t]])
       if kinds[t] == 3 or total >= num_bytes:
         documents.append("".join(pieces).encode("ascii"))
         pieces = []

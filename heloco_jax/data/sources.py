@@ -34,7 +34,7 @@ import os
 import re
 import string
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -67,22 +67,23 @@ def synthetic_alphabet(language: str) -> str:
   return string.ascii_lowercase
 
 
-@functools.lru_cache(maxsize=2 * len(SYNTHETIC_LANGUAGES))
-def synthetic_documents(language: str, num_bytes: int) -> tuple[bytes, ...]:
-  """Generates ``num_bytes`` bytes of documents in a synthetic language.
+_SEPARATORS = (" ", ". ", ".\n", ".")  # after a word: continue, sentence, paragraph, document end
 
-  The statistics (letter frequencies, word lengths, Zipf exponent, number of
-  successors per word, sentence and document lengths) are drawn from a
-  generator seeded by the language's name alone. Words are generated in fixed
-  chunks, so a smaller corpus is a prefix of a larger one.
 
-  Args:
-    language: one of ``SYNTHETIC_LANGUAGES``.
-    num_bytes: total size of the documents.
+class _SyntheticLanguage(NamedTuple):
+  """A synthetic language's statistics, and its generator positioned at the first chunk."""
+  rng: np.random.Generator
+  vocab: list[str]              # ranked: frequent words are short
+  unigram: np.ndarray           # P(word) of a sentence's first word
+  successors: np.ndarray        # (vocab, branching): the words that may follow each word
+  successor_cdf: np.ndarray     # (branching,): which of them, by rank
+  p_sentence_end: float
+  p_paragraph_end: float
+  p_document_end: float
 
-  Returns:
-    The documents as UTF-8 (ASCII) bytes, ``num_bytes`` in total.
-  """
+
+def _synthetic_language(language: str) -> _SyntheticLanguage:
+  """Draws ``language``'s statistics from a generator seeded by its name alone."""
   k = SYNTHETIC_LANGUAGES.index(language)
   rng = np.random.default_rng([_SYNTHETIC_SEED, k])
   letters = np.array(list(synthetic_alphabet(language)))
@@ -99,31 +100,57 @@ def synthetic_documents(language: str, num_bytes: int) -> tuple[bytes, ...]:
   unigram /= unigram.sum()
   branching = int(rng.integers(3, 12))
   successors = np.stack([rng.choice(vocab_size, size=branching, replace=False, p=unigram)
-                         for _ in range(vocab_size)]).tolist()
+                         for _ in range(vocab_size)])
   successor_cdf = np.cumsum(1.0 / np.arange(1, branching + 1))
   successor_cdf /= successor_cdf[-1]
   p_sentence_end = 1.0 / rng.uniform(5.0, 15.0)
   p_paragraph_end = rng.uniform(0.1, 0.4)
   p_document_end = 1.0 / rng.uniform(8.0, 30.0)
-  separators = (" ", ". ", ".\n", ".")  # continue, sentence, paragraph, document end
+  return _SyntheticLanguage(rng, vocab, unigram, successors, successor_cdf, p_sentence_end,
+                            p_paragraph_end, p_document_end)
+
+
+def _synthetic_chunk(lang: _SyntheticLanguage) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The next ``_SYNTHETIC_CHUNK_WORDS`` words' draws: (successor rank, the start word used
+  after a sentence end, what follows the word: an index into ``_SEPARATORS``)."""
+  n, rng = _SYNTHETIC_CHUNK_WORDS, lang.rng
+  ranks = np.searchsorted(lang.successor_cdf, rng.random(n))
+  starts = rng.choice(len(lang.vocab), size=n, p=lang.unigram)
+  u = rng.random((3, n))
+  end_kind = np.minimum(1 + (u[1] < lang.p_paragraph_end) + 2 * (u[2] < lang.p_document_end), 3)
+  return ranks, starts, np.where(u[0] < lang.p_sentence_end, end_kind, 0)
+
+
+@functools.lru_cache(maxsize=2 * len(SYNTHETIC_LANGUAGES))
+def synthetic_documents(language: str, num_bytes: int) -> tuple[bytes, ...]:
+  """Generates ``num_bytes`` bytes of documents in a synthetic language.
+
+  The statistics (letter frequencies, word lengths, Zipf exponent, number of
+  successors per word, sentence and document lengths) are drawn from a
+  generator seeded by the language's name alone. Words are generated in fixed
+  chunks, so a smaller corpus is a prefix of a larger one.
+
+  Args:
+    language: one of ``SYNTHETIC_LANGUAGES``.
+    num_bytes: total size of the documents.
+
+  Returns:
+    The documents as UTF-8 (ASCII) bytes, ``num_bytes`` in total.
+  """
+  lang = _synthetic_language(language)
 
   # The text is a chain of words: after word w comes successors[w][rank], or a random start
   # word after a sentence end. Within a chunk the chain is followed for all sentences at once,
   # one word position at a time.
-  piece_text = [word + sep for word in vocab for sep in separators]  # index 4 * word + kind
+  piece_text = [word + sep for word in lang.vocab for sep in _SEPARATORS]  # 4 * word + kind
   piece_length = np.array([len(piece) for piece in piece_text])
-  successors_array = np.array(successors)
   documents: list[bytes] = []
   pending = ""  # the text of a document that goes on into the next chunk
   total = 0
   word = 0
   while total < num_bytes:
-    n = _SYNTHETIC_CHUNK_WORDS
-    ranks = np.searchsorted(successor_cdf, rng.random(n))
-    starts = rng.choice(vocab_size, size=n, p=unigram)
-    u = rng.random((3, n))
-    end_kind = np.minimum(1 + (u[1] < p_paragraph_end) + 2 * (u[2] < p_document_end), 3)
-    kinds = np.where(u[0] < p_sentence_end, end_kind, 0)
+    ranks, starts, kinds = _synthetic_chunk(lang)
+    n = len(kinds)
     words = np.empty(n + 1, dtype=np.int64)
     words[0] = word
     ends = np.flatnonzero(kinds)
@@ -132,20 +159,20 @@ def synthetic_documents(language: str, num_bytes: int) -> tuple[bytes, ...]:
     sentence_lengths = np.diff(np.append(sentence_starts, n + 1))  # words[n] begins the next chunk
     for k in range(1, int(sentence_lengths.max())):
       at = sentence_starts[sentence_lengths > k] + k
-      words[at] = successors_array[words[at - 1], ranks[at - 1]]
+      words[at] = lang.successors[words[at - 1], ranks[at - 1]]
     codes = 4 * words[:n] + kinds
-    reached = np.flatnonzero(total + np.cumsum(piece_length[codes]) >= num_bytes)
+    lengths = np.cumsum(piece_length[codes])  # the chunk's text length after each word
+    reached = np.flatnonzero(total + lengths >= num_bytes)
     used = int(reached[0]) + 1 if reached.size else n
     text = pending + "".join(map(piece_text.__getitem__, codes[:used].tolist()))
-    total += int(piece_length[codes[:used]].sum())
+    total += int(lengths[used - 1])
     word = int(words[used])
     # Documents end at a document end (kind 3) and where the corpus reaches num_bytes.
     closes = np.flatnonzero(kinds[:used] == 3)
     if total >= num_bytes and (closes.size == 0 or closes[-1] != used - 1):
       closes = np.append(closes, used - 1)
-    offsets = len(pending) + np.cumsum(piece_length[codes[:used]])[closes]
     begin = 0
-    for end in offsets.tolist():
+    for end in (len(pending) + lengths[closes]).tolist():
       documents.append(text[begin:end].encode("ascii"))
       begin = end
     pending = text[begin:]

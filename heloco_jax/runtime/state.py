@@ -156,7 +156,7 @@ class Recorder:
   """The run's metrics rows: arrival and train rows' device scalars fetched in batches.
 
   Args:
-    fetch_every: arrival rows queued before one device-to-host transfer.
+    fetch_every: arrival and train rows queued before one device-to-host transfer.
   """
 
   def __init__(self, fetch_every: int):
