@@ -68,6 +68,7 @@ def _largest_file(directory):
   return max(files, key=os.path.getsize)
 
 
+@tiny.ORBAX_CLOSED_LOOP_AFTER_A_FAILED_READ
 def test_truncated_latest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path):
   ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), keep=3)
   for step in (1, 2):

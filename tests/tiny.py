@@ -3,11 +3,21 @@
 import functools
 
 import ml_collections
+import pytest
 
 from heloco_jax import data
 from heloco_jax.configs import default
 
 H, BATCH, CONTEXT = 2, 4, 16
+
+# Reading a truncated checkpoint fails in one of orbax's concurrent tensorstore reads; orbax
+# then closes its event loop while the others are in flight, and when one of them finishes,
+# tensorstore's callback into the closed loop is reported as an unraisable "Event loop is
+# closed" (intermittently, a race inside orbax 0.12 / tensorstore 0.1). It is harmless: the
+# fallback to the older checkpoint is complete. Only the tests that truncate one expect it.
+ORBAX_CLOSED_LOOP_AFTER_A_FAILED_READ = pytest.mark.filterwarnings(
+    "ignore:(?s)Exception ignored in. None.*Event loop is closed"
+    ":pytest.PytestUnraisableExceptionWarning")
 
 
 @functools.lru_cache(maxsize=None)
