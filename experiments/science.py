@@ -63,8 +63,11 @@ def loss_at(result: Result, table: str, fraction: float) -> float:
 
 def runs_for(results: Sequence[Result], table: str, preset: str, method: str) -> list[Result]:
   """The runs of a cell, by seed. The time table's asynchronous runs are the token runs (they
-  read the token budget in T), as is homogeneous synchronous DiLoCo's (no one waits)."""
+  read the token budget in T), as is homogeneous synchronous DiLoCo's (no one waits).
+  Synchronous DiLoCo's token run at any paces is the homogeneous one (``grids.authors_grid``)."""
   own = "time" if table == "time" and method == "diloco" and preset != "homogeneous" else "tokens"
+  if own == "tokens" and method == "diloco":
+    preset = "homogeneous"
   chosen = [r for r in results if (r.run.table, r.run.preset, r.run.method) == (own, preset,
                                                                                  method)]
   return sorted(chosen, key=lambda r: r.run.seed)
@@ -361,7 +364,9 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           loss_table(results, "tokens"),
           "Validation loss at 25%, 50% and 100% of the budget, mean ± std over seeds. The "
           "authors' own final losses (GPT-2 vocabulary, paces [1,2,3,1,5]): "
-          + ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()) + "."),
+          + ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()) + ". Synchronous "
+          "DiLoCo's row is one run at every paces: each round waits for all workers, so the "
+          "paces change its clock, not its trajectory in tokens."),
       *analysis._section(  # pylint: disable=protected-access
           "The authors' harness: fixed wall-clock (simulated) budget",
           loss_table(results, "time"), time_budget_note(results)),
