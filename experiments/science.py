@@ -270,7 +270,8 @@ def palsgd_claim(results: Sequence[Result]) -> Optional[tuple[str, str]]:
     seeds = [d > p for d, p in zip(t["ddp"], t["palsgd"])]
     per_c.append((c, _speedup(t["ddp"], t["palsgd"]), all(seeds) and len(seeds) >= 3, any(seeds)))
   best = max(per_c, key=lambda x: x[1])
-  text = ", ".join(f"c={c:g}: {g:+.1f}%" for c, g, _, _ in per_c)
+  text = ", ".join(f"c={c:g}: " + (f"{g:+.1f}%" if np.isfinite(g) else "DDP's loss not reached")
+                   for c, g, _, _ in per_c)
   if any(len(t["ddp"]) < 3 for t in times.values()):
     return "pending (fewer than 3 seeds)", f"faster than DDP by {text} (mean over seeds)"
   if all(every for _, _, every, _ in per_c):

@@ -121,3 +121,20 @@ def test_results_md_and_figures_from_made_up_runs(tmp_path):
     assert part in text
   for figure in ("authors_loss_vs_steps.png", "authors_loss_vs_sim_time.png"):
     assert os.path.getsize(tmp_path / "figures" / figure) > 10_000 and figure in text
+
+
+def test_palsgd_that_never_reaches_ddps_loss_is_not_reproduced_and_says_so():
+  results = []
+  for seed in range(3):
+    for c in grids.COMM_RATIOS:
+      results.append(_palsgd(c, "ddp", seed, 3.0, 10 * (1 + c)))
+      if c:
+        results.append(_palsgd(c, "ddp_overlap", seed, 3.0, 10 * max(1.0, 1 / 3 + c)))
+      results.append(_palsgd(c, "diloco", seed, 3.0, 10.0))
+      results.append(_palsgd(c, "palsgd", seed, 3.5, 10.0))
+      results[-1].evals[-1]["val_loss"] = 3.5  # stops above DDP's final 3.0
+  verdict, measured = science.palsgd_claim(results)
+  assert verdict == "**not reproduced**"
+  assert measured.count("DDP's loss not reached") == len(grids.COMM_RATIOS)
+  assert "inf" not in measured
+  assert "PALSGD is not faster than DDP at any c measured." in science.palsgd_table(results)
