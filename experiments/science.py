@@ -329,8 +329,9 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
   for (reference, method), style in zip(
       (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco")), ("o-", "s--", "^:")):
     gains = [_speedup(times[c][reference], times[c][method]) for c in cs]
+    missing = "" if any(np.isfinite(gains)) else " (DDP's loss not reached)"
     ax.plot(cs, [g if np.isfinite(g) else np.nan for g in gains], style,
-            label=f"{method} vs {reference.replace('_', ' ')}")
+            label=f"{method} vs {reference.replace('_', ' ')}{missing}")
   ax.axhline(0, color="k", lw=0.6)
   ax.set_xlabel("c = all-reduce seconds ÷ step seconds")
   ax.set_ylabel("reaches DDP's final loss sooner (%)")
