@@ -1,4 +1,5 @@
-"""The small model and data the scheduler-level tests share (imported by the test modules)."""
+"""The small model and data the scheduler-level tests share, and a warning filter two checkpoint
+tests share (imported by the test modules)."""
 
 import functools
 
