@@ -86,16 +86,24 @@ def _palsgd(c, name, seed, final, seconds_per_eval):
   return analysis.Result(run, {"final_val_loss": final}, evals, [])
 
 
-def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
+def _palsgd_grid(diloco_seconds, palsgd_seconds, palsgd_final=3.0):
+  """3 seeds × every c: DDP and overlapped DDP (their time per eval grows with c) to loss 3.0,
+  DiLoCo and PALSGD at ``*_seconds(c)`` per eval; PALSGD's last eval is ``palsgd_final``."""
   results = []
   for seed in range(3):
     for c in grids.COMM_RATIOS:
-      # DDP's time per eval grows with c; PALSGD's barely: it wins from c = 0.25 on.
       results.append(_palsgd(c, "ddp", seed, 3.0, 10 * (1 + c)))
       if c:
         results.append(_palsgd(c, "ddp_overlap", seed, 3.0, 10 * max(1.0, 1 / 3 + c)))
-      results.append(_palsgd(c, "diloco", seed, 3.0, 10 * (1 + c / 20) * 1.3))
-      results.append(_palsgd(c, "palsgd", seed, 3.0, 10 * (1 + c / 20) * 1.2))
+      results.append(_palsgd(c, "diloco", seed, 3.0, diloco_seconds(c)))
+      results.append(_palsgd(c, "palsgd", seed, palsgd_final, palsgd_seconds(c)))
+      results[-1].evals[-1]["val_loss"] = palsgd_final
+  return results
+
+
+def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
+  # PALSGD's time per eval barely grows with c: it wins from c = 0.25 on.
+  results = _palsgd_grid(lambda c: 10 * (1 + c / 20) * 1.3, lambda c: 10 * (1 + c / 20) * 1.2)
   times = science.palsgd_times(results)
   assert times[0.25]["ddp"] == [pytest.approx(50.0)] * 3  # 4 evals of 12.5 s to loss 3.0
   assert science.crossover(times, "ddp") == 0.25
@@ -124,15 +132,8 @@ def test_results_md_and_figures_from_made_up_runs(tmp_path):
 
 
 def test_palsgd_that_never_reaches_ddps_loss_is_not_reproduced_and_says_so():
-  results = []
-  for seed in range(3):
-    for c in grids.COMM_RATIOS:
-      results.append(_palsgd(c, "ddp", seed, 3.0, 10 * (1 + c)))
-      if c:
-        results.append(_palsgd(c, "ddp_overlap", seed, 3.0, 10 * max(1.0, 1 / 3 + c)))
-      results.append(_palsgd(c, "diloco", seed, 3.0, 10.0))
-      results.append(_palsgd(c, "palsgd", seed, 3.5, 10.0))
-      results[-1].evals[-1]["val_loss"] = 3.5  # stops above DDP's final 3.0
+  # PALSGD stops at 3.5, above DDP's final 3.0
+  results = _palsgd_grid(lambda c: 10.0, lambda c: 10.0, palsgd_final=3.5)
   verdict, measured = science.palsgd_claim(results)
   assert verdict == "**not reproduced**"
   assert measured.count("DDP's loss not reached") == len(grids.COMM_RATIOS)
