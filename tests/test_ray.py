@@ -15,6 +15,10 @@ import pytest
 import tiny
 from heloco_jax.configs import validation
 
+# Ray's tests run one after another in one worker process: one local Ray cluster at a time
+# (also test_api.py's Ray test).
+pytestmark = pytest.mark.xdist_group("ray")
+
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.context=16",
         "--config.batch_size=4", "--config.inner_steps=2",
         "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8"]
@@ -110,10 +114,17 @@ def _worker_actor_pids():
   return sorted(pids)
 
 
-def _kill_actors_from_outside(metrics, kills, num_actors, gap=4, timeout=900):
-  """A thread that SIGKILLs ``kills`` worker-actor processes, one every ``gap`` arrivals
-  (``timeout``: the run's, ``_train``'s; on 2 busy cores its start alone took over 4 min)."""
+def _kill_actors_from_outside(metrics, kills, num_actors, gap=4, first=None, timeout=900):
+  """A thread that SIGKILLs ``kills`` of the run's first worker-actor processes, the i-th once
+  the run has ``first + i·gap`` arrivals (``first`` defaults to ``gap``; ``timeout``: the
+  run's, ``_train``'s; on 2 busy cores its start alone took over 4 min).
+
+  It does not wait for a killed actor's restart before the next kill. Returns the thread, the
+  list of killed pids, and an event to set when the run has ended (the thread then stops).
+  """
+  first = gap if first is None else first
   killed = []
+  run_ended = threading.Event()
 
   def arrivals():
     try:
@@ -126,28 +137,44 @@ def _kill_actors_from_outside(metrics, kills, num_actors, gap=4, timeout=900):
   def run():
     deadline = time.monotonic() + timeout
     original = []  # this run's first actor processes: each is killed at most once
-    while len(killed) < kills and time.monotonic() < deadline:
-      pids = [pid for pid in _worker_actor_pids() if pid not in before]
-      if not original and len(pids) == num_actors and arrivals() > 0:
-        original.extend(pids)
-      if original and arrivals() >= gap * (len(killed) + 1) and len(pids) == num_actors:
+    while len(killed) < kills and time.monotonic() < deadline and not run_ended.is_set():
+      if not original:
+        pids = [pid for pid in _worker_actor_pids() if pid not in before]
+        if len(pids) == num_actors and arrivals() > 0:
+          original.extend(pids)
+      elif arrivals() >= first + gap * len(killed):
         victim = original[len(killed)]
         os.kill(victim, signal.SIGKILL)
         killed.append(victim)
       time.sleep(0.05)
   thread = threading.Thread(target=run, daemon=True)
   thread.start()
-  return thread, killed
+  return thread, killed, run_ended
+
+
+def _train_while_killing(thread, run_ended, args):
+  """``_train(args)``, then stops the killing thread and waits for it."""
+  try:
+    _train(args)
+  finally:
+    run_ended.set()
+    thread.join()
 
 
 def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouched(tmp_path):
   """K = 2: each of the two actor processes is killed with SIGKILL (as `kill -9` would), one
-  after the other; the run survives both, and only the killed actors restart."""
-  thread, killed = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2, num_actors=2)
-  _train([f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
-          "--config.num_workers=2", "--config.budget.tokens=24000",
-          "--config.eval_every_tokens=8000", "--config.checkpoint_every=0", *TINY])
-  thread.join()
+  after the other; the run survives both, and only the killed actors restart.
+
+  The second dies an arrival after the first, while the first restarts: had it waited for
+  that restart, the survivor could finish the whole budget (190 arrivals of a tiny model)
+  before the second restart returned a result (seen with another test process on both cores).
+  """
+  thread, killed, run_ended = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2,
+                                                        num_actors=2, first=4, gap=1)
+  _train_while_killing(thread, run_ended, [
+      f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
+      "--config.num_workers=2", "--config.budget.tokens=24000",
+      "--config.eval_every_tokens=8000", "--config.checkpoint_every=0", *TINY])
   assert len(killed) == 2
   rows = _rows(tmp_path)
   restarted = [r for r in rows if r["event"] == "actor_restarted"]
@@ -167,10 +194,10 @@ def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_pa
   clean = tmp_path / "clean"
   _train([f"--workdir={clean}", *args])
   faulty = tmp_path / "faulty"
-  thread, killed = _kill_actors_from_outside(faulty / "metrics.jsonl", kills=3, num_actors=8,
-                                             gap=int(np.random.default_rng().integers(5, 20)))
-  _train([f"--workdir={faulty}", *args])
-  thread.join()
+  thread, killed, run_ended = _kill_actors_from_outside(
+      faulty / "metrics.jsonl", kills=3, num_actors=8,
+      gap=int(np.random.default_rng().integers(5, 20)))
+  _train_while_killing(thread, run_ended, [f"--workdir={faulty}", *args])
   assert len(killed) == 3
   # A restart shows when the new process returns its first result (a restart on 2 busy
   # cores takes seconds: JAX starts and compiles again), so the run is long enough for that.
