@@ -8,6 +8,10 @@
   that comparisons with the NumPy references hold at CPU tolerances; and no
   preallocation of 75% of the GPU per process, so that several test
   processes fit on one GPU. None of these changes anything on the CPU.
+* pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml): the tests
+  marked with one ``xdist_group`` run in one worker process. A pytest whose
+  node ids xdist cannot tag (9.2, pytest-dev/pytest-xdist#1386) would split
+  them silently, so a worker refuses to start on one.
 """
 
 import os
@@ -29,3 +33,17 @@ os.environ.update({"JAX_COMPILATION_CACHE_DIR": _CACHE.name,
 jax.config.update("jax_compilation_cache_dir", _CACHE.name)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_collection_finish(session):
+  """On an xdist worker with ``--dist loadgroup``: each grouped test's node id names its group."""
+  if not getattr(session.config.option, "loadgroup", False):
+    return
+  untagged = [item.nodeid for item in session.items
+              if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+  if untagged:
+    raise RuntimeError(
+        f"pytest-xdist's --dist loadgroup has no effect with this pytest: {untagged[0]} is "
+        "not tagged with its xdist_group (pytest-dev/pytest-xdist#1386), so module fixtures "
+        "would run once per worker and Ray clusters overlap. Install the pytest that "
+        "pyproject.toml's [dev] pins, or run with -n 0.")

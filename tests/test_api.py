@@ -265,6 +265,7 @@ def test_the_same_user_code_runs_on_real_devices():
   assert lines[0].startswith("diloco True") and lines[1].startswith("mla True"), lines
 
 
+@pytest.mark.xdist_group("ray")  # with test_ray.py: one local Ray cluster at a time
 def test_the_same_user_code_runs_on_ray():
   """In a process of its own, as test_ray.py's runs (its ``_train`` says why)."""
   pytest.importorskip("ray")

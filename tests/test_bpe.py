@@ -10,6 +10,9 @@ import pytest
 from heloco_jax import train
 from heloco_jax.data import bpe, corpus, sources
 
+# One worker process runs this module, so the module's corpus fixture is built once.
+pytestmark = pytest.mark.xdist_group("bpe_corpus")
+
 TINY = ["--config.num_workers=2", "--config.model.d_model=32", "--config.model.num_layers=1",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
         "--config.data.val_sequences_per_language=8", "--config.eval_every_tokens=1000",

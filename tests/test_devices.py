@@ -17,6 +17,9 @@ import tiny
 from heloco_jax.runtime import devices
 from heloco_jax.configs import validation
 
+# One worker process runs this module, so the 8-device probe (a minute) runs once.
+pytestmark = pytest.mark.xdist_group("devices_probe")
+
 FAKE = [f"dev{i}" for i in range(8)]  # group_devices only slices the list
 
 

@@ -14,6 +14,9 @@ import nbclient
 import nbformat
 import pytest
 
+# One worker process runs this module, so the notebook (a module fixture) executes once.
+pytestmark = pytest.mark.xdist_group("notebook")
+
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "staleness_effects.ipynb"
 KNOBS = {"METHODS", "SPEEDS", "INNER_STEPS", "NUM_WORKERS", "PARTITION", "DIRICHLET_ALPHA",
          "JITTER", "TOKENS", "SEEDS", "D_MODEL", "NUM_LAYERS", "NUM_HEADS", "CONTEXT",

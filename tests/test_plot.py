@@ -8,6 +8,9 @@ import pytest
 from heloco_jax import cli, methods
 from tests.test_cli import TINY
 
+# One worker process runs this module, so its runs (a module fixture) are trained once.
+pytestmark = pytest.mark.xdist_group("plot_runs")
+
 SYNC = ("ddp", "local_sgd", "diloco", "palsgd")
 ARRIVAL_FIGURES = ("staleness_per_worker.png", "alignment.png", "arrivals_timeline.png")
 
