@@ -123,19 +123,30 @@ def _shape(run: grids.Run) -> tuple:
 
 
 class Progress:
-  """The grid's position and time left: seconds per token of each model shape, from the runs
-  finished by this command, times the tokens left, over the runs running at once."""
+  """The grid's position and time left: seconds per token of each model shape, times the
+  tokens left, over the runs running at once.
 
-  def __init__(self, todo: Sequence[grids.Run], jobs: int):
+  The rates come from each finished run's summary ``wall_seconds`` (its training time, all
+  its resumed parts together): those of ``timed``, the (run, wall_seconds) of runs finished
+  before this command, and those of the runs it finishes.
+  """
+
+  def __init__(self, todo: Sequence[grids.Run], jobs: int,
+               timed: Sequence[tuple[grids.Run, float]] = ()):
     self.left = {r.name: r for r in todo}
     self.jobs, self.total, self.done = jobs, len(todo), 0
-    self.start = time.monotonic()
     self._per_token: dict[tuple, list[float]] = {}
+    for run, wall_seconds in timed:
+      self._rate(run, wall_seconds)
+
+  def _rate(self, run: grids.Run, wall_seconds: float) -> None:
+    if wall_seconds > 0:  # 0: a summary from before wall_seconds was kept
+      self._per_token.setdefault(_shape(run), []).append(wall_seconds / expected_tokens(run))
 
   def finished(self, run: grids.Run, wall_seconds: float) -> None:
     self.done += 1
     self.left.pop(run.name, None)
-    self._per_token.setdefault(_shape(run), []).append(wall_seconds / expected_tokens(run))
+    self._rate(run, wall_seconds)
 
   def eta(self) -> str:
     seconds, unknown = 0.0, 0
@@ -191,18 +202,20 @@ def commit_digests(results_dir: str, message: str) -> None:
 
 
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
-                 jobs: int, heartbeat: float = 300.0, commit: bool = False) -> int:
+                 jobs: int, heartbeat: float = 300.0, commit: bool = False,
+                 timed: Sequence[tuple[grids.Run, float]] = ()) -> int:
   """Runs ``todo`` as ``python -m heloco_jax.train`` processes, ``jobs`` at a time, each pinned
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
-  ``results_dir`` (and, with ``commit``, into git). SIGTERM or Ctrl-C stops the running runs at
+  ``results_dir`` (and, with ``commit``, into git). ``timed``: finished runs' (run,
+  wall_seconds), for the time left (``Progress``) before a run of this call ends. SIGTERM or Ctrl-C stops the running runs at
   their next checkpoint boundary (they resume when the command is run again). Returns 0, 1 (some
   run failed) or 130."""
   cores = _cores()
   jobs = max(1, min(jobs, len(cores), len(todo)))
   per_job = len(cores) // jobs
   slots = [cores[i * per_job:(i + 1) * per_job] for i in range(jobs)]
-  progress, queue, running, failed = Progress(todo, jobs), list(todo), {}, []
+  progress, queue, running, failed = Progress(todo, jobs, timed), list(todo), {}, []
   stopping = []
 
   def stop(signum, frame):
@@ -243,12 +256,12 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
           analysis.write_digest(os.path.join(out, "runs", run.name), results_dir, run)
           if commit:
             commit_digests(results_dir, f"experiments/results: {run.name}")
-          progress.finished(run, minutes * 60)
           with open(os.path.join(out, "runs", run.name, "summary.json")) as f:
-            loss = json.load(f)["final_val_loss"]
+            summary = json.load(f)
+          progress.finished(run, summary["wall_seconds"])
           print(f"reproduce: [{progress.done}/{progress.total} done] {run.name}: val_loss "
-                f"{loss:.4f} in {minutes:.1f} min; {progress.eta()}", file=sys.stderr,
-                flush=True)
+                f"{summary['final_val_loss']:.4f} in {minutes:.1f} min; {progress.eta()}",
+                file=sys.stderr, flush=True)
         elif stopping:
           print(f"reproduce: {run.name} stopped (exit {proc.returncode}); it resumes from its "
                 "checkpoint when the command runs again", file=sys.stderr, flush=True)
@@ -314,15 +327,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  else os.path.join(_HERE, "results"))
   runs = grids.grid(args.grid)
   chosen = [r for r in runs if re.search(args.only, r.name)] if args.only else runs
-  todo = []
+  todo, timed = [], []
   for run in chosen:
-    if os.path.exists(analysis.digest_path(results_dir, run)):
-      continue
     workdir = os.path.join(args.out, "runs", run.name)
-    if os.path.exists(os.path.join(workdir, "summary.json")):
+    if not os.path.exists(analysis.digest_path(results_dir, run)):
+      if not os.path.exists(os.path.join(workdir, "summary.json")):
+        todo.append(run)
+        continue
       analysis.write_digest(workdir, results_dir, run)  # finished before digests were kept
-      continue
-    todo.append(run)
+    with open(analysis.digest_path(results_dir, run)) as f:
+      timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
   print(f"reproduce: grid {args.grid}: {len(chosen)} runs, {len(chosen) - len(todo)} already "
         f"finished", file=sys.stderr)
   if args.report_only:
@@ -331,7 +345,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
   if jobs > 1 and todo:
-    status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit)
+    status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit,
+                          timed=timed)
     if status != 0:
       return status
   start = time.perf_counter()

@@ -276,6 +276,27 @@ def test_science_grid_finishes_seed_by_seed():
     assert grids.family(name) == runs
 
 
+def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
+  runs = [r for r in grids.grid("authors") if r.seed == 0 and r.table == "tokens"]
+  tokens = reproduce.expected_tokens(runs[0])
+  assert tokens == 2_560_000 and all(reproduce.expected_tokens(r) == tokens for r in runs)
+  # Nothing timed: no guess.
+  assert reproduce.Progress(runs[2:], jobs=2).eta() == "time left unknown"
+  # Two runs finished before this command, 900 s and 700 s (a 0 from an old summary is
+  # skipped): 800 s a run, 2 at a time.
+  progress = reproduce.Progress(runs[3:7], jobs=2,
+                                timed=[(runs[0], 900.0), (runs[1], 700.0), (runs[2], 0.0)])
+  assert progress.eta() == "about 27 min left"  # 4 × 800 / 2 s
+  # A run resumed by this command reports its summary's training time, all parts together.
+  progress.finished(runs[3], 1100.0)
+  assert progress.eta() == "about 23 min left"  # 3 × 900 / 2 s
+  assert (progress.done, progress.total) == (1, 4)
+  # A shape not timed yet is counted apart.
+  palsgd = next(r for r in grids.grid("palsgd_c") if r.method == "palsgd")
+  assert "(+ 1 runs of a size not timed yet)" in reproduce.Progress(
+      [*runs[3:5], palsgd], jobs=2, timed=[(runs[0], 800.0)]).eta()
+
+
 def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
   out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
   args = ["--grid=smoke", f"--out={out}", f"--digests={digests}", "--jobs=2",
