@@ -11,7 +11,8 @@
 * pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml): the tests
   marked with one ``xdist_group`` run in one worker process. A pytest whose
   node ids xdist cannot tag (9.2, pytest-dev/pytest-xdist#1386) would split
-  them silently, so a worker refuses to start on one.
+  them silently, so a worker refuses to start on one. ``-n auto`` starts one
+  worker per core, at most 8: 8 JAX processes were measured to fit on one GPU.
 """
 
 import os
@@ -33,6 +34,13 @@ os.environ.update({"JAX_COMPILATION_CACHE_DIR": _CACHE.name,
 jax.config.update("jax_compilation_cache_dir", _CACHE.name)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_xdist_auto_num_workers(config):
+  """``-n auto``: one test process per core this process may use, at most 8."""
+  del config
+  return min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
 
 
 def pytest_collection_finish(session):
