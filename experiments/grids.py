@@ -314,7 +314,25 @@ def authors_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
 # PyTorch DDP); all-reduce c seconds against 1 s of compute per step.
 COMM_RATIOS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 PALSGD_PULL = 0.05
+PALSGD_OUTER_LR = 0.1
 DDP_OVERLAP = 2 / 3
+
+
+def _palsgd_run(scale: Scale, seed: int, c: float, table: str, name: str, method: str,
+                factor: int, changes: dict[str, Any]) -> Run:
+  """One run of the PALSGD comparison: homogeneous, IID, all-reduce c, ``factor`` × the budget."""
+  overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": "homogeneous",
+               "data.partition": "iid", "comm.latency": c, "budget.tokens": factor * scale.tokens,
+               "eval_every_tokens": scale.eval_every_tokens // 4, **changes}
+  return Run(f"{table}/{name}/seed{seed}", table, "homogeneous", name, seed,
+             tuple(overrides.items()))
+
+
+def _palsgd_authors(scale: Scale) -> dict[str, Any]:
+  p = 0.2
+  return {"inner.pseudo_sync_prob": p, "inner.palsgd_coins": "shared",
+          "inner.pseudo_sync_rate": PALSGD_PULL * p / scale.inner_learning_rate,
+          "outer.learning_rate": PALSGD_OUTER_LR}
 
 
 def palsgd_c_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> list[Run]:
@@ -323,25 +341,35 @@ def palsgd_c_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> l
   DDP reads the token budget, DiLoCo and PALSGD twice it (same schedule), so that their
   time to DDP's final loss can be measured where they need more tokens than DDP.
   """
-  p = 0.2
-  palsgd = {"inner.pseudo_sync_prob": p, "inner.palsgd_coins": "shared",
-            "inner.pseudo_sync_rate": PALSGD_PULL * p / scale.inner_learning_rate,
-            "outer.learning_rate": 0.1}
   variants = (("ddp", "ddp", 1, {}), ("ddp_overlap", "ddp", 1, {"comm.ddp_overlap": DDP_OVERLAP}),
-              ("diloco", "diloco", 2, {}), ("palsgd", "palsgd", 2, palsgd))
+              ("diloco", "diloco", 2, {}), ("palsgd", "palsgd", 2, _palsgd_authors(scale)))
   runs = []
   for seed in (scale.seeds if seeds is None else seeds):
     for c in COMM_RATIOS:
       for name, method, factor, changes in variants:
         if name == "ddp_overlap" and c == 0:
           continue  # nothing to hide: the plain DDP run
-        overrides = {**scale.overrides(), "method": method, "seed": seed,
-                     "speeds": "homogeneous", "data.partition": "iid", "comm.latency": c,
-                     "budget.tokens": factor * scale.tokens,
-                     "eval_every_tokens": scale.eval_every_tokens // 4, **changes}
-        runs.append(Run(f"palsgd_c/c{c:g}/{name}/seed{seed}", f"palsgd_c/c{c:g}",
-                        "homogeneous", name, seed, tuple(overrides.items())))
+        runs.append(_palsgd_run(scale, seed, c, f"palsgd_c/c{c:g}", name, method, factor,
+                                changes))
   return runs
+
+
+# Why PALSGD misses DDP's loss (RESULTS.md): at one c, each of PALSGD and DiLoCo with the
+# other's outer learning rate (DiLoCo's default 0.7; the PALSGD authors' 0.1).
+PALSGD_WHY_C = 0.25
+
+
+def palsgd_why_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> list[Run]:
+  """PALSGD at DiLoCo's outer lr and DiLoCo at PALSGD's, otherwise ``palsgd_c_grid``'s runs at
+  c = ``PALSGD_WHY_C``: which of the outer lr and pseudo-sync keeps PALSGD from DDP's loss."""
+  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  diloco_lr = methods.get("diloco").learning_rate
+  variants = ((f"palsgd_lr{diloco_lr:g}", "palsgd", 2,
+               {**_palsgd_authors(scale), "outer.learning_rate": diloco_lr}),
+              (f"diloco_lr{PALSGD_OUTER_LR:g}", "diloco", 2,
+               {"outer.learning_rate": PALSGD_OUTER_LR}))
+  return [_palsgd_run(scale, seed, PALSGD_WHY_C, "palsgd_why", *variant)
+          for seed in (scale.seeds if seeds is None else seeds) for variant in variants]
 
 
 def science_grid() -> list[Run]:
@@ -349,7 +377,8 @@ def science_grid() -> list[Run]:
   grid has whole seeds (the verdicts need three); the one-seed lr check last."""
   runs = []
   for seed in AUTHORS.seeds:
-    runs += authors_grid(seeds=(seed,)) + palsgd_c_grid(seeds=(seed,))
+    runs += (authors_grid(seeds=(seed,)) + palsgd_c_grid(seeds=(seed,))
+             + palsgd_why_grid(seeds=(seed,)))
   return runs + authors_lr_grid()
 
 
@@ -357,7 +386,9 @@ GRIDS.update({
     "authors": authors_grid,
     "authors_lr": authors_lr_grid,
     "palsgd_c": palsgd_c_grid,
+    "palsgd_why": palsgd_why_grid,
     "science": science_grid,
 })
-SCIENCE = ("authors", "authors_lr", "palsgd_c", "science")  # issue 18's grids: one RESULTS.md
-SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "science": AUTHORS})
+SCIENCE = ("authors", "authors_lr", "palsgd_c", "palsgd_why", "science")  # issue 18's grids: one RESULTS.md
+SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "palsgd_why": PAPER,
+               "science": AUTHORS})
