@@ -260,6 +260,44 @@ def palsgd_table(results: Sequence[Result]) -> str:
   return "\n".join(lines)
 
 
+def _why_runs(results, name):
+  return {r.run.seed: r for r in results if r.run.table == "palsgd_why" and r.run.method == name}
+
+
+def palsgd_why_table(results: Sequence[Result]) -> str:
+  """Markdown: PALSGD and DiLoCo each at both outer lrs (the palsgd_c runs at c =
+  ``grids.PALSGD_WHY_C`` and the palsgd_why swaps): final loss, and time to DDP's loss."""
+  c = grids.PALSGD_WHY_C
+  ddp = _palsgd_runs(results, c, "ddp")
+  rows = [(f"PALSGD, the authors' {grids.PALSGD_OUTER_LR:g}", _palsgd_runs(results, c, "palsgd")),
+          ("PALSGD, DiLoCo's 0.7", _why_runs(results, "palsgd_lr0.7")),
+          ("DiLoCo, its 0.7", _palsgd_runs(results, c, "diloco")),
+          (f"DiLoCo, PALSGD's {grids.PALSGD_OUTER_LR:g}",
+           _why_runs(results, f"diloco_lr{grids.PALSGD_OUTER_LR:g}"))]
+  if not ddp or not any(runs for _, runs in rows[1::2]):
+    return ""
+  lines = [f"| run (outer lr) | final val loss, 2× DDP's tokens | reaches DDP's loss | time to "
+           f"DDP's loss at c = {c:g}, s | vs DDP | seeds |", "|---|---|---|---|---|---|"]
+  ddp_times = [analysis.time_to_loss(r.evals, r.summary["final_val_loss"]) for r in ddp.values()]
+  lines.append(f"| DDP | {np.mean([r.summary['final_val_loss'] for r in ddp.values()]):.4f} "
+               f"(its tokens) | – | {np.mean(ddp_times):,.0f} | – | {len(ddp)} |")
+  for label, runs in rows:
+    seeds = [s for s in sorted(runs) if s in ddp]
+    if not seeds:
+      continue
+    times = [analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
+             for s in seeds]
+    reached = sum(np.isfinite(times))
+    gain = _speedup([analysis.time_to_loss(ddp[s].evals, ddp[s].summary["final_val_loss"])
+                     for s in seeds], times)
+    lines.append(
+        f"| {label} | {np.mean([runs[s].summary['final_val_loss'] for s in seeds]):.4f} | "
+        f"{reached} of {len(seeds)} seeds | "
+        + (f"{np.mean(times):,.0f} | {gain:+.1f}%" if reached == len(seeds) else "– | –")
+        + f" | {len(seeds)} |")
+  return "\n".join(lines)
+
+
 def palsgd_claim(results: Sequence[Result]) -> Optional[tuple[str, str]]:
   """(verdict, measured) for the PALSGD claim: PALSGD faster than DDP on every seed at some c."""
   times = palsgd_times(results)
@@ -382,6 +420,12 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "example; DDP plain, and with its all-reduce overlapped with the backward pass "
           "(`comm.ddp_overlap` = 2/3). Time to each seed's DDP final loss; DiLoCo and PALSGD "
           "may read up to twice DDP's tokens. Paper: PALSGD 21.1–24.4% faster than DDP."),
+      *analysis._section(  # pylint: disable=protected-access
+          "Why PALSGD misses DDP's loss: PALSGD and DiLoCo at each other's outer lr",
+          palsgd_why_table(results),
+          f"The runs above at c = {grids.PALSGD_WHY_C:g}, and the same two with the outer "
+          "learning rate swapped (`palsgd_why`); everything else is equal. Time to each "
+          "seed's DDP final loss, mean over seeds where every seed reaches it."),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
       "## Small scale", "",
