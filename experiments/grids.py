@@ -354,22 +354,27 @@ def palsgd_c_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> l
   return runs
 
 
-# Why PALSGD misses DDP's loss (RESULTS.md): at one c, each of PALSGD and DiLoCo with the
-# other's outer learning rate (DiLoCo's default 0.7; the PALSGD authors' 0.1).
+# Why PALSGD misses DDP's loss (RESULTS.md): PALSGD at DiLoCo's outer lr (0.7) at every c, and
+# DiLoCo at the PALSGD authors' (0.1) at one c; otherwise the palsgd_c runs (and tables).
 PALSGD_WHY_C = 0.25
+PALSGD_SWAPPED, DILOCO_SWAPPED = "palsgd_lr0.7", "diloco_lr0.1"  # the runs' names
 
 
 def palsgd_why_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> list[Run]:
-  """PALSGD at DiLoCo's outer lr and DiLoCo at PALSGD's, otherwise ``palsgd_c_grid``'s runs at
-  c = ``PALSGD_WHY_C``: which of the outer lr and pseudo-sync keeps PALSGD from DDP's loss."""
+  """``palsgd_c_grid``'s PALSGD at DiLoCo's outer lr over ``COMM_RATIOS``, and its DiLoCo at
+  PALSGD's at c = ``PALSGD_WHY_C``: whether the outer lr is what keeps PALSGD from DDP's loss,
+  and PALSGD's crossover with it."""
   from heloco_jax import methods  # pylint: disable=g-import-not-at-top
   diloco_lr = methods.get("diloco").learning_rate
-  variants = ((f"palsgd_lr{diloco_lr:g}", "palsgd", 2,
-               {**_palsgd_authors(scale), "outer.learning_rate": diloco_lr}),
-              (f"diloco_lr{PALSGD_OUTER_LR:g}", "diloco", 2,
-               {"outer.learning_rate": PALSGD_OUTER_LR}))
-  return [_palsgd_run(scale, seed, PALSGD_WHY_C, "palsgd_why", *variant)
-          for seed in (scale.seeds if seeds is None else seeds) for variant in variants]
+  palsgd = {**_palsgd_authors(scale), "outer.learning_rate": diloco_lr}
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    for c in COMM_RATIOS:
+      runs.append(_palsgd_run(scale, seed, c, f"palsgd_c/c{c:g}", PALSGD_SWAPPED, "palsgd", 2,
+                              palsgd))
+    runs.append(_palsgd_run(scale, seed, PALSGD_WHY_C, f"palsgd_c/c{PALSGD_WHY_C:g}",
+                            DILOCO_SWAPPED, "diloco", 2, {"outer.learning_rate": PALSGD_OUTER_LR}))
+  return runs
 
 
 def science_grid() -> list[Run]:

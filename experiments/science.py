@@ -213,7 +213,7 @@ def palsgd_times(results: Sequence[Result]) -> dict[float, dict[str, list[float]
     if not ddp:
       continue
     times = {}
-    for name in ("ddp", "ddp_overlap", "diloco", "palsgd"):
+    for name in ("ddp", "ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED):
       runs = _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
       times[name] = [analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
                      for s in sorted(runs) if s in ddp]
@@ -228,9 +228,10 @@ def _speedup(reference: Sequence[float], method: Sequence[float]) -> float:
   return float(100 * (np.mean(reference) - np.mean(method)) / np.mean(reference))
 
 
-def crossover(times: dict[float, dict[str, list[float]]], reference: str) -> Optional[float]:
-  """The smallest c from which on PALSGD reaches the target sooner than ``reference``."""
-  wins = [(c, _speedup(t[reference], t["palsgd"]) > 0) for c, t in sorted(times.items())]
+def crossover(times: dict[float, dict[str, list[float]]], reference: str,
+              method: str = "palsgd") -> Optional[float]:
+  """The smallest c from which on ``method`` reaches the target sooner than ``reference``."""
+  wins = [(c, _speedup(t[reference], t[method]) > 0) for c, t in sorted(times.items())]
   for i, (c, _) in enumerate(wins):
     if all(w for _, w in wins[i:]):
       return c
@@ -241,39 +242,44 @@ def palsgd_table(results: Sequence[Result]) -> str:
   times = palsgd_times(results)
   if not times:
     return ""
+  swapped = grids.PALSGD_SWAPPED
   lines = ["| c (all-reduce ÷ step) | DDP s | DDP overlapped s | DiLoCo s | PALSGD s | PALSGD vs "
-           "DDP | PALSGD vs DDP overlapped | DiLoCo vs DDP | seeds |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "DDP | PALSGD vs DDP overlapped | DiLoCo vs DDP | PALSGD at outer lr 0.7 s | its vs "
+           "DDP | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for c, t in sorted(times.items()):
-    secs = [f"{np.mean(t[m]):,.0f}" if t[m] and np.all(np.isfinite(t[m])) else "not reached"
-            for m in ("ddp", "ddp_overlap", "diloco", "palsgd")]
-    gains = [_speedup(t[ref], t[m]) for ref, m in (("ddp", "palsgd"), ("ddp_overlap", "palsgd"),
-                                                   ("ddp", "diloco"))]
-    lines.append(f"| {c:g} | {' | '.join(secs)} | "
-                 + " | ".join(f"{g:+.1f}%" if np.isfinite(g) else "–" for g in gains)
-                 + f" | {len(t['ddp'])} |")
-  for reference, label in (("ddp", "DDP"), ("ddp_overlap", "overlapped DDP")):
-    c = crossover(times, reference)
-    lines.append("")
-    lines.append(f"PALSGD reaches DDP's loss sooner than {label} from c = {c:g} on."
-                 if c is not None else f"PALSGD is not faster than {label} at any c measured.")
+    secs = [("–" if not t[m] else f"{np.mean(t[m]):,.0f}" if np.all(np.isfinite(t[m]))
+             else "not reached") for m in ("ddp", "ddp_overlap", "diloco", "palsgd", swapped)]
+    gains = [_speedup(t[ref], t[m]) if t[m] else math.nan
+             for ref, m in (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco"),
+                            ("ddp", swapped))]
+    cells = secs[:4] + [f"{g:+.1f}%" if np.isfinite(g) else "–" for g in gains[:3]] + [
+        secs[4], f"{gains[3]:+.1f}%" if np.isfinite(gains[3]) else "–"]
+    lines.append(f"| {c:g} | {' | '.join(cells)} | {len(t['ddp'])} |")
+  for method, name in (("palsgd", "PALSGD"), (swapped, "PALSGD at outer lr 0.7")):
+    missing = [f"{c:g}" for c, t in sorted(times.items()) if not t[method]]
+    if len(missing) == len(times):
+      continue
+    if missing:
+      lines += ["", f"{name}: no runs yet at c = {', '.join(missing)}, so no crossover."]
+      continue
+    for reference, label in (("ddp", "DDP"), ("ddp_overlap", "overlapped DDP")):
+      c = crossover(times, reference, method)
+      lines.append("")
+      lines.append(f"{name} reaches DDP's loss sooner than {label} from c = {c:g} on."
+                   if c is not None else f"{name} is not faster than {label} at any c measured.")
   return "\n".join(lines)
-
-
-def _why_runs(results, name):
-  return {r.run.seed: r for r in results if r.run.table == "palsgd_why" and r.run.method == name}
 
 
 def palsgd_why_table(results: Sequence[Result]) -> str:
   """Markdown: PALSGD and DiLoCo each at both outer lrs (the palsgd_c runs at c =
-  ``grids.PALSGD_WHY_C`` and the palsgd_why swaps): final loss, and time to DDP's loss."""
+  ``grids.PALSGD_WHY_C``, the palsgd_why grid's among them): final loss, time to DDP's loss."""
   c = grids.PALSGD_WHY_C
   ddp = _palsgd_runs(results, c, "ddp")
   rows = [(f"PALSGD, the authors' {grids.PALSGD_OUTER_LR:g}", _palsgd_runs(results, c, "palsgd")),
-          ("PALSGD, DiLoCo's 0.7", _why_runs(results, "palsgd_lr0.7")),
+          ("PALSGD, DiLoCo's 0.7", _palsgd_runs(results, c, grids.PALSGD_SWAPPED)),
           ("DiLoCo, its 0.7", _palsgd_runs(results, c, "diloco")),
           (f"DiLoCo, PALSGD's {grids.PALSGD_OUTER_LR:g}",
-           _why_runs(results, f"diloco_lr{grids.PALSGD_OUTER_LR:g}"))]
+           _palsgd_runs(results, c, grids.DILOCO_SWAPPED))]
   if not ddp or not any(runs for _, runs in rows[1::2]):
     return ""
   lines = [f"| run (outer lr) | final val loss, 2× DDP's tokens | reaches DDP's loss | time to "
@@ -365,10 +371,14 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
   cs = sorted(times)
   for (reference, method), style in zip(
-      (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco")), ("o-", "s--", "^:")):
-    gains = [_speedup(times[c][reference], times[c][method]) for c in cs]
+      (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco"),
+       ("ddp", grids.PALSGD_SWAPPED)), ("o-", "s--", "^:", "D-.")):
+    measured = [c for c in cs if times[c][method]]
+    if not measured:
+      continue
+    gains = [_speedup(times[c][reference], times[c][method]) for c in measured]
     missing = "" if any(np.isfinite(gains)) else " (DDP's loss not reached)"
-    ax.plot(cs, [g if np.isfinite(g) else np.nan for g in gains], style,
+    ax.plot(measured, [g if np.isfinite(g) else np.nan for g in gains], style,
             label=f"{method} vs {reference.replace('_', ' ')}{missing}")
   ax.axhline(0, color="k", lw=0.6)
   ax.set_xlabel("c = all-reduce seconds ÷ step seconds")
@@ -419,13 +429,15 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "p = 0.2, pull η_ps·α/p = 0.05 and outer Nesterov lr 0.1 as in the PALSGD authors' "
           "example; DDP plain, and with its all-reduce overlapped with the backward pass "
           "(`comm.ddp_overlap` = 2/3). Time to each seed's DDP final loss; DiLoCo and PALSGD "
-          "may read up to twice DDP's tokens. Paper: PALSGD 21.1–24.4% faster than DDP."),
+          "may read up to twice DDP's tokens. PALSGD at outer lr 0.7: the same PALSGD at "
+          "DiLoCo's outer lr (next section). Paper: PALSGD 21.1–24.4% faster than DDP."),
       *analysis._section(  # pylint: disable=protected-access
           "Why PALSGD misses DDP's loss: PALSGD and DiLoCo at each other's outer lr",
           palsgd_why_table(results),
           f"The runs above at c = {grids.PALSGD_WHY_C:g}, and the same two with the outer "
           "learning rate swapped (`palsgd_why`); everything else is equal. Time to each "
-          "seed's DDP final loss, mean over seeds where every seed reaches it."),
+          "seed's DDP final loss, mean over seeds where every seed reaches it. The table above "
+          "has PALSGD at outer lr 0.7 at every c."),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
       "## Small scale", "",

@@ -265,14 +265,17 @@ def test_palsgd_c_grid_runs_every_ratio_with_the_authors_pull():
 
 
 def test_palsgd_why_grid_swaps_only_the_outer_lr_of_palsgd_and_diloco():
-  """Each run equals its palsgd_c run at c = PALSGD_WHY_C but for the outer learning rate."""
+  """Each run equals its palsgd_c run (same c, seed) but for the outer learning rate: PALSGD
+  at DiLoCo's at every c, DiLoCo at PALSGD's at c = PALSGD_WHY_C."""
   c_runs = {r.name: dict(r.overrides) for r in grids.grid("palsgd_c")}
   runs = grids.grid("palsgd_why")
-  assert [r.name for r in runs] == [f"palsgd_why/{n}/seed{s}" for s in (0, 1, 2)
-                                    for n in ("palsgd_lr0.7", "diloco_lr0.1")]
+  assert [r.name for r in runs] == [
+      name for s in (0, 1, 2) for name in
+      [f"palsgd_c/c{c:g}/palsgd_lr0.7/seed{s}" for c in grids.COMM_RATIOS]
+      + [f"palsgd_c/c{grids.PALSGD_WHY_C:g}/diloco_lr0.1/seed{s}"]]
   for run in runs:
     keys = dict(run.overrides)
-    same = c_runs[f"palsgd_c/c{grids.PALSGD_WHY_C:g}/{run.method.split('_')[0]}/seed{run.seed}"]
+    same = c_runs[run.name.replace(run.method, run.method.split("_")[0])]
     assert {k: v for k, v in keys.items() if k != "outer.learning_rate"} == {
         k: v for k, v in same.items() if k != "outer.learning_rate"}
     assert keys["outer.learning_rate"] == {"palsgd": 0.7, "diloco": 0.1}[keys["method"]]
@@ -283,8 +286,8 @@ def test_science_grid_finishes_seed_by_seed():
   runs = grids.grid("science")
   names = [r.name for r in runs]
   # per seed: 5 paces × 4 async methods, 1 sync token run, 4 sync time runs, 23 PALSGD-vs-c
-  # runs and 2 of the outer-lr swap; then the lr check
-  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 2) + 15
+  # runs and 7 of the outer-lr swap; then the lr check
+  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7) + 15
   seeds = [r.seed for r in runs if r.table != "lr"]
   assert seeds == sorted(seeds)
   assert all(r.table == "lr" for r in runs[-15:])  # the one-seed lr check last

@@ -78,9 +78,9 @@ def test_lr_table_marks_the_best_and_says_where_the_authors_lr_is():
       in table
 
 
-def _palsgd(c, name, seed, final, seconds_per_eval, table=None):
-  table = table or f"palsgd_c/c{c:g}"
-  run = next(r for r in grids.grid(table.split("/")[0]) if r.name == f"{table}/{name}/seed{seed}")
+def _palsgd(c, name, seed, final, seconds_per_eval):
+  run = next(r for r in grids.grid("palsgd_c") + grids.grid("palsgd_why")
+             if r.name == f"palsgd_c/c{c:g}/{name}/seed{seed}")
   evals = [{"sim_time": i * seconds_per_eval, "val_loss": 5.0 - i * 0.5, "tokens": i}
            for i in range(5)]
   return analysis.Result(run, {"final_val_loss": final}, evals, [])
@@ -112,20 +112,32 @@ def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
   assert "from c = 0.25 on" in table and "| 0.25 |" in table
   verdict, measured = science.palsgd_claim(results)
   assert verdict == "**partly**" and "c=1: " in measured
+  assert "PALSGD at outer lr 0.7 reaches" not in table and "| 3 |" in table.splitlines()[2]
+  # PALSGD at DiLoCo's outer lr, 1.1× DDP's seconds per eval at c = 0: wins from 0.25 on.
+  fast = [_palsgd(c, "palsgd_lr0.7", seed, 3.0, 10 * (1 + c / 20) * 1.1) for seed in range(3)
+          for c in grids.COMM_RATIOS]
+  assert "PALSGD at outer lr 0.7: no runs yet at c = 0, 0.05, 0.1, 0.5, 1, so no crossover." \
+      in science.palsgd_table(results + [r for r in fast if r.run.overrides == fast[3].run.overrides])
+  table = science.palsgd_table(results + fast)
+  assert "PALSGD at outer lr 0.7 reaches DDP's loss sooner than DDP from c = 0.25 on." in table
+  assert science.crossover(science.palsgd_times(results + fast), "ddp", "palsgd_lr0.7") == 0.25
+  row = next(line for line in table.splitlines() if line.startswith("| 0.25 |")).split(" | ")
+  assert row[-3:] == ["45", "+10.9%", "3 |"]  # 4 evals of 11.1375 s vs DDP's 50 s
 
 
 def test_palsgd_why_table_gives_each_runs_loss_and_time_to_ddps_loss_at_both_outer_lrs():
   c = grids.PALSGD_WHY_C
   # DDP reaches 3.0 at 40 s; PALSGD (the authors' lr) stops at 3.5; at DiLoCo's lr it takes
   # 8 s per eval (32 s); DiLoCo 9 s (36 s); DiLoCo at PALSGD's lr stops at 3.2.
-  runs = [(c, "ddp", 3.0, 10, None), (c, "palsgd", 3.5, 10, None), (c, "diloco", 3.0, 9, None),
-          (c, "palsgd_lr0.7", 3.0, 8, "palsgd_why"), (c, "diloco_lr0.1", 3.2, 10, "palsgd_why")]
+  runs = [("ddp", 3.0, 10), ("palsgd", 3.5, 10), ("diloco", 3.0, 9), ("palsgd_lr0.7", 3.0, 8),
+          ("diloco_lr0.1", 3.2, 10)]
   results = []
   for seed in range(3):
-    for c, name, final, seconds, table in runs:
-      results.append(_palsgd(c, name, seed, final, seconds, table))
+    for name, final, seconds in runs:
+      results.append(_palsgd(c, name, seed, final, seconds))
       results[-1].evals[-1]["val_loss"] = final
-  assert science.palsgd_why_table([r for r in results if r.run.table != "palsgd_why"]) == ""
+  assert science.palsgd_why_table(
+      [r for r in results if r.run.method not in ("palsgd_lr0.7", "diloco_lr0.1")]) == ""
   table = science.palsgd_why_table(results)
   for row in ("| DDP | 3.0000 (its tokens) | – | 40 | – | 3 |",
               "| PALSGD, the authors' 0.1 | 3.5000 | 0 of 3 seeds | – | – | 3 |",
