@@ -394,6 +394,7 @@ GRIDS.update({
     "palsgd_why": palsgd_why_grid,
     "science": science_grid,
 })
-SCIENCE = ("authors", "authors_lr", "palsgd_c", "palsgd_why", "science")  # issue 18's grids: one RESULTS.md
+# Issue 18's grids: one RESULTS.md.
+SCIENCE = ("authors", "authors_lr", "palsgd_c", "palsgd_why", "science")
 SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "palsgd_why": PAPER,
                "science": AUTHORS})

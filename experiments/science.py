@@ -252,8 +252,8 @@ def palsgd_table(results: Sequence[Result]) -> str:
     gains = [_speedup(t[ref], t[m]) if t[m] else math.nan
              for ref, m in (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco"),
                             ("ddp", swapped))]
-    cells = secs[:4] + [f"{g:+.1f}%" if np.isfinite(g) else "–" for g in gains[:3]] + [
-        secs[4], f"{gains[3]:+.1f}%" if np.isfinite(gains[3]) else "–"]
+    pct = [f"{g:+.1f}%" if np.isfinite(g) else "–" for g in gains]
+    cells = [*secs[:4], *pct[:3], secs[4], pct[3]]
     lines.append(f"| {c:g} | {' | '.join(cells)} | {len(t['ddp'])} |")
   for method, name in (("palsgd", "PALSGD"), (swapped, "PALSGD at outer lr 0.7")):
     missing = [f"{c:g}" for c, t in sorted(times.items()) if not t[method]]
