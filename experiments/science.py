@@ -204,8 +204,8 @@ def _palsgd_runs(results, c, name):
           and r.run.method == name}
 
 
-def palsgd_times(results: Sequence[Result]) -> dict[float, dict[str, list[float]]]:
-  """c -> method -> per seed, the simulated seconds to that seed's DDP final validation loss
+def palsgd_times(results: Sequence[Result]) -> dict[float, dict[str, dict[int, float]]]:
+  """c -> method -> seed -> the simulated seconds to that seed's DDP final validation loss
   (DDP's trajectory does not depend on c; its time does)."""
   out = {}
   for c in grids.COMM_RATIOS:
@@ -215,8 +215,8 @@ def palsgd_times(results: Sequence[Result]) -> dict[float, dict[str, list[float]
     times = {}
     for name in ("ddp", "ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED):
       runs = _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
-      times[name] = [analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
-                     for s in sorted(runs) if s in ddp]
+      times[name] = {s: analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
+                     for s in sorted(runs) if s in ddp}
     out[c] = times
   return out
 
@@ -228,10 +228,17 @@ def _speedup(reference: Sequence[float], method: Sequence[float]) -> float:
   return float(100 * (np.mean(reference) - np.mean(method)) / np.mean(reference))
 
 
-def crossover(times: dict[float, dict[str, list[float]]], reference: str,
+def _gain(t: dict[str, dict[int, float]], reference: str, method: str) -> float:
+  """``_speedup`` over the seeds both have (nan: none)."""
+  seeds = sorted(set(t[reference]) & set(t[method]))
+  return _speedup([t[reference][s] for s in seeds],
+                  [t[method][s] for s in seeds]) if seeds else math.nan
+
+
+def crossover(times: dict[float, dict[str, dict[int, float]]], reference: str,
               method: str = "palsgd") -> Optional[float]:
   """The smallest c from which on ``method`` reaches the target sooner than ``reference``."""
-  wins = [(c, _speedup(t[reference], t[method]) > 0) for c, t in sorted(times.items())]
+  wins = [(c, _gain(t, reference, method) > 0) for c, t in sorted(times.items())]
   for i, (c, _) in enumerate(wins):
     if all(w for _, w in wins[i:]):
       return c
@@ -247,11 +254,11 @@ def palsgd_table(results: Sequence[Result]) -> str:
            "DDP | PALSGD vs DDP overlapped | DiLoCo vs DDP | PALSGD at outer lr 0.7 s | its vs "
            "DDP | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for c, t in sorted(times.items()):
-    secs = [("–" if not t[m] else f"{np.mean(t[m]):,.0f}" if np.all(np.isfinite(t[m]))
-             else "not reached") for m in ("ddp", "ddp_overlap", "diloco", "palsgd", swapped)]
-    gains = [_speedup(t[ref], t[m]) if t[m] else math.nan
-             for ref, m in (("ddp", "palsgd"), ("ddp_overlap", "palsgd"), ("ddp", "diloco"),
-                            ("ddp", swapped))]
+    secs = [("–" if not t[m] else f"{np.mean(list(t[m].values())):,.0f}"
+             if np.all(np.isfinite(list(t[m].values()))) else "not reached")
+            for m in ("ddp", "ddp_overlap", "diloco", "palsgd", swapped)]
+    gains = [_gain(t, ref, m) for ref, m in (("ddp", "palsgd"), ("ddp_overlap", "palsgd"),
+                                             ("ddp", "diloco"), ("ddp", swapped))]
     pct = [f"{g:+.1f}%" if np.isfinite(g) else "–" for g in gains]
     cells = [*secs[:4], *pct[:3], secs[4], pct[3]]
     lines.append(f"| {c:g} | {' | '.join(cells)} | {len(t['ddp'])} |")
@@ -307,16 +314,19 @@ def palsgd_why_table(results: Sequence[Result]) -> str:
 def palsgd_claim(results: Sequence[Result]) -> Optional[tuple[str, str]]:
   """(verdict, measured) for the PALSGD claim: PALSGD faster than DDP on every seed at some c."""
   times = palsgd_times(results)
-  if not times:
+  if not any(t["palsgd"] for t in times.values()):
     return None
   per_c = []
   for c, t in sorted(times.items()):
-    seeds = [d > p for d, p in zip(t["ddp"], t["palsgd"])]
-    per_c.append((c, _speedup(t["ddp"], t["palsgd"]), all(seeds) and len(seeds) >= 3, any(seeds)))
+    if not t["palsgd"]:
+      continue  # not run yet at this c
+    seeds = [t["ddp"][s] > t["palsgd"][s] for s in t["palsgd"]]
+    per_c.append((c, _gain(t, "ddp", "palsgd"), all(seeds) and len(seeds) >= 3, any(seeds)))
   best = max(per_c, key=lambda x: x[1])
   text = ", ".join(f"c={c:g}: " + (f"{g:+.1f}%" if np.isfinite(g) else "DDP's loss not reached")
                    for c, g, _, _ in per_c)
-  if any(len(t["ddp"]) < 3 for t in times.values()):
+  if len(per_c) < len(times) or any(len(t["ddp"]) < 3 or len(t["palsgd"]) < 3
+                                     for t in times.values()):
     return "pending (fewer than 3 seeds)", f"faster than DDP by {text} (mean over seeds)"
   if all(every for _, _, every, _ in per_c):
     verdict_text = "**reproduced**"
@@ -376,7 +386,7 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
     measured = [c for c in cs if times[c][method]]
     if not measured:
       continue
-    gains = [_speedup(times[c][reference], times[c][method]) for c in measured]
+    gains = [_gain(times[c], reference, method) for c in measured]
     missing = "" if any(np.isfinite(gains)) else " (DDP's loss not reached)"
     ax.plot(measured, [g if np.isfinite(g) else np.nan for g in gains], style,
             label=f"{method} vs {reference.replace('_', ' ')}{missing}")

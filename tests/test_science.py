@@ -105,7 +105,7 @@ def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
   # PALSGD's time per eval barely grows with c: it wins from c = 0.25 on.
   results = _palsgd_grid(lambda c: 10 * (1 + c / 20) * 1.3, lambda c: 10 * (1 + c / 20) * 1.2)
   times = science.palsgd_times(results)
-  assert times[0.25]["ddp"] == [pytest.approx(50.0)] * 3  # 4 evals of 12.5 s to loss 3.0
+  assert times[0.25]["ddp"] == {s: pytest.approx(50.0) for s in range(3)}  # 4 evals of 12.5 s
   assert science.crossover(times, "ddp") == 0.25
   assert science.crossover(times, "ddp_overlap") == 1.0
   table = science.palsgd_table(results)
@@ -145,6 +145,17 @@ def test_palsgd_why_table_gives_each_runs_loss_and_time_to_ddps_loss_at_both_out
               "| DiLoCo, its 0.7 | 3.0000 | 3 of 3 seeds | 36 | +10.0% | 3 |",
               "| DiLoCo, PALSGD's 0.1 | 3.2000 | 0 of 3 seeds | – | – | 3 |"):
     assert row in table, table
+
+
+def test_palsgd_gains_compare_the_same_seeds_while_a_grid_is_partial():
+  # DDP on seeds 0 (40 s to its loss) and 1 (80 s); PALSGD at outer lr 0.7 on seed 0 only (32 s).
+  results = [_palsgd(0.25, "ddp", 0, 3.0, 10), _palsgd(0.25, "ddp", 1, 3.0, 20),
+             _palsgd(0.25, "palsgd_lr0.7", 0, 3.0, 8), _palsgd(0.25, "palsgd", 0, 3.0, 12)]
+  row = science.palsgd_table(results).splitlines()[2].split(" | ")
+  assert row[-3:] == ["32", "+20.0%", "2 |"], row  # against seed 0's 40 s, not the mean 60 s
+  assert row[5] == "-20.0%"  # PALSGD's 48 s against seed 0's 40 s
+  verdict, measured = science.palsgd_claim(results)
+  assert verdict == "pending (fewer than 3 seeds)" and "c=0.25: -20.0%" in measured
 
 
 def test_results_md_and_figures_from_made_up_runs(tmp_path):
