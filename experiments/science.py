@@ -393,7 +393,8 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
     gains = [_gain(times[c], reference, method) for c in measured]
     missing = "" if any(np.isfinite(gains)) else " (DDP's loss not reached)"
     ax.plot(measured, [g if np.isfinite(g) else np.nan for g in gains], style,
-            label=f"{method} vs {reference.replace('_', ' ')}{missing}")
+            label=f"{method.replace('_lr', ' at outer lr ')} vs {reference.replace('_', ' ')}"
+                  f"{missing}")
   ax.axhline(0, color="k", lw=0.6)
   ax.set_xlabel("c = all-reduce seconds ÷ step seconds")
   ax.set_ylabel("reaches DDP's final loss sooner (%)")
