@@ -215,7 +215,8 @@ def palsgd_times(results: Sequence[Result]) -> dict[float, dict[str, dict[int, f
     if not ddp:
       continue
     times = {}
-    for name in ("ddp", "ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED):
+    for name in ("ddp", "ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED,
+                 grids.DILOCO_SWAPPED):
       runs = _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
       times[name] = {s: analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
                      for s in sorted(runs) if s in ddp}
@@ -283,33 +284,30 @@ def palsgd_why_table(results: Sequence[Result]) -> str:
   """Markdown: PALSGD and DiLoCo each at both outer lrs (the palsgd_c runs at c =
   ``grids.PALSGD_WHY_C``, the palsgd_why grid's among them): final loss, time to DDP's loss."""
   c = grids.PALSGD_WHY_C
-  ddp = _palsgd_runs(results, c, "ddp")
-  rows = [(f"PALSGD, the authors' {grids.PALSGD_OUTER_LR:g}", _palsgd_runs(results, c, "palsgd")),
-          ("PALSGD, DiLoCo's 0.7", _palsgd_runs(results, c, grids.PALSGD_SWAPPED)),
-          ("DiLoCo, its 0.7", _palsgd_runs(results, c, "diloco")),
-          (f"DiLoCo, PALSGD's {grids.PALSGD_OUTER_LR:g}",
-           _palsgd_runs(results, c, grids.DILOCO_SWAPPED))]
-  if not ddp or not any(runs for _, runs in rows[1::2]):
+  t = palsgd_times(results).get(c)
+  rows = [(f"PALSGD, the authors' {grids.PALSGD_OUTER_LR:g}", "palsgd"),
+          ("PALSGD, DiLoCo's 0.7", grids.PALSGD_SWAPPED), ("DiLoCo, its 0.7", "diloco"),
+          (f"DiLoCo, PALSGD's {grids.PALSGD_OUTER_LR:g}", grids.DILOCO_SWAPPED)]
+  if not t or not any(t[name] for _, name in rows[1::2]):
     return ""
+
+  def final_loss(name, seeds):
+    runs = _palsgd_runs(results, c, name)
+    return np.mean([runs[s].summary["final_val_loss"] for s in seeds])
   lines = [f"| run (outer lr) | final val loss, 2× DDP's tokens | reaches DDP's loss | time to "
-           f"DDP's loss at c = {c:g}, s | vs DDP | seeds |", "|---|---|---|---|---|---|"]
-  ddp_times = [analysis.time_to_loss(r.evals, r.summary["final_val_loss"]) for r in ddp.values()]
-  lines.append(f"| DDP | {np.mean([r.summary['final_val_loss'] for r in ddp.values()]):.4f} "
-               f"(its tokens) | – | {np.mean(ddp_times):,.0f} | – | {len(ddp)} |")
-  for label, runs in rows:
-    seeds = [s for s in sorted(runs) if s in ddp]
-    if not seeds:
+           f"DDP's loss at c = {c:g}, s | vs DDP | seeds |", "|---|---|---|---|---|---|",
+           f"| DDP | {final_loss('ddp', t['ddp']):.4f} (its tokens) | – | "
+           f"{np.mean(list(t['ddp'].values())):,.0f} | – | {len(t['ddp'])} |"]
+  for label, name in rows:
+    if not t[name]:
       continue
-    times = [analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
-             for s in seeds]
+    times = list(t[name].values())
     reached = sum(np.isfinite(times))
-    gain = _speedup([analysis.time_to_loss(ddp[s].evals, ddp[s].summary["final_val_loss"])
-                     for s in seeds], times)
     lines.append(
-        f"| {label} | {np.mean([runs[s].summary['final_val_loss'] for s in seeds]):.4f} | "
-        f"{reached} of {len(seeds)} seeds | "
-        + (f"{np.mean(times):,.0f} | {gain:+.1f}%" if reached == len(seeds) else "– | –")
-        + f" | {len(seeds)} |")
+        f"| {label} | {final_loss(name, t[name]):.4f} | {reached} of {len(times)} seeds | "
+        + (f"{np.mean(times):,.0f} | {_gain(t, 'ddp', name):+.1f}%" if reached == len(times)
+           else "– | –")
+        + f" | {len(times)} |")
   return "\n".join(lines)
 
 
