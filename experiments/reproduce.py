@@ -208,9 +208,9 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
   ``results_dir`` (and, with ``commit``, into git). ``timed``: finished runs' (run,
-  wall_seconds), for the time left (``Progress``) before a run of this call ends. SIGTERM or Ctrl-C stops the running runs at
-  their next checkpoint boundary (they resume when the command is run again). Returns 0, 1 (some
-  run failed) or 130."""
+  wall_seconds), for the time left (``Progress``) before a run of this call ends. SIGTERM or
+  Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the command
+  is run again). Returns 0, 1 (some run failed) or 130."""
   cores = _cores()
   jobs = max(1, min(jobs, len(cores), len(todo)))
   per_job = len(cores) // jobs
@@ -327,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  else os.path.join(_HERE, "results"))
   runs = grids.grid(args.grid)
   chosen = [r for r in runs if re.search(args.only, r.name)] if args.only else runs
-  todo, timed = [], []
+  todo, finished = [], []
   for run in chosen:
     workdir = os.path.join(args.out, "runs", run.name)
     if not os.path.exists(analysis.digest_path(results_dir, run)):
@@ -335,8 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         todo.append(run)
         continue
       analysis.write_digest(workdir, results_dir, run)  # finished before digests were kept
-    with open(analysis.digest_path(results_dir, run)) as f:
-      timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
+    finished.append(run)
   print(f"reproduce: grid {args.grid}: {len(chosen)} runs, {len(chosen) - len(todo)} already "
         f"finished", file=sys.stderr)
   if args.report_only:
@@ -345,6 +344,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
   if jobs > 1 and todo:
+    timed = []  # the finished runs' training times, for the time left
+    for run in finished:
+      with open(analysis.digest_path(results_dir, run)) as f:
+        timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
     status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit,
                           timed=timed)
     if status != 0:
