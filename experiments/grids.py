@@ -377,13 +377,44 @@ def palsgd_why_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) ->
   return runs
 
 
+# Why HeLoCo trails synchronous DiLoCo at severe paces (RESULTS.md): the authors' inner cosine
+# decay ends at each worker's own 2,000th step (their CosineScheduler holds 1e-6 after it), and
+# at severe paces the fast worker takes ~7,900 steps in T, three quarters of them at 1e-6. These
+# runs repeat HeLoCo's token run and synchronous DiLoCo's time run there with the decay spanning
+# the fast worker's steps in T; nothing else changes.
+DECAY_WHY_PRESET = "severe"
+DECAY_WHY_METHODS = ("heloco", "diloco")
+
+
+def fastest_worker_steps(scale: Scale, preset: str, num_workers: int = 5) -> int:
+  """The local steps the fastest worker takes in ``time_budget`` when no one waits."""
+  seconds = clock.seconds_per_step(preset, num_workers)
+  return int(round(time_budget(scale, preset, num_workers) / seconds.min()))
+
+
+def decay_why_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
+  """``authors_grid``'s HeLoCo token run and synchronous DiLoCo time run at
+  ``DECAY_WHY_PRESET``, with ``inner.total_steps`` = ``fastest_worker_steps`` instead of 2,000."""
+  steps = fastest_worker_steps(scale, DECAY_WHY_PRESET)
+  runs = []
+  for run in authors_grid(scale, seeds):
+    own_table = "time" if run.method == "diloco" else "tokens"
+    if (run.preset, run.table) != (DECAY_WHY_PRESET, own_table) \
+        or run.method not in DECAY_WHY_METHODS:
+      continue
+    overrides = {**dict(run.overrides), "inner.total_steps": steps}
+    runs.append(Run(f"authors/long_decay/{run.table}/{run.preset}/{run.method}/seed{run.seed}",
+                    "long_decay", run.preset, run.method, run.seed, tuple(overrides.items())))
+  return runs
+
+
 def science_grid() -> list[Run]:
   """Issue 18's runs in the order they are worth having: seed by seed, so that an interrupted
   grid has whole seeds (the verdicts need three); the one-seed lr check last."""
   runs = []
   for seed in AUTHORS.seeds:
     runs += (authors_grid(seeds=(seed,)) + palsgd_c_grid(seeds=(seed,))
-             + palsgd_why_grid(seeds=(seed,)))
+             + palsgd_why_grid(seeds=(seed,)) + decay_why_grid(seeds=(seed,)))
   return runs + authors_lr_grid()
 
 
@@ -392,9 +423,10 @@ GRIDS.update({
     "authors_lr": authors_lr_grid,
     "palsgd_c": palsgd_c_grid,
     "palsgd_why": palsgd_why_grid,
+    "decay_why": decay_why_grid,
     "science": science_grid,
 })
 # Issue 18's grids: one RESULTS.md.
-SCIENCE = ("authors", "authors_lr", "palsgd_c", "palsgd_why", "science")
+SCIENCE = ("authors", "authors_lr", "palsgd_c", "palsgd_why", "decay_why", "science")
 SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "palsgd_why": PAPER,
-               "science": AUTHORS})
+               "decay_why": AUTHORS, "science": AUTHORS})

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from experiments import analysis, grids
+from heloco_jax import clock
 
 Result = analysis.Result
 
@@ -38,11 +39,12 @@ def _authors(results: Sequence[Result]) -> list[Result]:
           and r.run.table in ("tokens", "time")]
 
 
-def loss_at_time(evals: Sequence[dict[str, Any]], seconds: float) -> float:
-  """Validation loss at simulated ``seconds``, linear between evaluations; the last
-  evaluation's when the run ended before ``seconds``."""
+def loss_at_time(evals: Sequence[dict[str, Any]], seconds: float,
+                 key: str = "val_loss") -> float:
+  """Validation loss (``key``: e.g. ``val_loss/de`` for one language) at simulated ``seconds``,
+  linear between evaluations; the last evaluation's when the run ended before ``seconds``."""
   times = [e["sim_time"] for e in evals]
-  losses = [e["val_loss"] for e in evals]
+  losses = [e[key] for e in evals]
   return float(np.interp(seconds, times, losses))
 
 
@@ -311,6 +313,68 @@ def palsgd_why_table(results: Sequence[Result]) -> str:
   return "\n".join(lines)
 
 
+def fastest_worker_steps_taken(result: Result, num_workers: int = 5) -> int:
+  """The local steps the fastest worker took: its arrivals × H (asynchronous), or one K-th of
+  the tokens (synchronous DiLoCo: every worker takes H steps each round)."""
+  keys = dict(result.run.overrides)
+  if result.run.method == "diloco":
+    return int(result.summary["tokens"]
+               // (num_workers * keys["batch_size"] * keys["model.context"]))
+  fastest = int(np.argmin(clock.seconds_per_step(result.run.preset, num_workers)))
+  return keys["inner_steps"] * sum(a["worker"] == fastest for a in result.arrivals)
+
+
+def decay_why_table(results: Sequence[Result]) -> str:
+  """Markdown: at ``grids.DECAY_WHY_PRESET``, each method's loss at T overall and on the fastest
+  worker's language, with the inner decay over 2,000 steps (the authors grid) and over the
+  fastest worker's steps in T (the decay_why grid), and HeLoCo against synchronous DiLoCo."""
+  preset = grids.DECAY_WHY_PRESET
+  long_runs = [r for r in results if r.run.table == "long_decay"]
+  if not long_runs:
+    return ""
+  fastest = int(np.argmin(clock.seconds_per_step(preset, 5)))
+  language = grids.LANGUAGES.split(",")[fastest]
+  t = grids.time_budget(grids.AUTHORS, preset)
+  long_steps = grids.fastest_worker_steps(grids.AUTHORS, preset)
+  rows = [(method, grids.AUTHORS.inner_total_steps,
+           runs_for(_authors(results), "time", preset, method))
+          for method in ("async_nesterov", "mla", "heloco", "diloco")]
+  rows += [(method, long_steps, sorted((r for r in long_runs if r.run.method == method),
+                                       key=lambda r: r.run.seed))
+           for method in grids.DECAY_WHY_METHODS]
+  others = [f"val_loss/{x}" for x in grids.LANGUAGES.split(",") if x != language]
+  lines = [f"| method | decay over (steps) | loss at T | on {language}: lowest (at s) | on "
+           f"{language} at T | other languages at T | fastest worker's steps (past its decay) "
+           "| seeds |", "|---|---|---|---|---|---|---|---|"]
+  at_t = {}
+  for method, span, runs in rows:
+    if not runs:
+      continue
+    at_t[(method, span)] = {r.run.seed: loss_at(r, "time", 1.0) for r in runs}
+    key = f"val_loss/{language}"
+    lowest = [min((e for e in r.evals if e["sim_time"] <= t), key=lambda e: e[key])
+              for r in runs]
+    steps = [fastest_worker_steps_taken(r) for r in runs]
+    lines.append(
+        f"| {method} | {span:,} | {np.mean(list(at_t[(method, span)].values())):.4f} | "
+        f"{np.mean([e[key] for e in lowest]):.4f} "
+        f"({np.mean([e['sim_time'] for e in lowest]):,.0f}) | "
+        f"{np.mean([loss_at_time(r.evals, t, key) for r in runs]):.4f} | "
+        f"{np.mean([[loss_at_time(r.evals, t, k) for k in others] for r in runs]):.4f} | "
+        f"{np.mean(steps):,.0f} ({np.mean([max(0, s - span) for s in steps]):,.0f}) | "
+        f"{len(runs)} |")
+  for span in sorted({grids.AUTHORS.inner_total_steps, long_steps}):
+    heloco, sync = at_t.get(("heloco", span), {}), at_t.get(("diloco", span), {})
+    seeds = sorted(set(heloco) & set(sync))
+    if not seeds:
+      continue
+    h, b = np.array([heloco[s] for s in seeds]), np.array([sync[s] for s in seeds])
+    lines += ["", f"Decay over {span:,} steps: HeLoCo against synchronous DiLoCo at T "
+              f"{analysis._improvement(b.mean(), h.mean()):+.2f}%, HeLoCo lower on "  # pylint: disable=protected-access
+              f"{int(np.sum(h < b))} of {len(seeds)} seeds."]
+  return "\n".join(lines)
+
+
 def palsgd_claim(results: Sequence[Result],
                  method: str = "palsgd") -> Optional[tuple[str, str]]:
   """(verdict, measured) for the PALSGD claim: ``method`` (PALSGD as its authors ran it, or
@@ -451,6 +515,17 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "learning rate swapped (`palsgd_why`); everything else is equal. Time to each "
           "seed's DDP final loss, mean over seeds where every seed reaches it. The table above "
           "has PALSGD at outer lr 0.7 at every c."),
+      *analysis._section(  # pylint: disable=protected-access
+          "Why HeLoCo trails synchronous DiLoCo at severe paces: the inner lr decay",
+          decay_why_table(results),
+          "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s. The "
+          "authors' inner cosine decay ends at each worker's own 2,000th step and holds 1e-6 "
+          "after it; in T the fast worker takes about four times that, so most of its "
+          "arrivals carry almost no update, and the model drifts from its language. The "
+          "`decay_why` runs repeat HeLoCo's and synchronous DiLoCo's runs with the decay "
+          f"spanning the fast worker's {grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,}"
+          " steps in T; nothing else changes. Losses at T (7,895 s), mean over seeds; the "
+          "lowest on de is over the run's evaluations."),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
       "## Small scale", "",

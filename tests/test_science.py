@@ -132,6 +132,51 @@ def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
   assert row[-3:] == ["45", "+10.9%", "3 |"]  # 4 evals of 11.1375 s vs DDP's 50 s
 
 
+def _severe_run(name, seed, de_curve, others, fastest_arrivals=0):
+  """A severe-paces run ending at T: val loss on de ``de_curve(f)`` at f·T, on the other
+  languages ``others``; ``fastest_arrivals`` of its arrivals come from worker 0 (of 5 more)."""
+  run = next(r for r in grids.grid("authors") + grids.grid("decay_why") if r.name == name)
+  t = grids.time_budget(grids.AUTHORS, "severe")
+  evals = []
+  for f in np.linspace(0, 1, 11):
+    e = {"sim_time": f * t, "tokens": int(f * grids.AUTHORS.tokens), "val_loss/de": de_curve(f)}
+    e.update({f"val_loss/{x}": others for x in ("en", "es", "fr", "it")})
+    e["val_loss"] = np.mean([v for k, v in e.items() if k.startswith("val_loss/")])
+    evals.append(e)
+  arrivals = [{"worker": 0}] * fastest_arrivals + [{"worker": w} for w in range(1, 5)]
+  tokens = 665_600 if run.method == "diloco" else grids.AUTHORS.tokens
+  return analysis.Result(run, {"final_val_loss": evals[-1]["val_loss"], "tokens": tokens},
+                         evals, arrivals)
+
+
+def test_decay_why_table_shows_the_fast_workers_language_and_heloco_against_sync_per_span():
+  dip = lambda f: 5.0 + abs(f - 0.2) * 5  # lowest (5.0) at 0.2·T, 9.0 at T
+  results = []
+  for seed in (0, 1):
+    results += [
+        _severe_run(f"authors/tokens/severe/heloco/seed{seed}", seed, dip, 6.0, 396),
+        _severe_run(f"authors/time/severe/diloco/seed{seed}", seed, lambda f: 6.0, 5.8),
+        _severe_run(f"authors/long_decay/tokens/severe/heloco/seed{seed}", seed,
+                    lambda f: 5.0 + f, 5.5, 396),
+        _severe_run(f"authors/long_decay/time/severe/diloco/seed{seed}", seed,
+                    lambda f: 6.0, 5.9)]
+  assert science.decay_why_table(results[:2]) == ""  # nothing before a long_decay run
+  table = science.decay_why_table(results)
+  lines = table.splitlines()
+  assert lines[0].startswith("| method | decay over (steps) | loss at T | on de: lowest (at s)")
+  # HeLoCo, decay over 2,000: overall (9 + 4·6)/5 = 6.6; de lowest 5.0 at 0.2·T = 1,579 s; the
+  # fast worker's 396 arrivals × H = 7,920 steps, 5,920 past its decay.
+  assert "| heloco | 2,000 | 6.6000 | 5.0000 (1,579) | 9.0000 | 6.0000 | 7,920 (5,920) | 2 |" \
+      in lines
+  # sync: 665,600 tokens / (5 workers × 2 × 128) = 520 steps per worker, none past either span
+  assert "| diloco | 2,000 | 5.8400 | 6.0000 (0) | 6.0000 | 5.8000 | 520 (0) | 2 |" in lines
+  assert "| heloco | 7,895 | 5.6000 | 5.0000 (0) | 6.0000 | 5.5000 | 7,920 (25) | 2 |" in lines
+  assert lines[-3] == ("Decay over 2,000 steps: HeLoCo against synchronous DiLoCo at T "
+                       f"{100 * (5.84 - 6.6) / 5.84:+.2f}%, HeLoCo lower on 0 of 2 seeds.")
+  assert lines[-1] == ("Decay over 7,895 steps: HeLoCo against synchronous DiLoCo at T "
+                       f"{100 * (5.92 - 5.6) / 5.92:+.2f}%, HeLoCo lower on 2 of 2 seeds.")
+
+
 def test_palsgd_why_table_gives_each_runs_loss_and_time_to_ddps_loss_at_both_outer_lrs():
   c = grids.PALSGD_WHY_C
   # DDP reaches 3.0 at 40 s; PALSGD (the authors' lr) stops at 3.5; at DiLoCo's lr it takes
