@@ -126,6 +126,11 @@ def claims_table(results: Sequence[Result]) -> str:
         cells.append(at[-1])
         gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
         text.append(f"{preset} vs {baseline}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
+    if (presets, baselines) == ((grids.DECAY_WHY_PRESET,), ("diloco",)):
+      text += [f"with the inner decay over the fast worker's {span:,} steps (not their setting):"
+               f" {gain:+.2f}% ({wins}/{seeds})"
+               for span, (gain, wins, seeds) in heloco_vs_sync_by_decay(results).items()
+               if span != grids.AUTHORS.inner_total_steps]
     lines.append(f"| {name} | {paper} | {verdict(cells)} | {'; '.join(text) or '–'} |")
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
@@ -324,54 +329,68 @@ def fastest_worker_steps_taken(result: Result, num_workers: int = 5) -> int:
   return keys["inner_steps"] * sum(a["worker"] == fastest for a in result.arrivals)
 
 
+def _decay_runs(results: Sequence[Result]) -> list[tuple[str, int, list[Result]]]:
+  """(method, inner decay span, runs by seed) at ``grids.DECAY_WHY_PRESET`` and the time budget:
+  the authors grid's (2,000 steps) and the decay_why grid's (the fast worker's steps in T)."""
+  preset = grids.DECAY_WHY_PRESET
+  long_runs = [r for r in results if r.run.table == "long_decay"]
+  rows = [(method, grids.AUTHORS.inner_total_steps,
+           runs_for(_authors(results), "time", preset, method))
+          for method in ("async_nesterov", "mla", "heloco", "diloco")]
+  return rows + [(method, grids.fastest_worker_steps(grids.AUTHORS, preset),
+                  sorted((r for r in long_runs if r.run.method == method),
+                         key=lambda r: r.run.seed))
+                 for method in grids.DECAY_WHY_METHODS]
+
+
+def heloco_vs_sync_by_decay(results: Sequence[Result]) -> dict[int, tuple[float, int, int]]:
+  """Decay span -> HeLoCo's gain (%) over synchronous DiLoCo at T at ``grids.DECAY_WHY_PRESET``,
+  on how many seeds HeLoCo is lower, and of how many (the seeds both have)."""
+  at_t = {(method, span): {r.run.seed: loss_at(r, "time", 1.0) for r in runs}
+          for method, span, runs in _decay_runs(results)}
+  out = {}
+  for span in sorted({span for _, span in at_t}):
+    heloco, sync = at_t[("heloco", span)], at_t[("diloco", span)]
+    seeds = sorted(set(heloco) & set(sync))
+    if seeds:
+      h, b = np.array([heloco[s] for s in seeds]), np.array([sync[s] for s in seeds])
+      out[span] = (analysis._improvement(b.mean(), h.mean()),  # pylint: disable=protected-access
+                   int(np.sum(h < b)), len(seeds))
+  return out
+
+
 def decay_why_table(results: Sequence[Result]) -> str:
   """Markdown: at ``grids.DECAY_WHY_PRESET``, each method's loss at T overall and on the fastest
   worker's language, with the inner decay over 2,000 steps (the authors grid) and over the
   fastest worker's steps in T (the decay_why grid), and HeLoCo against synchronous DiLoCo."""
   preset = grids.DECAY_WHY_PRESET
-  long_runs = [r for r in results if r.run.table == "long_decay"]
-  if not long_runs:
+  if not any(r.run.table == "long_decay" for r in results):
     return ""
   fastest = int(np.argmin(clock.seconds_per_step(preset, 5)))
   language = grids.LANGUAGES.split(",")[fastest]
-  t = grids.time_budget(grids.AUTHORS, preset)
-  long_steps = grids.fastest_worker_steps(grids.AUTHORS, preset)
-  rows = [(method, grids.AUTHORS.inner_total_steps,
-           runs_for(_authors(results), "time", preset, method))
-          for method in ("async_nesterov", "mla", "heloco", "diloco")]
-  rows += [(method, long_steps, sorted((r for r in long_runs if r.run.method == method),
-                                       key=lambda r: r.run.seed))
-           for method in grids.DECAY_WHY_METHODS]
+  key = f"val_loss/{language}"
   others = [f"val_loss/{x}" for x in grids.LANGUAGES.split(",") if x != language]
+  t = grids.time_budget(grids.AUTHORS, preset)
   lines = [f"| method | decay over (steps) | loss at T | on {language}: lowest (at s) | on "
            f"{language} at T | other languages at T | fastest worker's steps (past its decay) "
            "| seeds |", "|---|---|---|---|---|---|---|---|"]
-  at_t = {}
-  for method, span, runs in rows:
+  for method, span, runs in _decay_runs(results):
     if not runs:
       continue
-    at_t[(method, span)] = {r.run.seed: loss_at(r, "time", 1.0) for r in runs}
-    key = f"val_loss/{language}"
     lowest = [min((e for e in r.evals if e["sim_time"] <= t), key=lambda e: e[key])
               for r in runs]
     steps = [fastest_worker_steps_taken(r) for r in runs]
     lines.append(
-        f"| {method} | {span:,} | {np.mean(list(at_t[(method, span)].values())):.4f} | "
+        f"| {method} | {span:,} | {np.mean([loss_at(r, 'time', 1.0) for r in runs]):.4f} | "
         f"{np.mean([e[key] for e in lowest]):.4f} "
         f"({np.mean([e['sim_time'] for e in lowest]):,.0f}) | "
         f"{np.mean([loss_at_time(r.evals, t, key) for r in runs]):.4f} | "
         f"{np.mean([[loss_at_time(r.evals, t, k) for k in others] for r in runs]):.4f} | "
         f"{np.mean(steps):,.0f} ({np.mean([max(0, s - span) for s in steps]):,.0f}) | "
         f"{len(runs)} |")
-  for span in sorted({grids.AUTHORS.inner_total_steps, long_steps}):
-    heloco, sync = at_t.get(("heloco", span), {}), at_t.get(("diloco", span), {})
-    seeds = sorted(set(heloco) & set(sync))
-    if not seeds:
-      continue
-    h, b = np.array([heloco[s] for s in seeds]), np.array([sync[s] for s in seeds])
+  for span, (gain, wins, seeds) in heloco_vs_sync_by_decay(results).items():
     lines += ["", f"Decay over {span:,} steps: HeLoCo against synchronous DiLoCo at T "
-              f"{analysis._improvement(b.mean(), h.mean()):+.2f}%, HeLoCo lower on "  # pylint: disable=protected-access
-              f"{int(np.sum(h < b))} of {len(seeds)} seeds."]
+              f"{gain:+.2f}%, HeLoCo lower on {wins} of {seeds} seeds."]
   return "\n".join(lines)
 
 

@@ -175,6 +175,10 @@ def test_decay_why_table_shows_the_fast_workers_language_and_heloco_against_sync
                        f"{100 * (5.84 - 6.6) / 5.84:+.2f}%, HeLoCo lower on 0 of 2 seeds.")
   assert lines[-1] == ("Decay over 7,895 steps: HeLoCo against synchronous DiLoCo at T "
                        f"{100 * (5.92 - 5.6) / 5.92:+.2f}%, HeLoCo lower on 2 of 2 seeds.")
+  assert science.heloco_vs_sync_by_decay(results)[7_895] == (
+      pytest.approx(100 * (5.92 - 5.6) / 5.92), 2, 2)
+  assert ("/ -13.01% (0/2); with the inner decay over the fast worker's 7,895 steps (not their "
+          "setting): +5.41% (2/2) |") in science.claims_table(results)
 
 
 def test_palsgd_why_table_gives_each_runs_loss_and_time_to_ddps_loss_at_both_outer_lrs():
