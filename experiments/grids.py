@@ -381,9 +381,11 @@ def palsgd_why_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) ->
 # decay ends at each worker's own 2,000th step (their CosineScheduler holds 1e-6 after it), and
 # at severe paces the fast worker takes ~7,900 steps in T, three quarters of them at 1e-6. These
 # runs repeat HeLoCo's token run and synchronous DiLoCo's time run there with the decay spanning
-# the fast worker's steps in T; nothing else changes.
+# the fast worker's steps in T ("long_decay"), and with a constant inner lr ("no_decay");
+# nothing else changes.
 DECAY_WHY_PRESET = "severe"
 DECAY_WHY_METHODS = ("heloco", "diloco")
+DECAY_WHY_VARIANTS = ("long_decay", "no_decay")
 
 
 def fastest_worker_steps(scale: Scale, preset: str, num_workers: int = 5) -> int:
@@ -392,19 +394,25 @@ def fastest_worker_steps(scale: Scale, preset: str, num_workers: int = 5) -> int
   return int(round(time_budget(scale, preset, num_workers) / seconds.min()))
 
 
+def decay_why_changes(scale: Scale = AUTHORS) -> dict[str, dict[str, Any]]:
+  """Variant -> its config changes: the decay over ``fastest_worker_steps``, or none at all."""
+  return {"long_decay": {"inner.total_steps": fastest_worker_steps(scale, DECAY_WHY_PRESET)},
+          "no_decay": {"inner.min_learning_rate_ratio": 1.0}}
+
+
 def decay_why_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
   """``authors_grid``'s HeLoCo token run and synchronous DiLoCo time run at
-  ``DECAY_WHY_PRESET``, with ``inner.total_steps`` = ``fastest_worker_steps`` instead of 2,000."""
-  steps = fastest_worker_steps(scale, DECAY_WHY_PRESET)
+  ``DECAY_WHY_PRESET``, in each of ``DECAY_WHY_VARIANTS`` (``decay_why_changes``)."""
   runs = []
   for run in authors_grid(scale, seeds):
     own_table = "time" if run.method == "diloco" else "tokens"
     if (run.preset, run.table) != (DECAY_WHY_PRESET, own_table) \
         or run.method not in DECAY_WHY_METHODS:
       continue
-    overrides = {**dict(run.overrides), "inner.total_steps": steps}
-    runs.append(Run(f"authors/long_decay/{run.table}/{run.preset}/{run.method}/seed{run.seed}",
-                    "long_decay", run.preset, run.method, run.seed, tuple(overrides.items())))
+    for variant, changes in decay_why_changes(scale).items():
+      overrides = {**dict(run.overrides), **changes}
+      runs.append(Run(f"authors/{variant}/{run.table}/{run.preset}/{run.method}/seed{run.seed}",
+                      variant, run.preset, run.method, run.seed, tuple(overrides.items())))
   return runs
 
 

@@ -127,10 +127,8 @@ def claims_table(results: Sequence[Result]) -> str:
         gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
         text.append(f"{preset} vs {baseline}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
     if (presets, baselines) == ((grids.DECAY_WHY_PRESET,), ("diloco",)):
-      text += [f"with the inner decay over the fast worker's {span:,} steps (not their setting):"
-               f" {gain:+.2f}% ({wins}/{seeds})"
-               for span, (gain, wins, seeds) in heloco_vs_sync_by_decay(results).items()
-               if span != grids.AUTHORS.inner_total_steps]
+      text += [f"inner lr {label} (not their setting): {gain:+.2f}% ({wins}/{seeds})"
+               for label, (gain, wins, seeds) in list(heloco_vs_sync_by_decay(results).items())[1:]]
     lines.append(f"| {name} | {paper} | {verdict(cells)} | {'; '.join(text) or '–'} |")
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
@@ -329,68 +327,73 @@ def fastest_worker_steps_taken(result: Result, num_workers: int = 5) -> int:
   return keys["inner_steps"] * sum(a["worker"] == fastest for a in result.arrivals)
 
 
-def _decay_runs(results: Sequence[Result]) -> list[tuple[str, int, list[Result]]]:
-  """(method, inner decay span, runs by seed) at ``grids.DECAY_WHY_PRESET`` and the time budget:
-  the authors grid's (2,000 steps) and the decay_why grid's (the fast worker's steps in T)."""
+def _decay_runs(results: Sequence[Result]) -> list[tuple[str, str, Optional[int], list[Result]]]:
+  """(method, inner lr schedule, its decay span or None, runs by seed) at
+  ``grids.DECAY_WHY_PRESET`` and the time budget: the authors grid's (cosine over 2,000 steps)
+  and the decay_why grid's variants (``grids.decay_why_changes``)."""
   preset = grids.DECAY_WHY_PRESET
-  long_runs = [r for r in results if r.run.table == "long_decay"]
-  rows = [(method, grids.AUTHORS.inner_total_steps,
+  span = grids.AUTHORS.inner_total_steps
+  rows = [(method, f"cosine over {span:,} steps", span,
            runs_for(_authors(results), "time", preset, method))
           for method in ("async_nesterov", "mla", "heloco", "diloco")]
-  return rows + [(method, grids.fastest_worker_steps(grids.AUTHORS, preset),
-                  sorted((r for r in long_runs if r.run.method == method),
-                         key=lambda r: r.run.seed))
-                 for method in grids.DECAY_WHY_METHODS]
+  for variant, changes in grids.decay_why_changes().items():
+    span = changes.get("inner.total_steps")
+    label = f"cosine over {span:,} steps" if span else f"constant {grids.AUTHORS.inner_learning_rate:g}"
+    rows += [(method, label, span, sorted((r for r in results if r.run.table == variant
+                                           and r.run.method == method), key=lambda r: r.run.seed))
+             for method in grids.DECAY_WHY_METHODS]
+  return rows
 
 
-def heloco_vs_sync_by_decay(results: Sequence[Result]) -> dict[int, tuple[float, int, int]]:
-  """Decay span -> HeLoCo's gain (%) over synchronous DiLoCo at T at ``grids.DECAY_WHY_PRESET``,
-  on how many seeds HeLoCo is lower, and of how many (the seeds both have)."""
-  at_t = {(method, span): {r.run.seed: loss_at(r, "time", 1.0) for r in runs}
-          for method, span, runs in _decay_runs(results)}
+def heloco_vs_sync_by_decay(results: Sequence[Result]) -> dict[str, tuple[float, int, int]]:
+  """Inner lr schedule -> HeLoCo's gain (%) over synchronous DiLoCo at T at
+  ``grids.DECAY_WHY_PRESET``, on how many seeds HeLoCo is lower, and of how many (the seeds
+  both have); the authors' schedule first."""
+  at_t = {(method, label): {r.run.seed: loss_at(r, "time", 1.0) for r in runs}
+          for method, label, _, runs in _decay_runs(results)}
   out = {}
-  for span in sorted({span for _, span in at_t}):
-    heloco, sync = at_t[("heloco", span)], at_t[("diloco", span)]
+  for label in dict.fromkeys(label for _, label in at_t):
+    heloco, sync = at_t[("heloco", label)], at_t[("diloco", label)]
     seeds = sorted(set(heloco) & set(sync))
     if seeds:
       h, b = np.array([heloco[s] for s in seeds]), np.array([sync[s] for s in seeds])
-      out[span] = (analysis._improvement(b.mean(), h.mean()),  # pylint: disable=protected-access
-                   int(np.sum(h < b)), len(seeds))
+      out[label] = (analysis._improvement(b.mean(), h.mean()),  # pylint: disable=protected-access
+                    int(np.sum(h < b)), len(seeds))
   return out
 
 
 def decay_why_table(results: Sequence[Result]) -> str:
   """Markdown: at ``grids.DECAY_WHY_PRESET``, each method's loss at T overall and on the fastest
-  worker's language, with the inner decay over 2,000 steps (the authors grid) and over the
-  fastest worker's steps in T (the decay_why grid), and HeLoCo against synchronous DiLoCo."""
+  worker's language under the authors' inner lr schedule and the decay_why grid's, and HeLoCo
+  against synchronous DiLoCo under each."""
   preset = grids.DECAY_WHY_PRESET
-  if not any(r.run.table == "long_decay" for r in results):
+  if not any(r.run.table in grids.DECAY_WHY_VARIANTS for r in results):
     return ""
   fastest = int(np.argmin(clock.seconds_per_step(preset, 5)))
   language = grids.LANGUAGES.split(",")[fastest]
   key = f"val_loss/{language}"
   others = [f"val_loss/{x}" for x in grids.LANGUAGES.split(",") if x != language]
   t = grids.time_budget(grids.AUTHORS, preset)
-  lines = [f"| method | decay over (steps) | loss at T | on {language}: lowest (at s) | on "
-           f"{language} at T | other languages at T | fastest worker's steps (past its decay) "
-           "| seeds |", "|---|---|---|---|---|---|---|---|"]
-  for method, span, runs in _decay_runs(results):
+  lines = [f"| method | inner lr | loss at T | on {language}: lowest (at s) | on {language} at T "
+           "| other languages at T | fastest worker's steps (past its decay) | seeds |",
+           "|---|---|---|---|---|---|---|---|"]
+  for method, label, span, runs in _decay_runs(results):
     if not runs:
       continue
     lowest = [min((e for e in r.evals if e["sim_time"] <= t), key=lambda e: e[key])
               for r in runs]
     steps = [fastest_worker_steps_taken(r) for r in runs]
+    past = f"{np.mean([max(0, s - span) for s in steps]):,.0f}" if span else "–"
     lines.append(
-        f"| {method} | {span:,} | {np.mean([loss_at(r, 'time', 1.0) for r in runs]):.4f} | "
+        f"| {method} | {label} | {np.mean([loss_at(r, 'time', 1.0) for r in runs]):.4f} | "
         f"{np.mean([e[key] for e in lowest]):.4f} "
         f"({np.mean([e['sim_time'] for e in lowest]):,.0f}) | "
         f"{np.mean([loss_at_time(r.evals, t, key) for r in runs]):.4f} | "
         f"{np.mean([[loss_at_time(r.evals, t, k) for k in others] for r in runs]):.4f} | "
-        f"{np.mean(steps):,.0f} ({np.mean([max(0, s - span) for s in steps]):,.0f}) | "
-        f"{len(runs)} |")
-  for span, (gain, wins, seeds) in heloco_vs_sync_by_decay(results).items():
-    lines += ["", f"Decay over {span:,} steps: HeLoCo against synchronous DiLoCo at T "
-              f"{gain:+.2f}%, HeLoCo lower on {wins} of {seeds} seeds."]
+        f"{np.mean(steps):,.0f} ({past}) | {len(runs)} |")
+  for label, (gain, wins, seeds) in heloco_vs_sync_by_decay(results).items():
+    lines += ["", f"Inner lr {label}: HeLoCo against synchronous DiLoCo at T {gain:+.2f}%, "
+              f"HeLoCo lower on {wins} of {seeds} seeds."]
   return "\n".join(lines)
 
 
@@ -543,8 +546,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "arrivals carry almost no update, and the model drifts from its language. The "
           "`decay_why` runs repeat HeLoCo's and synchronous DiLoCo's runs with the decay "
           f"spanning the fast worker's {grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,}"
-          " steps in T; nothing else changes. Losses at T (7,895 s), mean over seeds; the "
-          "lowest on de is over the run's evaluations."),
+          " steps in T, and with a constant inner lr; nothing else changes. Losses at T "
+          "(7,895 s), mean over seeds; the lowest on de is over the run's evaluations."),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
       "## Small scale", "",

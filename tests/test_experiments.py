@@ -282,30 +282,33 @@ def test_palsgd_why_grid_swaps_only_the_outer_lr_of_palsgd_and_diloco():
     assert same.get("outer.learning_rate", 0.7) == {"palsgd": 0.1, "diloco": 0.7}[keys["method"]]
 
 
-def test_decay_why_grid_changes_only_the_decay_span_of_helocos_and_syncs_severe_runs():
+def test_decay_why_grid_changes_only_the_inner_lr_schedule_of_helocos_and_syncs_severe_runs():
   """Each run is the authors grid's run of its name (HeLoCo's token run, synchronous DiLoCo's
-  time run, severe paces) with the inner cosine decay over the fast worker's steps in T."""
+  time run, severe paces) with the inner cosine decay over the fast worker's steps in T
+  (long_decay) or with a constant inner lr (no_decay)."""
   authors = {r.name: dict(r.overrides) for r in grids.grid("authors")}
   runs = grids.grid("decay_why")
   assert [r.name for r in runs] == [
-      f"authors/long_decay/{name}/seed{s}" for s in (0, 1, 2)
-      for name in ("tokens/severe/heloco", "time/severe/diloco")]
+      f"authors/{variant}/{name}/seed{s}" for s in (0, 1, 2)
+      for name in ("tokens/severe/heloco", "time/severe/diloco")
+      for variant in ("long_decay", "no_decay")]
   # severe: 1 s and four 15 s steps; T = 2,560,000 tokens / (256 tokens × (1 + 4/15) steps/s)
   assert grids.fastest_worker_steps(grids.AUTHORS, "severe") == round(10_000 / (1 + 4 / 15))
+  changed = {"long_decay": {"inner.total_steps": 7_895},
+             "no_decay": {"inner.min_learning_rate_ratio": 1.0}}
   for run in runs:
     keys = dict(run.overrides)
-    same = authors[run.name.replace("long_decay/", "")]
-    assert same["inner.total_steps"] == 2_000 and keys["inner.total_steps"] == 7_895
-    assert {k: v for k, v in keys.items() if k != "inner.total_steps"} == {
-        k: v for k, v in same.items() if k != "inner.total_steps"}
+    same = authors[run.name.replace(f"{run.table}/", "", 1)]
+    assert same["inner.total_steps"] == 2_000 and same["inner.min_learning_rate_ratio"] == pytest.approx(1e-6 / 2e-4)
+    assert {k: v for k, v in keys.items() if v != same[k]} == changed[run.table]
 
 
 def test_science_grid_finishes_seed_by_seed():
   runs = grids.grid("science")
   names = [r.name for r in runs]
   # per seed: 5 paces × 4 async methods, 1 sync token run, 4 sync time runs, 23 PALSGD-vs-c
-  # runs, 7 of the outer-lr swap and 2 of the decay span; then the lr check
-  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 2) + 15
+  # runs, 7 of the outer-lr swap and 4 of the inner lr schedule; then the lr check
+  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15
   seeds = [r.seed for r in runs if r.table != "lr"]
   assert seeds == sorted(seeds)
   assert all(r.table == "lr" for r in runs[-15:])  # the one-seed lr check last

@@ -149,7 +149,7 @@ def _severe_run(name, seed, de_curve, others, fastest_arrivals=0):
                          evals, arrivals)
 
 
-def test_decay_why_table_shows_the_fast_workers_language_and_heloco_against_sync_per_span():
+def test_decay_why_table_shows_the_fast_workers_language_and_heloco_against_sync_per_schedule():
   dip = lambda f: 5.0 + abs(f - 0.2) * 5  # lowest (5.0) at 0.2·T, 9.0 at T
   results = []
   for seed in (0, 1):
@@ -160,25 +160,34 @@ def test_decay_why_table_shows_the_fast_workers_language_and_heloco_against_sync
                     lambda f: 5.0 + f, 5.5, 396),
         _severe_run(f"authors/long_decay/time/severe/diloco/seed{seed}", seed,
                     lambda f: 6.0, 5.9)]
-  assert science.decay_why_table(results[:2]) == ""  # nothing before a long_decay run
+  results.append(_severe_run("authors/no_decay/tokens/severe/heloco/seed0", 0,
+                             lambda f: 6.0, 6.0, 396))  # no sync run to pair with yet
+  assert science.decay_why_table(results[:2]) == ""  # nothing before a decay_why run
   table = science.decay_why_table(results)
   lines = table.splitlines()
-  assert lines[0].startswith("| method | decay over (steps) | loss at T | on de: lowest (at s)")
+  assert lines[0].startswith("| method | inner lr | loss at T | on de: lowest (at s)")
   # HeLoCo, decay over 2,000: overall (9 + 4·6)/5 = 6.6; de lowest 5.0 at 0.2·T = 1,579 s; the
   # fast worker's 396 arrivals × H = 7,920 steps, 5,920 past its decay.
-  assert "| heloco | 2,000 | 6.6000 | 5.0000 (1,579) | 9.0000 | 6.0000 | 7,920 (5,920) | 2 |" \
-      in lines
+  assert ("| heloco | cosine over 2,000 steps | 6.6000 | 5.0000 (1,579) | 9.0000 | 6.0000 | "
+          "7,920 (5,920) | 2 |") in lines
   # sync: 665,600 tokens / (5 workers × 2 × 128) = 520 steps per worker, none past either span
-  assert "| diloco | 2,000 | 5.8400 | 6.0000 (0) | 6.0000 | 5.8000 | 520 (0) | 2 |" in lines
-  assert "| heloco | 7,895 | 5.6000 | 5.0000 (0) | 6.0000 | 5.5000 | 7,920 (25) | 2 |" in lines
-  assert lines[-3] == ("Decay over 2,000 steps: HeLoCo against synchronous DiLoCo at T "
-                       f"{100 * (5.84 - 6.6) / 5.84:+.2f}%, HeLoCo lower on 0 of 2 seeds.")
-  assert lines[-1] == ("Decay over 7,895 steps: HeLoCo against synchronous DiLoCo at T "
-                       f"{100 * (5.92 - 5.6) / 5.92:+.2f}%, HeLoCo lower on 2 of 2 seeds.")
-  assert science.heloco_vs_sync_by_decay(results)[7_895] == (
-      pytest.approx(100 * (5.92 - 5.6) / 5.92), 2, 2)
-  assert ("/ -13.01% (0/2); with the inner decay over the fast worker's 7,895 steps (not their "
-          "setting): +5.41% (2/2) |") in science.claims_table(results)
+  assert ("| diloco | cosine over 2,000 steps | 5.8400 | 6.0000 (0) | 6.0000 | 5.8000 | "
+          "520 (0) | 2 |") in lines
+  assert ("| heloco | cosine over 7,895 steps | 5.6000 | 5.0000 (0) | 6.0000 | 5.5000 | "
+          "7,920 (25) | 2 |") in lines
+  assert "| heloco | constant 0.0002 | 6.0000 | 6.0000 (0) | 6.0000 | 6.0000 | 7,920 (–) | 1 |" \
+      in lines
+  assert not any(line.startswith("| diloco | constant") for line in lines)
+  assert lines[-3:] == [
+      "Inner lr cosine over 2,000 steps: HeLoCo against synchronous DiLoCo at T "
+      f"{100 * (5.84 - 6.6) / 5.84:+.2f}%, HeLoCo lower on 0 of 2 seeds.", "",
+      "Inner lr cosine over 7,895 steps: HeLoCo against synchronous DiLoCo at T "
+      f"{100 * (5.92 - 5.6) / 5.92:+.2f}%, HeLoCo lower on 2 of 2 seeds."]
+  assert list(science.heloco_vs_sync_by_decay(results).values()) == [
+      (pytest.approx(100 * (5.84 - 6.6) / 5.84), 0, 2),
+      (pytest.approx(100 * (5.92 - 5.6) / 5.92), 2, 2)]
+  assert ("/ -13.01% (0/2); inner lr cosine over 7,895 steps (not their setting): +5.41% (2/2) |"
+          in science.claims_table(results))
 
 
 def test_palsgd_why_table_gives_each_runs_loss_and_time_to_ddps_loss_at_both_outer_lrs():
