@@ -127,8 +127,8 @@ def claims_table(results: Sequence[Result]) -> str:
         gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
         text.append(f"{preset} vs {baseline}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
     if (presets, baselines) == ((grids.DECAY_WHY_PRESET,), ("diloco",)):
-      text += [f"inner lr {label} (not their setting): {gain:+.2f}% ({wins}/{seeds})"
-               for label, (gain, wins, seeds) in list(heloco_vs_sync_by_decay(results).items())[1:]]
+      text += [f"inner lr {label} (not their setting): {c['gain']:+.2f}% ({c['wins']}/"
+               f"{c['seeds']})" for label, c in list(heloco_vs_sync_by_decay(results).items())[1:]]
     lines.append(f"| {name} | {paper} | {verdict(cells)} | {'; '.join(text) or '–'} |")
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
@@ -345,11 +345,26 @@ def _decay_runs(results: Sequence[Result]) -> list[tuple[str, str, Optional[int]
   return rows
 
 
-def heloco_vs_sync_by_decay(results: Sequence[Result]) -> dict[str, tuple[float, int, int]]:
-  """Inner lr schedule -> HeLoCo's gain (%) over synchronous DiLoCo at T at
-  ``grids.DECAY_WHY_PRESET``, on how many seeds HeLoCo is lower, and of how many (the seeds
-  both have); the authors' schedule first."""
-  at_t = {(method, label): {r.run.seed: loss_at(r, "time", 1.0) for r in runs}
+def _fast_language(preset: str) -> str:
+  """The language of the fastest worker (non-IID: worker i reads language i)."""
+  return grids.LANGUAGES.split(",")[int(np.argmin(clock.seconds_per_step(preset, 5)))]
+
+
+def _losses_at_t(result: Result) -> tuple[float, float, float]:
+  """Validation loss at T: overall, on the fastest worker's language, on the others (mean)."""
+  t = grids.time_budget(grids.AUTHORS, result.run.preset)
+  fast = _fast_language(result.run.preset)
+  others = [x for x in grids.LANGUAGES.split(",") if x != fast]
+  return (loss_at(result, "time", 1.0), loss_at_time(result.evals, t, f"val_loss/{fast}"),
+          float(np.mean([loss_at_time(result.evals, t, f"val_loss/{x}") for x in others])))
+
+
+def heloco_vs_sync_by_decay(results: Sequence[Result]) -> dict[str, dict[str, Any]]:
+  """Inner lr schedule -> HeLoCo against synchronous DiLoCo at T at ``grids.DECAY_WHY_PRESET``
+  (the seeds both have; the authors' schedule first): ``gain`` (%), ``wins`` (seeds where
+  HeLoCo is lower) of ``seeds``, and the gains on the fastest worker's language (``fast``) and
+  on the others (``others``)."""
+  at_t = {(method, label): {r.run.seed: _losses_at_t(r) for r in runs}
           for method, label, _, runs in _decay_runs(results)}
   out = {}
   for label in dict.fromkeys(label for _, label in at_t):
@@ -357,8 +372,9 @@ def heloco_vs_sync_by_decay(results: Sequence[Result]) -> dict[str, tuple[float,
     seeds = sorted(set(heloco) & set(sync))
     if seeds:
       h, b = np.array([heloco[s] for s in seeds]), np.array([sync[s] for s in seeds])
-      out[label] = (analysis._improvement(b.mean(), h.mean()),  # pylint: disable=protected-access
-                    int(np.sum(h < b)), len(seeds))
+      gains = [analysis._improvement(x, y) for x, y in zip(b.mean(0), h.mean(0))]  # pylint: disable=protected-access
+      out[label] = {"gain": gains[0], "fast": gains[1], "others": gains[2],
+                    "wins": int(np.sum(h[:, 0] < b[:, 0])), "seeds": len(seeds)}
   return out
 
 
@@ -369,10 +385,8 @@ def decay_why_table(results: Sequence[Result]) -> str:
   preset = grids.DECAY_WHY_PRESET
   if not any(r.run.table in grids.DECAY_WHY_VARIANTS for r in results):
     return ""
-  fastest = int(np.argmin(clock.seconds_per_step(preset, 5)))
-  language = grids.LANGUAGES.split(",")[fastest]
+  language = _fast_language(preset)
   key = f"val_loss/{language}"
-  others = [f"val_loss/{x}" for x in grids.LANGUAGES.split(",") if x != language]
   t = grids.time_budget(grids.AUTHORS, preset)
   lines = [f"| method | inner lr | loss at T | on {language}: lowest (at s) | on {language} at T "
            "| other languages at T | fastest worker's steps (past its decay) | seeds |",
@@ -384,16 +398,15 @@ def decay_why_table(results: Sequence[Result]) -> str:
               for r in runs]
     steps = [fastest_worker_steps_taken(r) for r in runs]
     past = f"{np.mean([max(0, s - span) for s in steps]):,.0f}" if span else "–"
+    overall, fast, others = np.mean([_losses_at_t(r) for r in runs], axis=0)
     lines.append(
-        f"| {method} | {label} | {np.mean([loss_at(r, 'time', 1.0) for r in runs]):.4f} | "
-        f"{np.mean([e[key] for e in lowest]):.4f} "
-        f"({np.mean([e['sim_time'] for e in lowest]):,.0f}) | "
-        f"{np.mean([loss_at_time(r.evals, t, key) for r in runs]):.4f} | "
-        f"{np.mean([[loss_at_time(r.evals, t, k) for k in others] for r in runs]):.4f} | "
+        f"| {method} | {label} | {overall:.4f} | {np.mean([e[key] for e in lowest]):.4f} "
+        f"({np.mean([e['sim_time'] for e in lowest]):,.0f}) | {fast:.4f} | {others:.4f} | "
         f"{np.mean(steps):,.0f} ({past}) | {len(runs)} |")
-  for label, (gain, wins, seeds) in heloco_vs_sync_by_decay(results).items():
-    lines += ["", f"Inner lr {label}: HeLoCo against synchronous DiLoCo at T {gain:+.2f}%, "
-              f"HeLoCo lower on {wins} of {seeds} seeds."]
+  for label, c in heloco_vs_sync_by_decay(results).items():
+    lines += ["", f"Inner lr {label}: HeLoCo against synchronous DiLoCo at T {c['gain']:+.2f}% "
+              f"(lower on {c['wins']} of {c['seeds']} seeds): {c['fast']:+.2f}% on {language}, "
+              f"{c['others']:+.2f}% on the other languages."]
   return "\n".join(lines)
 
 
@@ -496,6 +509,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
                                             branches_preset="mixed"))
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
   core_hours = sum(r.summary.get("wall_seconds", 0.0) for r in results) / 3600
+  steps_per_second = 1 / clock.seconds_per_step(grids.DECAY_WHY_PRESET, 5)
+  fast_share = steps_per_second.max() / steps_per_second.sum()
   parts = [
       "# Results", "",
       f"Regenerate from the committed digests (`experiments/results/`) with `{command} "
@@ -540,14 +555,16 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       *analysis._section(  # pylint: disable=protected-access
           "Why HeLoCo trails synchronous DiLoCo at severe paces: the inner lr decay",
           decay_why_table(results),
-          "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s. The "
-          "authors' inner cosine decay ends at each worker's own 2,000th step and holds 1e-6 "
-          "after it; in T the fast worker takes about four times that, so most of its "
-          "arrivals carry almost no update, and the model drifts from its language. The "
-          "`decay_why` runs repeat HeLoCo's and synchronous DiLoCo's runs with the decay "
-          f"spanning the fast worker's {grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,}"
-          " steps in T, and with a constant inner lr; nothing else changes. Losses at T "
-          "(7,895 s), mean over seeds; the lowest on de is over the run's evaluations."),
+          "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s, so "
+          f"the fast worker takes {fast_share:.0%} of the asynchronous methods' steps, while "
+          "each synchronous round gives the five languages equal shares; the validation loss "
+          "weighs them equally. The authors' inner cosine decay ends at each worker's own "
+          "2,000th step and holds 1e-6 after it; in T the fast worker takes about four times "
+          "that, so most of its arrivals carry almost no update. The `decay_why` runs repeat "
+          "HeLoCo's and synchronous DiLoCo's runs with the decay spanning the fast worker's "
+          f"{grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,} steps in T, and with a "
+          "constant inner lr; nothing else changes. Losses at T (7,895 s), mean over seeds; "
+          "the lowest on de is over the run's evaluations."),
       "## Figures", "",
       *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
       "## Small scale", "",

@@ -178,14 +178,19 @@ def test_decay_why_table_shows_the_fast_workers_language_and_heloco_against_sync
   assert "| heloco | constant 0.0002 | 6.0000 | 6.0000 (0) | 6.0000 | 6.0000 | 7,920 (–) | 1 |" \
       in lines
   assert not any(line.startswith("| diloco | constant") for line in lines)
+  # overall, on de (9 vs 6; 6 vs 6) and on the others (6 vs 5.8; 5.5 vs 5.9)
   assert lines[-3:] == [
       "Inner lr cosine over 2,000 steps: HeLoCo against synchronous DiLoCo at T "
-      f"{100 * (5.84 - 6.6) / 5.84:+.2f}%, HeLoCo lower on 0 of 2 seeds.", "",
+      f"{100 * (5.84 - 6.6) / 5.84:+.2f}% (lower on 0 of 2 seeds): -50.00% on de, "
+      f"{100 * (5.8 - 6) / 5.8:+.2f}% on the other languages.", "",
       "Inner lr cosine over 7,895 steps: HeLoCo against synchronous DiLoCo at T "
-      f"{100 * (5.92 - 5.6) / 5.92:+.2f}%, HeLoCo lower on 2 of 2 seeds."]
-  assert list(science.heloco_vs_sync_by_decay(results).values()) == [
-      (pytest.approx(100 * (5.84 - 6.6) / 5.84), 0, 2),
-      (pytest.approx(100 * (5.92 - 5.6) / 5.92), 2, 2)]
+      f"{100 * (5.92 - 5.6) / 5.92:+.2f}% (lower on 2 of 2 seeds): +0.00% on de, "
+      f"{100 * (5.9 - 5.5) / 5.9:+.2f}% on the other languages."]
+  by_decay = science.heloco_vs_sync_by_decay(results)
+  assert list(by_decay) == ["cosine over 2,000 steps", "cosine over 7,895 steps"]
+  assert by_decay["cosine over 7,895 steps"] == {
+      "gain": pytest.approx(100 * (5.92 - 5.6) / 5.92), "fast": pytest.approx(0.0),
+      "others": pytest.approx(100 * 0.4 / 5.9), "wins": 2, "seeds": 2}
   assert ("/ -13.01% (0/2); inner lr cosine over 7,895 steps (not their setting): +5.41% (2/2) |"
           in science.claims_table(results))
 
