@@ -316,6 +316,10 @@ def palsgd_why_table(results: Sequence[Result]) -> str:
   return "\n".join(lines)
 
 
+def _fastest_worker(preset: str, num_workers: int = 5) -> int:
+  return int(np.argmin(clock.seconds_per_step(preset, num_workers)))
+
+
 def fastest_worker_steps_taken(result: Result, num_workers: int = 5) -> int:
   """The local steps the fastest worker took: its arrivals × H (asynchronous), or one K-th of
   the tokens (synchronous DiLoCo: every worker takes H steps each round)."""
@@ -323,7 +327,7 @@ def fastest_worker_steps_taken(result: Result, num_workers: int = 5) -> int:
   if result.run.method == "diloco":
     return int(result.summary["tokens"]
                // (num_workers * keys["batch_size"] * keys["model.context"]))
-  fastest = int(np.argmin(clock.seconds_per_step(result.run.preset, num_workers)))
+  fastest = _fastest_worker(result.run.preset, num_workers)
   return keys["inner_steps"] * sum(a["worker"] == fastest for a in result.arrivals)
 
 
@@ -347,7 +351,7 @@ def _decay_runs(results: Sequence[Result]) -> list[tuple[str, str, Optional[int]
 
 def _fast_language(preset: str) -> str:
   """The language of the fastest worker (non-IID: worker i reads language i)."""
-  return grids.LANGUAGES.split(",")[int(np.argmin(clock.seconds_per_step(preset, 5)))]
+  return grids.LANGUAGES.split(",")[_fastest_worker(preset)]
 
 
 def _losses_at_t(result: Result) -> tuple[float, float, float]:
@@ -553,7 +557,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "seed's DDP final loss, mean over seeds where every seed reaches it. The table above "
           "has PALSGD at outer lr 0.7 at every c."),
       *analysis._section(  # pylint: disable=protected-access
-          "Why HeLoCo trails synchronous DiLoCo at severe paces: the inner lr decay",
+          "Why HeLoCo trails synchronous DiLoCo at severe paces: the fast worker's language "
+          "and the inner lr decay",
           decay_why_table(results),
           "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s, so "
           f"the fast worker takes {fast_share:.0%} of the asynchronous methods' steps, while "
