@@ -10,6 +10,7 @@ holds on every seed in some of them (or on the mean of all), *not reproduced* ot
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any, Optional, Sequence
@@ -178,32 +179,68 @@ def time_budget_note(results: Sequence[Result]) -> str:
           f"{100 * max(spread):+.1f}% of T{read}.")
 
 
+def _lr_losses(results: Sequence[Result], method: str) -> dict[float, float]:
+  """Factor of the authors' outer lr -> final validation loss of the one-seed lr check (× 1:
+  the authors grid's mixed-paces token run of seed 0)."""
+  found = {float(r.run.name.rsplit("/x", 1)[1]): r.summary["final_val_loss"]
+           for r in results if r.run.table == "lr" and r.run.method == method}
+  base = _lr_base(results, method)
+  if base is not None:
+    found[1.0] = base
+  return found if len(found) >= 2 and 1.0 in found else {}
+
+
+def _lr_base(results: Sequence[Result], method: str) -> Optional[float]:
+  """The lr check's × 1: the final loss of the authors grid's mixed token run of seed 0."""
+  base = [r for r in runs_for(_authors(results), "tokens", "mixed", method) if r.run.seed == 0]
+  return base[0].summary["final_val_loss"] if base else None
+
+
 def lr_table(results: Sequence[Result]) -> str:
   """Markdown: the one-seed outer-lr check (mixed paces, seed 0, token budget)."""
   from heloco_jax import methods  # pylint: disable=g-import-not-at-top
-  factors = sorted((*grids.LR_FACTORS, 1.0))
+  factors = sorted({*grids.LR_FACTORS, *itertools.chain(*grids.LR_EDGE_FACTORS.values()), 1.0})
   lines = ["| method | authors' lr | " + " | ".join(f"× {f:g}" for f in factors)
            + " | authors' lr vs the best |", "|---|---|" + "---|" * len(factors) + "---|"]
-  rows = 0
   for method in grids.METHODS:
-    found = {}
-    for r in results:
-      if r.run.table == "lr" and r.run.method == method:
-        found[float(r.run.name.rsplit("/x", 1)[1])] = r.summary["final_val_loss"]
-    base = [r for r in runs_for(_authors(results), "tokens", "mixed", method) if r.run.seed == 0]
-    if base:
-      found[1.0] = base[0].summary["final_val_loss"]
-    if len(found) < 2 or 1.0 not in found:
+    found = _lr_losses(results, method)
+    if not found:
       continue
-    rows += 1
     best = min(found, key=found.get)
     cells = [("**" if f == best else "") + (f"{found[f]:.4f}" if f in found else "–")
              + ("**" if f == best else "") for f in factors]
     gap = 100 * (found[1.0] - found[best]) / found[best]
     where = "the best" if best == 1.0 else f"{gap:.2f}% above the best (× {best:g})"
+    if best != 1.0 and best in (min(found), max(found)):
+      where += ", the edge of its sweep"
     lines.append(f"| {method} | {methods.get(method).learning_rate:g} | {' | '.join(cells)} | "
                  f"{where} |")
-  return "\n".join(lines) if rows else ""
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def lr_note(results: Sequence[Result]) -> str:
+  """One sentence: HeLoCo at the authors' lr against each baseline at the best lr of its sweep
+  (seed 0), next to the same comparison at the authors' lrs."""
+  heloco = _lr_base(results, "heloco")
+  gains = []
+  for method in grids.METHODS:
+    found = _lr_losses(results, method)
+    if method == "heloco" or heloco is None or not found:
+      continue
+    best = min(found, key=found.get)
+    at_best = ("the best of its sweep" if best == 1.0 else
+               f"{100 * (found[best] - heloco) / found[best]:+.2f}% at its best (× {best:g})")
+    gains.append(f"{method} {100 * (found[1.0] - heloco) / found[1.0]:+.2f}% at its authors' lr, "
+                 + at_best)
+  edges = "; ".join(f"{m} also × " + ", ".join(f"{f:g}" for f in fs)
+                    for m, fs in grids.LR_EDGE_FACTORS.items())
+  sweep = (f"Final validation loss at the token budget, seed 0, one run per lr: each method's "
+           f"outer lr × {', '.join(f'{f:g}' for f in grids.LR_FACTORS)}, and further up where "
+           f"the best of those was the top one ({edges}).")
+  if not gains:
+    return sweep
+  return (sweep + " HeLoCo at the authors' lr against each baseline (gain as in the claims): "
+          + "; ".join(gains) + ".")
 
 
 def _palsgd_runs(results, c, name):
@@ -539,8 +576,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "The authors' harness: fixed wall-clock (simulated) budget",
           loss_table(results, "time"), time_budget_note(results)),
       *analysis._section(  # pylint: disable=protected-access
-          "Outer learning rate: the authors' against × 0.25, 0.5, 2 (paces [1,2,3,1,5], seed 0)",
-          lr_table(results)),
+          "Outer learning rate: the authors' against a sweep around it (paces [1,2,3,1,5], "
+          "seed 0)", lr_table(results), lr_note(results)),
       *analysis._section(  # pylint: disable=protected-access
           "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
           "Homogeneous workers, IID split, the byte-level small-scale model; shared coins, "

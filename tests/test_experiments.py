@@ -242,7 +242,10 @@ def test_authors_grid_mirrors_the_authors_harness():
 def test_authors_lr_grid_scales_each_methods_default():
   from heloco_jax import methods
   runs = grids.grid("authors_lr")
-  assert len(runs) == len(grids.METHODS) * len(grids.LR_FACTORS)
+  assert len(runs) == len(grids.METHODS) * len(grids.LR_FACTORS) + sum(
+      map(len, grids.LR_EDGE_FACTORS.values()))
+  assert {r.name for r in runs} >= {"authors/lr/delayed_nesterov/x4",
+                                    "authors/lr/delayed_nesterov/x8", "authors/lr/mla/x2"}
   for run in runs:
     factor = float(run.name.rsplit("/x", 1)[1])
     assert dict(run.overrides)["outer.learning_rate"] == pytest.approx(
@@ -307,11 +310,12 @@ def test_science_grid_finishes_seed_by_seed():
   runs = grids.grid("science")
   names = [r.name for r in runs]
   # per seed: 5 paces × 4 async methods, 1 sync token run, 4 sync time runs, 23 PALSGD-vs-c
-  # runs, 7 of the outer-lr swap and 4 of the inner lr schedule; then the lr check
-  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15
+  # runs, 7 of the outer-lr swap and 4 of the inner lr schedule; then the lr check (5 methods
+  # × 3 factors, and DN × 4, 8)
+  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15 + 2
   seeds = [r.seed for r in runs if r.table != "lr"]
   assert seeds == sorted(seeds)
-  assert all(r.table == "lr" for r in runs[-15:])  # the one-seed lr check last
+  assert all(r.table == "lr" for r in runs[-17:])  # the one-seed lr check last
   for name in grids.SCIENCE:
     assert grids.family(name) == runs
 

@@ -73,9 +73,21 @@ def test_lr_table_marks_the_best_and_says_where_the_authors_lr_is():
   for factor, loss in ((0.25, 5.3), (0.5, 4.9), (2.0, 5.1)):
     results.append(analysis.Result(lr_runs[f"authors/lr/mla/x{factor:g}"],
                                    {"final_val_loss": loss}, [], []))
+  results.append(_authors_run("tokens", "mixed", "delayed_nesterov", 0, 6.0))
+  for factor, loss in ((0.25, 6.3), (0.5, 6.2), (2.0, 5.9), (4.0, 5.8)):
+    results.append(analysis.Result(lr_runs[f"authors/lr/delayed_nesterov/x{factor:g}"],
+                                   {"final_val_loss": loss}, [], []))
   table = science.lr_table(results)
-  assert "| mla | 0.7 | 5.3000 | **4.9000** | 5.0000 | 5.1000 | 2.04% above the best (× 0.5) |" \
-      in table
+  assert "| × 0.25 | × 0.5 | × 1 | × 2 | × 4 | × 8 |" in table
+  assert ("| mla | 0.7 | 5.3000 | **4.9000** | 5.0000 | 5.1000 | – | – | "
+          "2.04% above the best (× 0.5) |") in table
+  # the best at the top of what was run (× 8 not yet): the edge of its sweep
+  assert ("| delayed_nesterov | 0.07 | 6.3000 | 6.2000 | 6.0000 | 5.9000 | **5.8000** | – | "
+          "3.45% above the best (× 4), the edge of its sweep |") in table
+  results.append(_authors_run("tokens", "mixed", "heloco", 0, 5.5))
+  # HeLoCo 5.5 against DN at the authors' lr (6.0) and at its best (5.8, × 4)
+  assert ("delayed_nesterov +8.33% at its authors' lr, +5.17% at its best (× 4)"
+          in science.lr_note(results))
 
 
 def _palsgd(c, name, seed, final, seconds_per_eval):
