@@ -311,11 +311,11 @@ def test_science_grid_finishes_seed_by_seed():
   names = [r.name for r in runs]
   # per seed: 5 paces × 4 async methods, 1 sync token run, 4 sync time runs, 23 PALSGD-vs-c
   # runs, 7 of the outer-lr swap and 4 of the inner lr schedule; then the lr check (5 methods
-  # × 3 factors, and DN × 4, 8)
-  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15 + 2
+  # × 3 factors, and DN × 4, 8, 16, 32)
+  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15 + 4
   seeds = [r.seed for r in runs if r.table != "lr"]
   assert seeds == sorted(seeds)
-  assert all(r.table == "lr" for r in runs[-17:])  # the one-seed lr check last
+  assert all(r.table == "lr" for r in runs[-19:])  # the one-seed lr check last
   for name in grids.SCIENCE:
     assert grids.family(name) == runs
 

@@ -78,12 +78,12 @@ def test_lr_table_marks_the_best_and_says_where_the_authors_lr_is():
     results.append(analysis.Result(lr_runs[f"authors/lr/delayed_nesterov/x{factor:g}"],
                                    {"final_val_loss": loss}, [], []))
   table = science.lr_table(results)
-  assert "| × 0.25 | × 0.5 | × 1 | × 2 | × 4 | × 8 |" in table
-  assert ("| mla | 0.7 | 5.3000 | **4.9000** | 5.0000 | 5.1000 | – | – | "
+  assert "| × 0.25 | × 0.5 | × 1 | × 2 | × 4 | × 8 | × 16 | × 32 |" in table
+  assert ("| mla | 0.7 | 5.3000 | **4.9000** | 5.0000 | 5.1000 | – | – | – | – | "
           "2.04% above the best (× 0.5) |") in table
-  # the best at the top of what was run (× 8 not yet): the edge of its sweep
-  assert ("| delayed_nesterov | 0.07 | 6.3000 | 6.2000 | 6.0000 | 5.9000 | **5.8000** | – | "
-          "3.45% above the best (× 4), the edge of its sweep |") in table
+  # the best at the top of what was run (× 8 and up not yet): the edge of its sweep
+  assert ("| delayed_nesterov | 0.07 | 6.3000 | 6.2000 | 6.0000 | 5.9000 | **5.8000** | – | – | "
+          "– | 3.45% above the best (× 4), the edge of its sweep |") in table
   results.append(_authors_run("tokens", "mixed", "heloco", 0, 5.5))
   # HeLoCo 5.5 against DN at the authors' lr (6.0) and at its best (5.8, × 4)
   assert ("delayed_nesterov +8.33% at its authors' lr, +5.17% at its best (× 4)"
