@@ -53,7 +53,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, science"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science"):
     grids.grid("huge")
 
 
@@ -311,13 +311,26 @@ def test_science_grid_finishes_seed_by_seed():
   names = [r.name for r in runs]
   # per seed: 5 paces × 4 async methods, 1 sync token run, 4 sync time runs, 23 PALSGD-vs-c
   # runs, 7 of the outer-lr swap and 4 of the inner lr schedule; then the lr check (5 methods
-  # × 3 factors, and DN × 4, 8, 16, 32)
-  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15 + 4
-  seeds = [r.seed for r in runs if r.table != "lr"]
+  # × 3 factors, and DN × 4, 8, 16, 32), and DN at its tuned lr (5 paces × 3 seeds)
+  assert len(set(names)) == len(names) == 3 * (5 * 4 + 1 + 4 + 23 + 7 + 4) + 15 + 4 + 15
+  seeds = [r.seed for r in runs if r.table not in ("lr", "dn_tuned")]
   assert seeds == sorted(seeds)
-  assert all(r.table == "lr" for r in runs[-19:])  # the one-seed lr check last
+  assert all(r.table == "lr" for r in runs[-34:-15])  # the one-seed lr check
+  assert all(r.table == "dn_tuned" for r in runs[-15:])
+  assert [r.seed for r in runs[-15:]] == sorted(r.seed for r in runs[-15:])
   for name in grids.SCIENCE:
     assert grids.family(name) == runs
+
+
+def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
+  authors = {r.name: r for r in grids.grid("authors")}
+  runs = grids.grid("dn_tuned")
+  assert len(runs) == 5 * 3 and {r.method for r in runs} == {"delayed_nesterov"}
+  for run in runs:
+    same = dict(authors[run.name.replace("authors/dn_tuned/", "authors/", 1)].overrides)
+    keys = dict(run.overrides)
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "outer.learning_rate": pytest.approx(0.07 * 16)}
 
 
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():

@@ -90,6 +90,23 @@ def test_lr_table_marks_the_best_and_says_where_the_authors_lr_is():
           in science.lr_note(results))
 
 
+def test_claims_compare_heloco_with_delayed_nesterov_at_its_tuned_lr_too():
+  tuned_runs = {r.name: r for r in grids.grid("dn_tuned")}
+  results = []
+  for seed in range(3):
+    results += [_authors_run("tokens", "mixed", "heloco", seed, 5.5),
+                _authors_run("tokens", "mixed", "delayed_nesterov", seed, 6.5)]
+    base = _authors_run("tokens", "mixed", "delayed_nesterov", seed, 5.0 + 0.5 * seed)
+    base.run = tuned_runs[f"authors/dn_tuned/tokens/mixed/delayed_nesterov/seed{seed}"]
+    results.append(base)  # tuned DN: 5.0 and 5.5 (HeLoCo not lower), 6.0 (lower)
+  claims = science.claims_table(results).splitlines()
+  authors_row = next(line for line in claims if line.startswith("| HeLoCo beats async"))
+  assert "mixed vs delayed_nesterov: " in authors_row and "+15.38% (3/3)" in authors_row
+  tuned_row = next(line for line in claims if "DN's best outer lr here (1.12, × 16" in line)
+  # mean 5.5 against 5.5: +0.00%, HeLoCo lower on 1 of 3 seeds
+  assert tuned_row.endswith("| **not reproduced** | mixed: +0.00% / +0.00% / +0.00% (1/3) |")
+
+
 def _palsgd(c, name, seed, final, seconds_per_eval):
   run = next(r for r in grids.grid("palsgd_c") + grids.grid("palsgd_why")
              if r.name == f"palsgd_c/c{c:g}/{name}/seed{seed}")
