@@ -316,10 +316,15 @@ def authors_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
 DN_TUNED_FACTOR = 16.0
 
 
-def dn_tuned_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
-  """The authors grid's Delayed Nesterov token runs at ``DN_TUNED_FACTOR`` × its outer lr."""
+def dn_tuned_learning_rate() -> float:
+  """Delayed Nesterov's outer lr in ``dn_tuned_grid``: ``DN_TUNED_FACTOR`` × the authors'."""
   from heloco_jax import methods  # pylint: disable=g-import-not-at-top
-  lr = methods.get("delayed_nesterov").learning_rate * DN_TUNED_FACTOR
+  return methods.get("delayed_nesterov").learning_rate * DN_TUNED_FACTOR
+
+
+def dn_tuned_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
+  """The authors grid's Delayed Nesterov token runs at ``dn_tuned_learning_rate``."""
+  lr = dn_tuned_learning_rate()
   return [Run(run.name.replace("authors/", "authors/dn_tuned/", 1), "dn_tuned", run.preset,
               run.method, run.seed, (*run.overrides, ("outer.learning_rate", lr)))
           for run in authors_grid(scale, seeds)

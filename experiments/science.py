@@ -123,33 +123,18 @@ def claims_table(results: Sequence[Result]) -> str:
            "25% / 50% / 100% of the budget, per preset and baseline (wins/seeds at 100%) |",
            "|---|---|---|---|"]
   for name, table, presets, baselines, paper in CLAIMS:
-    cells, text = [], []
-    for preset in presets:
-      for baseline in baselines:
-        at = [improvement(authors, table, preset, baseline, f) for f in grids.BUDGET_FRACTIONS]
-        if at[-1] is None:
-          continue
-        cells.append(at[-1])
-        gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
-        text.append(f"{preset} vs {baseline}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
+    cells, text = _claim_cells(authors, table, presets, baselines)
     if (presets, baselines) == ((grids.DECAY_WHY_PRESET,), ("diloco",)):
       text += [f"inner lr {label} (not their setting): {c['gain']:+.2f}% ({c['wins']}/"
                f"{c['seeds']})" for label, c in list(heloco_vs_sync_by_decay(results).items())[1:]]
     lines.append(f"| {name} | {paper} | {verdict(cells)} | {'; '.join(text) or '–'} |")
   tuned = dn_tuned_results(results)
   if tuned:
-    from heloco_jax import methods  # pylint: disable=g-import-not-at-top
-    lr = methods.get("delayed_nesterov").learning_rate * grids.DN_TUNED_FACTOR
-    cells, text = [], []
-    for preset in grids.AUTHORS_PRESETS:
-      at = [improvement(tuned, "tokens", preset, "delayed_nesterov", f)
-            for f in grids.BUDGET_FRACTIONS]
-      if at[-1] is not None:
-        cells.append(at[-1])
-        text.append(f"{preset}: " + " / ".join(f"{a['gain']:+.2f}%" for a in at)
-                    + f" ({at[-1]['wins']}/{at[-1]['seeds']})")
+    cells, text = _claim_cells(tuned, "tokens", grids.AUTHORS_PRESETS, ("delayed_nesterov",),
+                               label=lambda preset, baseline: preset)
     lines.append(f"| HeLoCo beats Delayed Nesterov, token budget, at DN's best outer lr here "
-                 f"({lr:g}, × {grids.DN_TUNED_FACTOR:g} the authors'; not their setting) | "
+                 f"({grids.dn_tuned_learning_rate():g}, × {grids.DN_TUNED_FACTOR:g} the "
+                 f"authors'; not their setting) | "
                  f"up to +7.5% | {verdict(cells)} | {'; '.join(text)} |")
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
@@ -158,6 +143,23 @@ def claims_table(results: Sequence[Result]) -> str:
       lines.append(f"| PALSGD trains faster than DDP (time to DDP's final loss){setting} | "
                    f"21.1–24.4% faster | {speedup[0]} | {speedup[1]} |")
   return "\n".join(lines)
+
+
+def _claim_cells(results: Sequence[Result], table: str, presets: Sequence[str],
+                 baselines: Sequence[str], label=lambda preset, baseline: f"{preset} vs {baseline}"
+                 ) -> tuple[list[dict[str, Any]], list[str]]:
+  """A claims row's cells (``improvement`` at 100% of the budget, for ``verdict``) and its text:
+  per preset and baseline, HeLoCo's gain at each of ``grids.BUDGET_FRACTIONS`` (wins/seeds)."""
+  cells, text = [], []
+  for preset in presets:
+    for baseline in baselines:
+      at = [improvement(results, table, preset, baseline, f) for f in grids.BUDGET_FRACTIONS]
+      if at[-1] is None:
+        continue
+      cells.append(at[-1])
+      gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
+      text.append(f"{label(preset, baseline)}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
+  return cells, text
 
 
 def dn_tuned_results(results: Sequence[Result]) -> list[Result]:
