@@ -365,6 +365,83 @@ def test_bfloat16_params_keep_float32_momentum(name):
   _assert_tree_close(final_params, reference, rtol=2e-2, atol=2e-2)
 
 
+_ACCUMULATING = {
+    "heloco": lambda dtype: hj.heloco(num_workers=4, accumulator_dtype=dtype),
+    "mla": lambda dtype: hj.mla(num_workers=4, accumulator_dtype=dtype),
+    "async_nesterov": lambda dtype: hj.async_nesterov(num_workers=4, accumulator_dtype=dtype),
+    "delayed_nesterov": lambda dtype: hj.delayed_nesterov(0.1, buffer_size=2, c=0.2,
+                                                          num_workers=4,
+                                                          accumulator_dtype=dtype),
+}
+
+
+def _accumulators(state):
+  """The momentum (and DN's buffer) trees inside a rule's state."""
+  momentum = hj.outer_momentum(state)
+  return [momentum, state.buffer] if isinstance(state, hj.DelayedNesterovState) else [momentum]
+
+
+@pytest.mark.parametrize("name", sorted(_ACCUMULATING))
+def test_accumulator_dtype_sets_the_momentum_dtype_and_keeps_it(name):
+  params, arrivals, staleness = _arrivals(19, n=4)
+  default = _run(_ACCUMULATING[name](None), params, arrivals, staleness)
+  explicit = _run(_ACCUMULATING[name](jnp.float32), params, arrivals, staleness)
+  half = _run(_ACCUMULATING[name](jnp.bfloat16), params, arrivals, staleness)
+  for (p_d, s_d), (p_f, s_f), (p_h, s_h) in zip(default, explicit, half):
+    # None is float32 (unlike optax.trace's None), bit for bit the same as jnp.float32.
+    assert all(x.dtype == jnp.float32 for tree in _accumulators(s_d) for x in jax.tree.leaves(tree))
+    for a, b in zip(jax.tree.leaves((p_d, s_d)), jax.tree.leaves((p_f, s_f))):
+      np.testing.assert_array_equal(a, b)
+    # bfloat16: every accumulator stays bfloat16 after each update (one jitted program),
+    # θ keeps its own dtype, and the run stays within bfloat16 rounding of the float32 one.
+    assert all(x.dtype == jnp.bfloat16 for tree in _accumulators(s_h) for x in jax.tree.leaves(tree))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(p_h))
+  _assert_tree_close(half[-1][0], default[-1][0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("factory", [hj.heloco, hj.mla, hj.async_nesterov, hj.delayed_nesterov])
+def test_accumulator_dtype_must_be_a_floating_dtype(factory):
+  kwargs = dict(learning_rate=0.1, buffer_size=2) if factory is hj.delayed_nesterov else {}
+  for bad, named in ((jnp.int32, "accumulator_dtype=<class 'jax.numpy.int32'>"),
+                     ("int8", "accumulator_dtype='int8'"),
+                     # what optax.inject_hyperparams passes for a dtype not in static_args
+                     (jnp.asarray(1.0), "accumulator_dtype=Array(1.")):
+    with pytest.raises(ValueError) as error:
+      factory(accumulator_dtype=bad, **kwargs)
+    message = str(error.value)
+    assert message.startswith(f"{factory.__name__}: {named}") and "allowed:" in message, message
+
+
+@pytest.mark.parametrize("name", ["heloco", "mla", "delayed_nesterov"])
+def test_the_arrival_count_saturates_instead_of_wrapping_around(name):
+  params, arrivals, staleness = _arrivals(20, n=1)
+  tx = _ACCUMULATING[name](None)
+  top = jnp.iinfo(jnp.int32).max
+  state = tx.init(params)._replace(count=jnp.asarray(top - 1, jnp.int32))
+  for _ in range(2):
+    _, state = jax.jit(tx.update)(arrivals[0], state, params, staleness=staleness[0])
+  assert state.count.dtype == jnp.int32 and int(state.count) == top
+
+
+def test_string_options_are_literal_types_listing_the_allowed_values():
+  """A type checker sees the same choices the construction-time checks allow."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import typing  # pylint: disable=g-import-not-at-top
+  correction, heloco, weighting = (importlib.import_module(f"heloco_jax.outer.{name}")
+                                   for name in ("correction", "heloco", "weighting"))
+  hints = typing.get_type_hints(hj.heloco)
+  for option, allowed in (("weighting", weighting.WEIGHTINGS),
+                          ("rotate_schedule", correction.ROTATE_SCHEDULES),
+                          ("weight_order", heloco.WEIGHT_ORDERS), ("scope", correction.SCOPES)):
+    assert typing.get_origin(hints[option]) is typing.Literal
+    assert typing.get_args(hints[option]) == allowed
+  for factory in (hj.mla, hj.async_nesterov, hj.delayed_nesterov, hj.arrival_weight,
+                  hj.scale_by_arrival_weight):
+    assert typing.get_args(typing.get_type_hints(factory)["weighting"]) == weighting.WEIGHTINGS
+  correct_hints = typing.get_type_hints(hj.correct)
+  assert typing.get_args(correct_hints["scope"]) == correction.SCOPES
+
+
 @pytest.mark.parametrize("name", sorted(_FACTORIES))
 def test_state_and_params_can_be_donated(name):
   """A server donates θ and the outer state; no two state leaves may alias."""

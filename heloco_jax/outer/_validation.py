@@ -113,3 +113,19 @@ def check_int(fn: Optional[str], name: str, value: Any, low: int, *,
 def check_positive_int(fn: str, name: str, value: Any, *, allow_none: bool) -> None:
   """Requires an integer >= 1 (or None when allowed)."""
   check_int(fn, name, value, 1, allow_none=allow_none)
+
+
+def check_float_dtype(fn: str, name: str, value: Any) -> None:
+  """Requires None or a floating dtype (``jnp.bfloat16``, ``"float32"``, ``np.dtype(...)``)."""
+  if value is None:
+    return
+  allowed = ("None or a floating dtype such as jnp.float32 or jnp.bfloat16 (with "
+             f"optax.inject_hyperparams, name {name!r} in static_args)")
+  if isinstance(value, (jax.Array, np.ndarray, numbers.Number)):  # e.g. a schedule's value
+    _fail(fn, name, value, allowed)
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    _fail(fn, name, value, allowed)
+  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    _fail(fn, name, value, allowed)

@@ -31,7 +31,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,10 @@ from heloco_jax.outer.weighting import at_least_float32
 # Branch codes, in the order used by ``CorrectionInfo.branch_counts``.
 PASS, KEEP, SHRINK, ROTATE = 0, 1, 2, 3
 BRANCH_NAMES = ("pass", "keep", "shrink", "rotate")
-ROTATE_SCHEDULES = ("normalized", "eq14")
-SCOPES = ("leaf", "tree")
+RotateSchedule = Literal["normalized", "eq14"]
+Scope = Literal["leaf", "tree"]
+ROTATE_SCHEDULES: tuple[str, ...] = get_args(RotateSchedule)
+SCOPES: tuple[str, ...] = get_args(Scope)
 
 
 class CorrectionInfo(NamedTuple):
@@ -88,8 +90,8 @@ def validate_correction_args(
     rotate_strength: float,
     confidence_scale: float,
     eps: float,
-    rotate_schedule: str,
-    scope: str,
+    rotate_schedule: RotateSchedule,
+    scope: Scope,
 ) -> None:
   """Construction-time checks of the correction keywords."""
   _validation.check_range(fn, "keep_threshold", keep_threshold, -1.0, 1.0)
@@ -111,7 +113,7 @@ def validate_correction_args(
   _validation.check_range(fn, "eps", eps, 0.0, low_open=True)
 
 
-def block_names(tree: Any, scope: str = "leaf") -> list[str]:
+def block_names(tree: Any, scope: Scope = "leaf") -> list[str]:
   """Names of the blocks of ``CorrectionInfo``'s vectors: leaf paths, or ["tree"]."""
   if scope == "tree":
     return ["tree"]
@@ -179,8 +181,8 @@ def correct(
     rotate_strength: float = 1.0,
     confidence_scale: float = 3.0,
     eps: float = 1e-8,
-    rotate_schedule: str = "normalized",
-    scope: str = "leaf",
+    rotate_schedule: RotateSchedule = "normalized",
+    scope: Scope = "leaf",
 ) -> tuple[Any, CorrectionInfo]:
   """Applies the HeLoCo per-block correction to ``pseudo_grads``.
 
@@ -248,7 +250,7 @@ def correct(
 
 def correction_coefficients(
     pseudo_grads: Any, momentum: Any, *, input_scale: Any = 1.0, output_scale: Any = 1.0,
-    scope: str, **hyper,
+    scope: Scope, **hyper,
 ) -> tuple[jax.Array, jax.Array, CorrectionInfo]:
   """Per-leaf scalars (A, B) with ``output_scale·correct(input_scale·Δ, m) = A·Δ + B·m``.
 

@@ -1,6 +1,6 @@
 """Delayed Nesterov, DN (Liu et al., Alg. 3; ALGORITHMS.md, "Delayed Nesterov").
 
-State m, buffer D (both float32, start 0) and arrival counter t. On arrival:
+State m, buffer D (both float32 by default, start 0) and arrival counter t. On arrival:
   t ← t + 1 ;  D ← D + g
   if t mod N = 0:  m ← μ·m + D/N ;  θ ← θ − η·[(1 − c·N + c)·μ·m + g/N] ;  D ← 0
   else:            θ ← θ − η·[c·μ·m + g/N]
@@ -26,10 +26,11 @@ class DelayedNesterovState(NamedTuple):
   """State of ``delayed_nesterov``.
 
   Attributes:
-    count: arrival counter t (int32).
-    momentum: m, float32.
+    count: arrival counter t (int32; ``optax.safe_increment``: it stays at
+      the int32 maximum instead of wrapping around, after 2^31 − 1 arrivals).
+    momentum: m, in ``accumulator_dtype`` (float32 by default).
     buffer: D, the sum of the weighted arrivals since the last momentum
-      update, float32.
+      update, in ``accumulator_dtype`` (float32 by default).
   """
   count: jax.Array
   momentum: Any
@@ -43,7 +44,8 @@ def delayed_nesterov(
     buffer_size: Optional[int] = None,
     c: float = 0.0,
     num_workers: Optional[int] = None,
-    weighting: str = "constant",
+    weighting: weighting_lib.Weighting = "constant",
+    accumulator_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Delayed Nesterov outer rule: momentum refreshed every N arrivals.
 
@@ -55,6 +57,9 @@ def delayed_nesterov(
       (default 0).
     num_workers: K for the arrival weight ρ; None means ρ = 1.
     weighting: "constant" (ρ = 1/√K, default), "polynomial" or "none".
+    accumulator_dtype: the dtype of m and D; None (default) keeps them in
+      float32 whatever the parameter dtype (unlike ``optax.trace``, whose
+      None follows the parameters).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` taking ``staleness=``.
@@ -89,6 +94,7 @@ def delayed_nesterov(
   _validation.check_learning_rate(fn, learning_rate)
   _validation.check_momentum(fn, momentum)
   weighting_lib.validate_weighting(fn, num_workers, weighting)
+  _validation.check_float_dtype(fn, "accumulator_dtype", accumulator_dtype)
   if buffer_size is None:
     if num_workers is None:
       raise ValueError(f"{fn}: buffer_size=None is not allowed when num_workers=None; "
@@ -108,18 +114,22 @@ def delayed_nesterov(
   def init_fn(params):
     # Two distinct trees: the state must be donatable (no aliased buffers).
     return DelayedNesterovState(count=jnp.zeros((), jnp.int32),
-                                momentum=zeros_momentum(params),
-                                buffer=zeros_momentum(params))
+                                momentum=zeros_momentum(params, accumulator_dtype),
+                                buffer=zeros_momentum(params, accumulator_dtype))
 
   def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
     del params, extra_args
     g, _ = weighting_lib.apply_arrival_weight(
         pseudo_grads, staleness, num_workers=num_workers, weighting=weighting)
-    count = state.count + 1
+    count = optax.safe_increment(state.count)
     flush = count % buffer_size == 0
-    buffer = jax.tree.map(jnp.add, state.buffer, g)
+    # m and D keep their dtype (computed in at least float32).
+    buffer = jax.tree.map(lambda d, x: (d + x).astype(d.dtype), state.buffer, g)
     new_momentum = jax.tree.map(
-        lambda m, d: jnp.where(flush, momentum * m + d / buffer_size, m), state.momentum, buffer)
+        lambda m, d: jnp.where(flush, momentum * weighting_lib.at_least_float32(m)
+                               + weighting_lib.at_least_float32(d) / buffer_size, m
+                               ).astype(m.dtype),
+        state.momentum, buffer)
     coefficient = jnp.where(flush, flush_coefficient, between_coefficient)
     updates = jax.tree.map(
         lambda m, x: -learning_rate * (coefficient * m + x / buffer_size), new_momentum, g)

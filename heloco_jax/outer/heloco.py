@@ -11,7 +11,7 @@ HeLoCo): see ``heloco_jax.lookahead_params``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import jax
 import jax.numpy as jnp
@@ -19,20 +19,23 @@ import optax
 
 from heloco_jax.outer import _validation
 from heloco_jax.outer import weighting as weighting_lib
-from heloco_jax.outer.correction import (CorrectionInfo, correct, correction_coefficients,
-                                         validate_correction_args)
+from heloco_jax.outer.correction import (CorrectionInfo, RotateSchedule, Scope, correct,
+                                         correction_coefficients, validate_correction_args)
 from heloco_jax.outer.mla import (hyperparams_fields, momentum_step, validate_mla_args,
                                   zeros_momentum)
 
-WEIGHT_ORDERS = ("before", "after")
+WeightOrder = Literal["before", "after"]
+WEIGHT_ORDERS: tuple[str, ...] = get_args(WeightOrder)
 
 
 class HeLoCoState(NamedTuple):
   """State of ``heloco``; the diagnostics of the last arrival stay on device.
 
   Attributes:
-    count: number of arrivals applied (int32).
-    momentum: m, float32 whatever the parameter dtype.
+    count: number of arrivals applied (int32; ``optax.safe_increment``: it
+      stays at the int32 maximum instead of wrapping around).
+    momentum: m, in ``accumulator_dtype`` (float32 by default, whatever the
+      parameter dtype).
     learning_rate: η (float32 scalar).
     decay: μ (float32 scalar).
     staleness: τ of the last arrival (int32; 0 when not given).
@@ -53,7 +56,7 @@ def heloco(
     momentum: float = 0.9,
     *,
     num_workers: Optional[int] = None,
-    weighting: str = "constant",
+    weighting: weighting_lib.Weighting = "constant",
     keep_threshold: float = 0.2,
     bad_threshold: float = -0.2,
     shrink_strength: float = 0.5,
@@ -61,9 +64,10 @@ def heloco(
     rotate_strength: float = 1.0,
     confidence_scale: float = 3.0,
     eps: float = 1e-8,
-    rotate_schedule: str = "normalized",
-    weight_order: str = "before",
-    scope: str = "leaf",
+    rotate_schedule: RotateSchedule = "normalized",
+    weight_order: WeightOrder = "before",
+    scope: Scope = "leaf",
+    accumulator_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """HeLoCo outer rule: corrected pseudo-gradients, then a momentum look-ahead step.
 
@@ -83,6 +87,9 @@ def heloco(
     weight_order: "before" (ρ applied before the correction, default,
       authors' code) or "after" (the paper's G = ρ·Δ̂).
     scope: "leaf" (each leaf is a block, default) or "tree".
+    accumulator_dtype: the dtype of m; None (default) keeps it in float32
+      whatever the parameter dtype (unlike ``optax.trace``, whose None
+      follows the parameters).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(pseudo_grads,
@@ -121,7 +128,7 @@ def heloco(
     ['keep', 'shrink']
   """
   num_workers = _validation.concrete_int(num_workers)  # e.g. from optax.inject_hyperparams
-  validate_mla_args("heloco", learning_rate, momentum, num_workers, weighting)
+  validate_mla_args("heloco", learning_rate, momentum, num_workers, weighting, accumulator_dtype)
   correction_args = dict(
       keep_threshold=keep_threshold, bad_threshold=bad_threshold,
       shrink_strength=shrink_strength, max_shrink=max_shrink,
@@ -131,7 +138,7 @@ def heloco(
   _validation.check_choice("heloco", "weight_order", weight_order, WEIGHT_ORDERS)
 
   def init_fn(params):
-    m = zeros_momentum(params)
+    m = zeros_momentum(params, accumulator_dtype)
     # Diagnostics of "no arrival yet": every field zero (branch_counts included).
     shapes = jax.eval_shape(lambda m: correct(m, m, **correction_args)[1], m)
     info = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -150,7 +157,7 @@ def heloco(
     updates, new_momentum = momentum_step(
         pseudo_grads, state.momentum, delta_scale, momentum_scale, learning_rate, momentum)
     return updates, state._replace(
-        count=state.count + 1, momentum=new_momentum,
+        count=optax.safe_increment(state.count), momentum=new_momentum,
         **hyperparams_fields(learning_rate, momentum),
         staleness=weighting_lib.staleness_array(staleness), weight=rho, info=info)
 

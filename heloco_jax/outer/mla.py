@@ -23,8 +23,10 @@ class MLAState(NamedTuple):
   """State of ``mla``.
 
   Attributes:
-    count: number of arrivals applied (int32).
-    momentum: m, float32 whatever the parameter dtype.
+    count: number of arrivals applied (int32; ``optax.safe_increment``: it
+      stays at the int32 maximum instead of wrapping around).
+    momentum: m, in ``accumulator_dtype`` (float32 by default, whatever the
+      parameter dtype).
     learning_rate: η (float32 scalar), kept so the look-ahead point can be
       formed from the state alone.
     decay: μ (float32 scalar).
@@ -35,9 +37,19 @@ class MLAState(NamedTuple):
   decay: jax.Array
 
 
-def zeros_momentum(params: Any) -> Any:
-  """Outer momentum m = 0, float32 whatever the parameter dtype."""
-  return optax.tree_utils.tree_zeros_like(params, dtype=jnp.float32)
+def momentum_dtype(accumulator_dtype: Optional[Any]) -> Any:
+  """The outer momentum's dtype: float32 for None (the default), else the dtype given.
+
+  Unlike ``optax.trace``, whose None follows the parameters, None keeps the
+  momentum in float32 for bfloat16 parameters too: m sums many small weighted
+  pseudo-gradients, which bfloat16's 8-bit mantissa would round away.
+  """
+  return jnp.float32 if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
+
+
+def zeros_momentum(params: Any, accumulator_dtype: Optional[Any] = None) -> Any:
+  """Outer momentum m = 0 in ``momentum_dtype(accumulator_dtype)`` (float32 by default)."""
+  return optax.tree_utils.tree_zeros_like(params, dtype=momentum_dtype(accumulator_dtype))
 
 
 def momentum_step(pseudo_grads: Any, momentum: Any, delta_scale: Any, momentum_scale: Any,
@@ -55,7 +67,8 @@ def momentum_step(pseudo_grads: Any, momentum: Any, delta_scale: Any, momentum_s
 
   Args:
     pseudo_grads: Δ (any float dtype; read in float32).
-    momentum: m before the arrival (float32).
+    momentum: m before the arrival (float32 by default; m' keeps its dtype, computed in
+      at least float32).
     delta_scale: A, a scalar or one scalar per leaf (``jax.tree.leaves`` order).
     momentum_scale: B >= 0, likewise (0 for plain MLA).
     learning_rate: η.
@@ -73,7 +86,7 @@ def momentum_step(pseudo_grads: Any, momentum: Any, delta_scale: Any, momentum_s
   updates, new_momentum = [], []
   for i, (x, m) in enumerate(zip(leaves, m_leaves)):
     x = weighting_lib.at_least_float32(x)
-    m_new = ((1.0 - decay) * per_leaf(a, i) * x + per_leaf(k, i) * m).astype(jnp.float32)
+    m_new = ((1.0 - decay) * per_leaf(a, i) * x + per_leaf(k, i) * m).astype(m.dtype)
     new_momentum.append(m_new)
     updates.append(-learning_rate * (per_leaf(delta_gain, i) * x + per_leaf(momentum_gain, i) * m_new))
   return treedef.unflatten(updates), treedef.unflatten(new_momentum)
@@ -86,10 +99,12 @@ def hyperparams_fields(learning_rate, momentum) -> dict[str, jax.Array]:
               decay=jnp.asarray(momentum, jnp.float32))
 
 
-def validate_mla_args(fn: str, learning_rate, momentum, num_workers, weighting_name) -> None:
+def validate_mla_args(fn: str, learning_rate, momentum, num_workers, weighting_name,
+                      accumulator_dtype) -> None:
   _validation.check_learning_rate(fn, learning_rate)
   _validation.check_momentum(fn, momentum)
   weighting_lib.validate_weighting(fn, num_workers, weighting_name)
+  _validation.check_float_dtype(fn, "accumulator_dtype", accumulator_dtype)
 
 
 def mla(
@@ -97,7 +112,8 @@ def mla(
     momentum: float = 0.9,
     *,
     num_workers: Optional[int] = None,
-    weighting: str = "constant",
+    weighting: weighting_lib.Weighting = "constant",
+    accumulator_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Momentum look-ahead outer rule for asynchronous pseudo-gradients.
 
@@ -107,6 +123,9 @@ def mla(
     num_workers: K for the arrival weight ρ; None means ρ = 1.
     weighting: "constant" (ρ = 1/√K, default), "polynomial"
       (ρ = (1/√K)/√(1+τ)) or "none" (ρ = 1).
+    accumulator_dtype: the dtype of m; None (default) keeps it in float32
+      whatever the parameter dtype (unlike ``optax.trace``, whose None
+      follows the parameters).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(pseudo_grads,
@@ -134,10 +153,11 @@ def mla(
     -0.0763
   """
   num_workers = _validation.concrete_int(num_workers)  # e.g. from optax.inject_hyperparams
-  validate_mla_args("mla", learning_rate, momentum, num_workers, weighting)
+  validate_mla_args("mla", learning_rate, momentum, num_workers, weighting, accumulator_dtype)
 
   def init_fn(params):
-    return MLAState(count=jnp.zeros((), jnp.int32), momentum=zeros_momentum(params),
+    return MLAState(count=jnp.zeros((), jnp.int32),
+                    momentum=zeros_momentum(params, accumulator_dtype),
                     **hyperparams_fields(learning_rate, momentum))
 
   def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
@@ -145,7 +165,8 @@ def mla(
     rho = weighting_lib.arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
     updates, new_momentum = momentum_step(pseudo_grads, state.momentum, rho, 0.0,
                                           learning_rate, momentum)
-    return updates, state._replace(count=state.count + 1, momentum=new_momentum,
+    return updates, state._replace(count=optax.safe_increment(state.count),
+                                   momentum=new_momentum,
                                    **hyperparams_fields(learning_rate, momentum))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,13 +8,13 @@ Per arrival, the synchronous DiLoCo rule applied to g = ρ·Δ, exactly as
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-import jax.numpy as jnp
 import optax
 
 from heloco_jax.outer import _validation
 from heloco_jax.outer import weighting as weighting_lib
+from heloco_jax.outer.mla import momentum_dtype
 
 
 def async_nesterov(
@@ -22,7 +22,8 @@ def async_nesterov(
     momentum: float = 0.9,
     *,
     num_workers: Optional[int] = None,
-    weighting: str = "constant",
+    weighting: weighting_lib.Weighting = "constant",
+    accumulator_dtype: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Nesterov outer rule applied to every weighted arrival.
 
@@ -32,11 +33,14 @@ def async_nesterov(
     momentum: outer momentum μ in [0, 1) (default 0.9).
     num_workers: K for the arrival weight ρ; None means ρ = 1.
     weighting: "constant" (ρ = 1/√K, default), "polynomial" or "none".
+    accumulator_dtype: the dtype of the momentum (optax's trace); None
+      (default) keeps it in float32 whatever the parameter dtype (unlike
+      ``optax.sgd``, whose None follows the parameters).
 
   Returns:
     ``optax.chain(scale_by_arrival_weight(...), optax.sgd(η, μ,
-    nesterov=True))`` with the momentum kept in float32; its ``update``
-    takes ``staleness=``.
+    nesterov=True, accumulator_dtype=...))``; its ``update`` takes
+    ``staleness=``.
 
   Raises:
     ValueError: at construction, for an argument outside its allowed range.
@@ -63,8 +67,9 @@ def async_nesterov(
   _validation.check_learning_rate("async_nesterov", learning_rate)
   _validation.check_momentum("async_nesterov", momentum)
   weighting_lib.validate_weighting("async_nesterov", num_workers, weighting)
+  _validation.check_float_dtype("async_nesterov", "accumulator_dtype", accumulator_dtype)
   return optax.chain(
       weighting_lib.scale_by_arrival_weight(num_workers, weighting),
       optax.sgd(learning_rate, momentum=momentum, nesterov=True,
-                accumulator_dtype=jnp.float32),
+                accumulator_dtype=momentum_dtype(accumulator_dtype)),
   )

@@ -11,7 +11,7 @@ With ``num_workers=None`` the weight is 1 whatever ``weighting`` says
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +19,11 @@ import optax
 
 from heloco_jax.outer import _validation
 
-WEIGHTINGS = ("constant", "polynomial", "none")
+Weighting = Literal["constant", "polynomial", "none"]
+WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
 
 
-def validate_weighting(fn: str, num_workers: Optional[int], weighting: str) -> None:
+def validate_weighting(fn: str, num_workers: Optional[int], weighting: Weighting) -> None:
   """Construction-time checks of ``num_workers`` and ``weighting``."""
   _validation.check_positive_int(fn, "num_workers", num_workers, allow_none=True)
   _validation.check_choice(fn, "weighting", weighting, WEIGHTINGS)
@@ -32,7 +33,7 @@ def arrival_weight(
     staleness: Any,
     *,
     num_workers: Optional[int],
-    weighting: str = "constant",
+    weighting: Weighting = "constant",
 ) -> jax.Array:
   """Returns ρ as a float32 scalar; jit- and vmap-friendly.
 
@@ -87,7 +88,7 @@ def as_compute_dtype(tree: Any) -> Any:
 
 
 def apply_arrival_weight(
-    pseudo_grads: Any, staleness: Any, *, num_workers: Optional[int], weighting: str,
+    pseudo_grads: Any, staleness: Any, *, num_workers: Optional[int], weighting: Weighting,
 ) -> tuple[Any, jax.Array]:
   """g = ρ·Δ in float32 (or wider); returns (g, ρ)."""
   weight = arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
@@ -107,7 +108,7 @@ class ScaleByArrivalWeightState(NamedTuple):
 
 def scale_by_arrival_weight(
     num_workers: Optional[int] = None,
-    weighting: str = "constant",
+    weighting: Weighting = "constant",
 ) -> optax.GradientTransformationExtraArgs:
   """Multiplies pseudo-gradients by ρ, casting them to at least float32.
 
