@@ -21,7 +21,7 @@ from heloco_jax.outer import (
     arrival_weight,
     async_nesterov,
     block_names,
-    correct,
+    heloco_correct,
     delayed_nesterov,
     heloco,
     heloco_diagnostics,
@@ -58,6 +58,6 @@ __all__ = [
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
-    "arrival_weight", "async_nesterov", "block_names", "correct", "delayed_nesterov", "heloco",
+    "arrival_weight", "async_nesterov", "block_names", "heloco_correct", "delayed_nesterov", "heloco",
     "heloco_diagnostics", "lookahead_params", "mla", "outer_momentum", "scale_by_arrival_weight",
 ]

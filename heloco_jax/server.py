@@ -150,7 +150,7 @@ class OuterServer:
     simulated runtime runs a worker's steps when its arrival comes up.
     """
     if self.lookahead:
-      return outer.lookahead_params(self.params, self.outer_state)
+      return outer.lookahead_params(self.outer_state, self.params)
     return _copy(self.params)
 
   def apply(self, delta: Any, staleness: int) -> None:

@@ -186,7 +186,7 @@ def test_server_does_the_bookkeeping_for_a_loop_of_your_own():
     updates, state = tx.update(delta, state, want, staleness=tau)
     want = optax.apply_updates(want, updates)
   _close(server.params, want)  # eager by hand vs the server's jitted step: float rounding
-  _close(server.dispatch(0), hj.lookahead_params(want, state))
+  _close(server.dispatch(0), hj.lookahead_params(state, want))
   assert _leaves_equal(start0, params) and _leaves_equal(start1, params)  # m = 0 then
   bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
   row = server.arrive(bad, worker=0)

@@ -1,7 +1,7 @@
 """The ``Examples:`` sections of the public outer rules run as doctests.
 
 Every public rule (``hj.heloco``, ``hj.mla``, ``hj.async_nesterov``,
-``hj.delayed_nesterov``) and helper (``hj.correct``, ``hj.lookahead_params``,
+``hj.delayed_nesterov``) and helper (``hj.heloco_correct``, ``hj.lookahead_params``,
 ``hj.outer_momentum``, ``hj.arrival_weight``, ``hj.scale_by_arrival_weight``)
 shows a short example that checks a value; the API reference (mkdocs) renders
 the same text, so what users read is what runs here.
@@ -28,7 +28,7 @@ MODULES = [
 
 # The public functions that must carry a runnable example.
 DOCUMENTED = [
-    hj.heloco, hj.mla, hj.async_nesterov, hj.delayed_nesterov, hj.correct,
+    hj.heloco, hj.mla, hj.async_nesterov, hj.delayed_nesterov, hj.heloco_correct,
     hj.lookahead_params, hj.outer_momentum, hj.arrival_weight, hj.scale_by_arrival_weight,
 ]
 

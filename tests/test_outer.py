@@ -108,7 +108,7 @@ def _quadratic_async_run(tx, *, num_workers=3, arrivals=40, seed=0):
   state = tx.init(params)
   update = jax.jit(tx.update)
   version = 0
-  in_flight = [(hj.lookahead_params(params, state), version) for _ in range(num_workers)]
+  in_flight = [(hj.lookahead_params(state, params), version) for _ in range(num_workers)]
   trajectory = []
   for t in range(arrivals):
     worker = t % num_workers
@@ -120,7 +120,7 @@ def _quadratic_async_run(tx, *, num_workers=3, arrivals=40, seed=0):
     updates, state = update(delta, state, params, staleness=version - dispatched_at)
     params = optax.apply_updates(params, updates)
     version += 1
-    in_flight[worker] = (hj.lookahead_params(params, state), version)
+    in_flight[worker] = (hj.lookahead_params(state, params), version)
     trajectory.append((params, state.momentum, in_flight[worker][0]))
   return trajectory
 
@@ -165,9 +165,9 @@ def test_lookahead_params_is_theta_minus_eta_mu_m(make):
   params_t, state = _run(tx, params, arrivals, staleness)[-1]
   want = jax.tree.map(lambda p, m: np.asarray(p, np.float64) - 0.6 * 0.85 * np.asarray(m, np.float64),
                       params_t, state.momentum)
-  _assert_tree_close(hj.lookahead_params(params_t, state), want)
+  _assert_tree_close(hj.lookahead_params(state, params_t), want)
   # Equals θ while m = 0.
-  _assert_tree_close(hj.lookahead_params(params, tx.init(params)), params, rtol=0, atol=0)
+  _assert_tree_close(hj.lookahead_params(tx.init(params), params), params, rtol=0, atol=0)
 
 
 def test_lookahead_params_inside_a_chain_and_errors():
@@ -176,13 +176,16 @@ def test_lookahead_params_inside_a_chain_and_errors():
   state = tx.init(params)
   _, state = tx.update(arrivals[0], state, params, staleness=0)
   inner = state[1]
-  _assert_tree_close(hj.lookahead_params(params, state), hj.lookahead_params(params, inner),
+  _assert_tree_close(hj.lookahead_params(state, params), hj.lookahead_params(inner, params),
                      rtol=0, atol=0)
   with pytest.raises(ValueError, match="lookahead_params.*0 MLAState or HeLoCoState"):
-    hj.lookahead_params(params, hj.async_nesterov().init(params))
+    hj.lookahead_params(hj.async_nesterov().init(params), params)
   both = (hj.mla().init(params), hj.heloco().init(params))
   with pytest.raises(ValueError, match="holds 2"):
-    hj.lookahead_params(params, both)
+    hj.lookahead_params(both, params)
+  # The order before optax's (params, state) is named in the message.
+  with pytest.raises(ValueError, match=r"lookahead_params: the arguments are \(state, params\)"):
+    hj.lookahead_params(params, state)
 
 
 def test_weight_orders_agree_when_weight_is_one():
@@ -209,8 +212,8 @@ def test_weight_orders_differ_only_through_confidence():
 def test_tree_scope_equals_leaf_scope_on_a_single_leaf():
   rng = np.random.default_rng(7)
   d, m = jnp.asarray(rng.normal(size=50), jnp.float32), jnp.asarray(rng.normal(size=50), jnp.float32)
-  leaf, info_leaf = hj.correct(d, m, scope="leaf")
-  tree, info_tree = hj.correct(d, m, scope="tree")
+  leaf, info_leaf = hj.heloco_correct(d, m, scope="leaf")
+  tree, info_tree = hj.heloco_correct(d, m, scope="tree")
   np.testing.assert_allclose(leaf, tree, rtol=RTOL, atol=ATOL)
   assert int(info_leaf.branch[0]) == int(info_tree.branch[0])
 
@@ -218,8 +221,8 @@ def test_tree_scope_equals_leaf_scope_on_a_single_leaf():
 def test_tree_scope_uses_one_cosine_for_the_whole_tree():
   m = {"a": jnp.ones(4), "b": jnp.ones(4)}
   d = {"a": jnp.ones(4), "b": -0.5 * jnp.ones(4)}  # leaf cosines 1 and −1; tree cosine 1/√5·...
-  _, info_leaf = hj.correct(d, m, scope="leaf")
-  _, info_tree = hj.correct(d, m, scope="tree")
+  _, info_leaf = hj.heloco_correct(d, m, scope="leaf")
+  _, info_tree = hj.heloco_correct(d, m, scope="tree")
   assert hj.block_names(d) == ["a", "b"] and hj.block_names(d, "tree") == ["tree"]
   np.testing.assert_array_equal(info_leaf.branch, [correction_lib.KEEP, correction_lib.SHRINK])
   want = (4 - 2) / (math.sqrt(4 + 1) * math.sqrt(8))
@@ -262,7 +265,7 @@ def test_rotate_keeps_the_norm_and_raises_the_cosine(seed, dim, cosine, d_norm, 
                                                      schedule, strength):
   d, m = _pair_with_cosine(seed, dim, cosine, d_norm, m_norm)
   hypothesis.assume(1e-5 <= _cos(d, m) < 0.2 - 1e-5)  # away from the branch edges
-  d_hat, info = hj.correct(d, m, rotate_schedule=schedule, rotate_strength=strength)
+  d_hat, info = hj.heloco_correct(d, m, rotate_schedule=schedule, rotate_strength=strength)
   assert int(info.branch[0]) == correction_lib.ROTATE
   np.testing.assert_allclose(np.linalg.norm(np.asarray(d_hat, np.float64)),
                              np.linalg.norm(np.asarray(d, np.float64)), rtol=2e-5)
@@ -278,7 +281,7 @@ def test_shrink_lowers_the_norm_and_raises_the_cosine(seed, dim, cosine, d_norm,
                                                       strength, cap):
   d, m = _pair_with_cosine(seed, dim, cosine, d_norm, m_norm)
   hypothesis.assume(_cos(d, m) < -1e-5)
-  d_hat, info = hj.correct(d, m, shrink_strength=strength, max_shrink=cap)
+  d_hat, info = hj.heloco_correct(d, m, shrink_strength=strength, max_shrink=cap)
   assert int(info.branch[0]) == correction_lib.SHRINK
   assert np.linalg.norm(np.asarray(d_hat, np.float64)) <= (
       np.linalg.norm(np.asarray(d, np.float64)) * (1 + 1e-6))
@@ -292,11 +295,11 @@ def test_shrink_lowers_the_norm_and_raises_the_cosine(seed, dim, cosine, d_norm,
 def test_keep_and_pass_leave_the_update_alone(seed, cosine, d_norm, m_norm):
   d, m = _pair_with_cosine(seed, 16, cosine, d_norm, m_norm)
   hypothesis.assume(_cos(d, m) >= 0.2 + 1e-5)  # away from the branch edge
-  d_hat, info = hj.correct(d, m)
+  d_hat, info = hj.heloco_correct(d, m)
   np.testing.assert_array_equal(d_hat, d)
   assert int(info.branch[0]) == correction_lib.KEEP
   assert float(info.relative_correction[0]) == 0.0
-  d_hat, info = hj.correct(d, jnp.zeros_like(m))
+  d_hat, info = hj.heloco_correct(d, jnp.zeros_like(m))
   np.testing.assert_array_equal(d_hat, d)
   assert int(info.branch[0]) == correction_lib.PASS
 
@@ -438,7 +441,7 @@ def test_string_options_are_literal_types_listing_the_allowed_values():
   for factory in (hj.mla, hj.async_nesterov, hj.delayed_nesterov, hj.arrival_weight,
                   hj.scale_by_arrival_weight):
     assert typing.get_args(typing.get_type_hints(factory)["weighting"]) == weighting.WEIGHTINGS
-  correct_hints = typing.get_type_hints(hj.correct)
+  correct_hints = typing.get_type_hints(hj.heloco_correct)
   assert typing.get_args(correct_hints["scope"]) == correction.SCOPES
 
 
@@ -483,7 +486,7 @@ def test_arrival_path_never_syncs_to_the_host(name):
   def arrival(params, state, delta, tau):
     updates, state = tx.update(delta, state, params, staleness=tau)
     params = optax.apply_updates(params, updates)
-    extras = (hj.lookahead_params(params, state), hj.heloco_diagnostics(state)) if is_heloco else ()
+    extras = (hj.lookahead_params(state, params), hj.heloco_diagnostics(state)) if is_heloco else ()
     return params, state, extras
 
   jaxpr = jax.make_jaxpr(arrival)(params, tx.init(params), arrivals[0], jnp.int32(staleness[0]))
@@ -536,7 +539,7 @@ def test_inject_hyperparams_changes_reach_update_and_lookahead():
   _, plain_state = plain.update(arrivals[0], plain.init(params), params, staleness=0)
   want, plain_state = plain.update(arrivals[1], plain_state, params, staleness=1)
   _assert_tree_close(updates, want)
-  _assert_tree_close(hj.lookahead_params(params, state), hj.lookahead_params(params, plain_state))
+  _assert_tree_close(hj.lookahead_params(state, params), hj.lookahead_params(plain_state, params))
 
 
 def test_polynomial_weight_values_and_missing_staleness():
@@ -603,8 +606,9 @@ _ERRORS = [
     (hj.mla, dict(num_workers=-2), "num_workers=-2"),
     (hj.async_nesterov, dict(num_workers=2.0), "num_workers=2.0"),
     (hj.heloco, dict(num_workers=True), "num_workers=True"),
-    (hj.correct, dict(pseudo_grads=jnp.ones(2), momentum=jnp.ones(2), scope="all"), "scope='all'"),
-    (hj.correct, dict(pseudo_grads=jnp.ones(2), momentum=jnp.ones(2), max_shrink=2.0),
+    (hj.heloco_correct, dict(pseudo_grads=jnp.ones(2), momentum=jnp.ones(2), scope="all"),
+     "scope='all'"),
+    (hj.heloco_correct, dict(pseudo_grads=jnp.ones(2), momentum=jnp.ones(2), max_shrink=2.0),
      "max_shrink=2.0"),
     (hj.heloco, dict(learning_rate="fast"), "learning_rate='fast'"),
 ]
@@ -698,8 +702,8 @@ def test_inject_hyperparams_without_static_args_matches_the_plain_factory(factor
     plain_params = optax.apply_updates(plain_params, want)
     injected_params = optax.apply_updates(injected_params, got)
   if factory in (hj.mla, hj.heloco):
-    _assert_trees_equal(hj.lookahead_params(injected_params, injected_state),
-                        hj.lookahead_params(plain_params, plain_state))
+    _assert_trees_equal(hj.lookahead_params(injected_state, injected_params),
+                        hj.lookahead_params(plain_state, plain_params))
 
 
 def test_inject_hyperparams_example_from_the_docs():

@@ -79,7 +79,7 @@ TRAJ_ATOL_REL = 2e-6
 # reference, lambda = k_d r(c) conf (k_d <= 3, dr/dc <= 4) moves by at most ~1e-5.
 # (Measured: worst diagnostic error ~1.3e-6, i.e. ~0.06 of this.)
 DIAG_ATOL = 2e-5
-# hj.correct() on bit-identical float32 inputs: only the rounding of one correction (no
+# hj.heloco_correct() on bit-identical float32 inputs: only the rounding of one correction (no
 # accumulation), so the corrected update must match to a few float32 ulps (measured: ~0.3 of
 # this tolerance).
 CORRECT_RTOL = 1e-5
@@ -468,7 +468,7 @@ def test_heloco_matches_reference(cfg):
         assert all(np.asarray(x).dtype == np.float32
                    for x in jax.tree_util.tree_leaves(state.momentum))
         m_scale.check(to_np(state.momentum), traj["moms"][t], what=what + " momentum")
-        la_scale.check(to_np(lib.lookahead_params(params, state)), traj["lookahead"][t],
+        la_scale.check(to_np(lib.lookahead_params(state, params)), traj["lookahead"][t],
                        what=what + " lookahead")
         np.testing.assert_allclose(float(state.weight), traj["weights"][t], rtol=WEIGHT_RTOL,
                                    err_msg=what + " weight")
@@ -478,7 +478,7 @@ def test_heloco_matches_reference(cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# hj.correct on the same (d, m_b) pairs, bit-identical float32 inputs
+# hj.heloco_correct on the same (d, m_b) pairs, bit-identical float32 inputs
 # ---------------------------------------------------------------------------------------------
 CORRECT_CASES = [
     pytest.param(_heloco_cfg(rotate_schedule="normalized", scope="leaf", num_workers=4,
@@ -498,14 +498,14 @@ CORRECT_CASES = [
 def _jitted_correct(corr_key):
     lib = _lib()
     kw = dict(corr_key)
-    return jax.jit(lambda d, m: lib.correct(d, m, **kw))
+    return jax.jit(lambda d, m: lib.heloco_correct(d, m, **kw))
 
 
 @pytest.mark.parametrize("cfg", CORRECT_CASES)
 def test_correct_matches_reference(cfg):
-    """hj.correct(d, m_b) vs the reference for every arrival of a sequence (d as the
+    """hj.heloco_correct(d, m_b) vs the reference for every arrival of a sequence (d as the
     correction saw it: rho*Delta or Delta by weight order; m_b the reference's momentum before
-    the arrival, rounded to float32).  correct() must not apply rho."""
+    the arrival, rounded to float32).  heloco_correct() must not apply rho."""
     seed = _seed_of(_key(cfg))
     traj = heloco_traj_for(cfg, seed)
     assert_all_branches_exercised(traj, cfg["scope"])
@@ -560,7 +560,7 @@ def test_correct_hand_computed():
     np.testing.assert_allclose(info_ref["rotation"][2], lam, rtol=1e-12)
     np.testing.assert_allclose(np.linalg.norm(exp_c), s(50), rtol=1e-12)
 
-    got, info = jax.jit(lib.correct)({k: jnp.asarray(v, jnp.float32) for k, v in d.items()},
+    got, info = jax.jit(lib.heloco_correct)({k: jnp.asarray(v, jnp.float32) for k, v in d.items()},
                                      {k: jnp.asarray(v, jnp.float32) for k, v in m.items()})
     for k in names:
         np.testing.assert_allclose(np.asarray(got[k], np.float64), expected[k], rtol=1e-6,
@@ -619,7 +619,7 @@ def test_mla_matches_reference(num_workers, weighting):
         assert isinstance(state, lib.MLAState), type(state)
         th_scale.check(to_np(params), theta, what=what + " theta")
         m_scale.check(to_np(state.momentum), opt.m, what=what + " momentum")
-        la_scale.check(to_np(lib.lookahead_params(params, state)), opt.lookahead(theta),
+        la_scale.check(to_np(lib.lookahead_params(state, params)), opt.lookahead(theta),
                        what=what + " lookahead")
 
 

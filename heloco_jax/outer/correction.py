@@ -170,7 +170,7 @@ def _coefficients(dot, d_sq, m_sq, *, keep_threshold, bad_threshold,
   return a, b, change_sq, info
 
 
-def correct(
+def heloco_correct(
     pseudo_grads: Any,
     momentum: Any,
     *,
@@ -188,6 +188,11 @@ def correct(
 
   Pure function: no state, no weighting (``heloco`` applies ρ before or
   after calling it, see ``weight_order``). jit- and vmap-compatible.
+
+  Named ``heloco_correct`` rather than ``correct``: at the top level
+  (``hj.heloco_correct``) a bare ``correct`` says neither what is corrected
+  nor by which rule, and the prefix groups it with ``hj.heloco`` and
+  ``hj.heloco_diagnostics``, the other two names of the same method.
 
   Args:
     pseudo_grads: the update d (any pytree of floating arrays; any dtype).
@@ -221,7 +226,7 @@ def correct(
     >>> import heloco_jax as hj
     >>> d = {"a": jnp.array([1.0, 0.0]), "b": jnp.array([0.0, 1.0])}
     >>> m = {"a": jnp.array([1.0, 0.0]), "b": jnp.array([1.0, 0.0])}
-    >>> corrected, info = hj.correct(d, m)
+    >>> corrected, info = hj.heloco_correct(d, m)
     >>> [hj.BRANCH_NAMES[i] for i in info.branch.tolist()]
     ['keep', 'rotate']
     >>> float(info.rotation[1])
@@ -232,7 +237,7 @@ def correct(
     1.0
   """
   validate_correction_args(
-      "correct", keep_threshold=keep_threshold, bad_threshold=bad_threshold,
+      "heloco_correct", keep_threshold=keep_threshold, bad_threshold=bad_threshold,
       shrink_strength=shrink_strength, max_shrink=max_shrink,
       rotate_strength=rotate_strength, confidence_scale=confidence_scale,
       eps=eps, rotate_schedule=rotate_schedule, scope=scope)
@@ -252,7 +257,7 @@ def correction_coefficients(
     pseudo_grads: Any, momentum: Any, *, input_scale: Any = 1.0, output_scale: Any = 1.0,
     scope: Scope, **hyper,
 ) -> tuple[jax.Array, jax.Array, CorrectionInfo]:
-  """Per-leaf scalars (A, B) with ``output_scale·correct(input_scale·Δ, m) = A·Δ + B·m``.
+  """Per-leaf scalars (A, B) with ``output_scale·heloco_correct(input_scale·Δ, m) = A·Δ + B·m``.
 
   The block sums are taken on Δ once and scaled (<sΔ, m> = s<Δ, m>,
   |sΔ|² = s²|Δ|²), so neither ``input_scale·Δ`` nor the corrected update
@@ -265,7 +270,7 @@ def correction_coefficients(
     input_scale: s, the correction sees s·Δ.
     output_scale: the corrected update is multiplied by it.
     scope: "leaf" or "tree".
-    **hyper: the correction keywords of ``correct``.
+    **hyper: the correction keywords of ``heloco_correct``.
 
   Returns:
     ``(A, B, info)``: A and B are float32 vectors with one entry per leaf

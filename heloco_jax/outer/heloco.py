@@ -2,8 +2,8 @@
 momentum (ALGORITHMS.md, "HeLoCo").
 
 On each arrival, with m_b the momentum before the arrival:
-  weight_order "before" (authors' code, default):  G = correct(ρ·Δ, m)
-  weight_order "after"  (the paper's equations):   G = ρ·correct(Δ, m)
+  weight_order "before" (authors' code, default):  G = heloco_correct(ρ·Δ, m)
+  weight_order "after"  (the paper's equations):   G = ρ·heloco_correct(Δ, m)
   m ← μ·m + (1 − μ)·G ;  θ ← θ − η·(G + μ·m)
 Workers are dispatched from the look-ahead point θ − η·μ·m (always on for
 HeLoCo): see ``heloco_jax.lookahead_params``.
@@ -19,8 +19,9 @@ import optax
 
 from heloco_jax.outer import _validation
 from heloco_jax.outer import weighting as weighting_lib
-from heloco_jax.outer.correction import (CorrectionInfo, RotateSchedule, Scope, correct,
-                                         correction_coefficients, validate_correction_args)
+from heloco_jax.outer.correction import (CorrectionInfo, RotateSchedule, Scope,
+                                         correction_coefficients, heloco_correct,
+                                         validate_correction_args)
 from heloco_jax.outer.mla import (hyperparams_fields, momentum_step, validate_mla_args,
                                   zeros_momentum)
 
@@ -140,7 +141,7 @@ def heloco(
   def init_fn(params):
     m = zeros_momentum(params, accumulator_dtype)
     # Diagnostics of "no arrival yet": every field zero (branch_counts included).
-    shapes = jax.eval_shape(lambda m: correct(m, m, **correction_args)[1], m)
+    shapes = jax.eval_shape(lambda m: heloco_correct(m, m, **correction_args)[1], m)
     info = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return HeLoCoState(
         count=jnp.zeros((), jnp.int32), momentum=m,
@@ -150,7 +151,7 @@ def heloco(
   def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
     del params, extra_args
     rho = weighting_lib.arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
-    # "before": G = correct(ρΔ, m) (authors' code); "after": G = ρ·correct(Δ, m) (paper).
+    # "before": G = heloco_correct(ρΔ, m) (authors' code); "after": G = ρ·heloco_correct(Δ, m).
     scales = dict(input_scale=rho) if weight_order == "before" else dict(output_scale=rho)
     delta_scale, momentum_scale, info = correction_coefficients(
         pseudo_grads, state.momentum, **scales, **correction_args)

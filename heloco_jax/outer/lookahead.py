@@ -1,7 +1,9 @@
 """Look-ahead dispatch point and diagnostics read from an outer state.
 
 Both work on a bare MLA/HeLoCo state or on any state containing one (e.g.
-the state of an ``optax.chain``), on device, with no host sync.
+the state of an ``optax.chain``), on device, with no host sync. Like
+``optax.contrib.schedule_free_eval_params(state, params)``, the readers take
+the state first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ from heloco_jax.outer.heloco import HeLoCoState
 from heloco_jax.outer.mla import MLAState
 
 
+LOOKAHEAD_STATES = (MLAState, HeLoCoState)
+
+
+def _holds_one(tree: Any, types: tuple[type, ...]) -> bool:
+  try:
+    find_state(tree, types, "")
+  except ValueError:
+    return False
+  return True
+
+
 def find_state(state: Any, types: tuple[type, ...], fn: str) -> Any:
   """The single sub-state of one of ``types`` inside ``state``."""
   found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, types))
@@ -31,13 +44,16 @@ def find_state(state: Any, types: tuple[type, ...], fn: str) -> Any:
   return found[0]
 
 
-def lookahead_params(params: Any, state: Any) -> Any:
+def lookahead_params(state: Any, params: Any) -> Any:
   """The look-ahead dispatch point θ − η·μ·m (ALGORITHMS.md, MLA and HeLoCo).
 
+  The state comes first, as in optax's readers of a state
+  (``optax.contrib.schedule_free_eval_params(state, params)``).
+
   Args:
-    params: θ, the current global parameters.
     state: the state of ``hj.mla`` or ``hj.heloco``, alone or nested in a
       chain's state.
+    params: θ, the current global parameters.
 
   Returns:
     θ − η·μ·m with the structure and dtypes of ``params``; equals θ while
@@ -53,15 +69,22 @@ def lookahead_params(params: Any, state: Any) -> Any:
     >>> tx = hj.mla(learning_rate=0.5, momentum=0.9)  # num_workers=None: ρ = 1
     >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
-    >>> hj.lookahead_params(params, state)["w"].tolist()  # θ while m = 0
+    >>> hj.lookahead_params(state, params)["w"].tolist()  # θ while m = 0
     [0.0, 0.0]
     >>> updates, state = tx.update({"w": jnp.ones(2)}, state, params)
     >>> params = optax.apply_updates(params, updates)
-    >>> start = hj.lookahead_params(params, state)  # θ − η·μ·m, m = 0.1
+    >>> start = hj.lookahead_params(state, params)  # θ − η·μ·m, m = 0.1
     >>> round(float(start["w"][0] - params["w"][0]), 4)
     -0.045
   """
-  outer = find_state(state, (MLAState, HeLoCoState), "lookahead_params")
+  try:
+    outer = find_state(state, LOOKAHEAD_STATES, "lookahead_params")
+  except ValueError:
+    if _holds_one(params, LOOKAHEAD_STATES):  # the order before optax's
+      raise ValueError("lookahead_params: the arguments are (state, params), the state "
+                       "first as in optax.contrib.schedule_free_eval_params; got the params "
+                       "first and the state second.") from None
+    raise
   step = outer.learning_rate * outer.decay
   return jax.tree.map(lambda p, m: (p - step * m).astype(jnp.result_type(p)),
                       params, outer.momentum)

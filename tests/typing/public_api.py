@@ -21,7 +21,7 @@ def outer_rules(params: dict[str, jax.Array], pseudo_grads: dict[str, jax.Array]
     del new_params
   chained: optax.GradientTransformation = optax.chain(optax.clip_by_global_norm(1.0),
                                                       hj.heloco(num_workers=5))
-  start: Any = hj.lookahead_params(params, chained.init(params))
+  start: Any = hj.lookahead_params(chained.init(params), params)
   weight: float = float(hj.arrival_weight(3, num_workers=5, weighting="constant"))
   del start, weight
 
