@@ -6,7 +6,9 @@ the look-ahead point θ − η·μ·m, docs/ALGORITHMS.md "MLA"), and applies on
 ``update`` per arrival group: it rejects non-finite pseudo-gradients
 (``heloco_jax.rejection``), measures cos(Δ, m) with the momentum the
 arrival meets, combines a grace window's arrivals and applies the rule.
-HeLoCo's diagnostics come from the HeLoCo state wherever it sits in the chain.
+HeLoCo's diagnostics come from the HeLoCo state wherever it sits in the chain
+(``hj.heloco_diagnostics(state, per_block=False)``); the sub-states the server
+reads are found once, when it is built, and indexed at every arrival.
 
 For a loop of your own, ``dispatch(worker)`` and ``arrive(delta, worker)`` do
 the version and staleness bookkeeping::
@@ -30,7 +32,7 @@ import numpy as np
 import optax
 
 from heloco_jax import outer
-from heloco_jax.outer.lookahead import find_state
+from heloco_jax.outer import lookahead as lookahead_lib
 from heloco_jax import rejection
 
 Row = dict[str, Any]
@@ -48,24 +50,17 @@ def alignment(delta: Any, momentum: Any) -> jax.Array:
 
 
 @jax.jit
-def heloco_diagnostics(info: Any, weight: jax.Array) -> dict[str, jax.Array]:
-  """HeLoCo's per-arrival diagnostics summarised over blocks, as device scalars.
+def heloco_row(heloco_state: outer.HeLoCoState) -> dict[str, jax.Array]:
+  """HeLoCo's arrival-row diagnostics (``hj.heloco_diagnostics(per_block=False)``), as
+  device scalars.
 
   Fresh buffers, so they outlive the next outer step (which donates the
-  state holding ``info``) and can be fetched later, in a batch (``to_host``).
+  state holding them) and can be fetched later, in a batch (``to_host``). The
+  staleness is left out: a grace group's state holds τ_max, and each
+  arrival's row already has its own τ.
   """
-  def masked_mean(values, mask):
-    count = jnp.sum(mask)
-    return jnp.where(count > 0, jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1), 0.0)
-  row = {f"branch_count/{name}": info.branch_counts[i]
-         for i, name in enumerate(outer.BRANCH_NAMES)}
-  branch = outer.BRANCH_NAMES.index
-  row.update({
-      "cosine_mean": jnp.mean(info.cosine),
-      "rotation_mean": masked_mean(info.rotation, info.branch == branch("rotate")),
-      "shrinkage_mean": masked_mean(info.shrinkage, info.branch == branch("shrink")),
-      "relative_correction": info.total_relative_correction,
-      "weight": weight})
+  row = outer.heloco_diagnostics(heloco_state, per_block=False)
+  del row["staleness"]
   return row
 
 
@@ -82,6 +77,15 @@ def _copy(tree: Any) -> Any:
   return jax.device_put(tree, may_alias=False)
 
 
+# The look-ahead point θ − η·μ·m as two compiled programs per tree structure (η·μ·m, then
+# θ − that), not two eager ops per leaf at every dispatch. Not one program: XLA would fuse
+# the multiply and the subtract into an FMA, and the single rounding changes θ's last bits
+# against the eager hj.lookahead_params (the README's example then ends at val loss 0.0020
+# instead of 0.054); two programs round as the eager ops do, bit for bit.
+_scaled_momentum = jax.jit(lookahead_lib.scaled_momentum)
+_subtract = jax.jit(lookahead_lib.subtract)
+
+
 def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., Any]:
   """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated."""
   tx = optax.with_extra_args_support(tx)
@@ -91,12 +95,12 @@ def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., A
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _find(state: Any, finder: Callable[[Any], Any]) -> bool:
+def _getter(state: Any, types: tuple[type, ...], fn: str) -> Optional[Callable[[Any], Any]]:
+  """``lookahead.state_getter``, or None when ``state`` holds no (or several) ``types``."""
   try:
-    finder(state)
+    return lookahead_lib.state_getter(state, types, fn)
   except ValueError:
-    return False
-  return True
+    return None
 
 
 class OuterServer:
@@ -124,14 +128,18 @@ class OuterServer:
     self.outer_state = place(jax.jit(outer_tx.init)(params)) if outer_tx is not None else None
     self.params = place(_copy(params))
     self.lookahead = lookahead
-    if lookahead and not _find(self.outer_state, _lookahead_finder):
+    # The sub-states read at every dispatch and arrival, found once from the state's
+    # structure (no method names); each is then indexed, not searched for.
+    self._lookahead_state = _getter(self.outer_state, lookahead_lib.LOOKAHEAD_STATES,
+                                    "lookahead_params")
+    if lookahead and self._lookahead_state is None:
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
     self._arrival_weight = arrival_weight or (lambda tau: 1.0)
     self._step = jit_outer_step(outer_tx) if outer_tx is not None else None
-    # Diagnostics, decided once from the state's structure (no method names).
-    self._heloco = _find(self.outer_state, _heloco_finder)
-    self._momentum = not self._heloco and _find(self.outer_state, outer.outer_momentum)
+    self._heloco_state = _getter(self.outer_state, (outer.HeLoCoState,), "heloco_diagnostics")
+    self._momentum_state = None if self._heloco_state is not None else _getter(
+        self.outer_state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")
     self.version = 0
     self._dispatched: dict[int, int] = {}
 
@@ -150,7 +158,7 @@ class OuterServer:
     simulated runtime runs a worker's steps when its arrival comes up.
     """
     if self.lookahead:
-      return outer.lookahead_params(self.outer_state, self.params)
+      return _subtract(self.params, _scaled_momentum(self._lookahead_state(self.outer_state)))
     return _copy(self.params)
 
   def apply(self, delta: Any, staleness: int) -> None:
@@ -184,8 +192,8 @@ class OuterServer:
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
     if not applied:
       return results
-    if self._momentum:  # HeLoCo logs its own cosines, per block
-      momentum = outer.outer_momentum(self.outer_state)
+    if self._momentum_state is not None:  # HeLoCo logs its own cosines, per block
+      momentum = lookahead_lib.momentum_of(self._momentum_state(self.outer_state))
       for i in applied:
         results[i]["cosine_mean"] = alignment(deltas[i], momentum)
     taus_applied = [taus[i] for i in applied]
@@ -194,9 +202,8 @@ class OuterServer:
     else:
       self.apply(self._combine([deltas[i] for i in applied], taus_applied), max(taus_applied))
     self.version += 1
-    if self._heloco:
-      state = _heloco_finder(self.outer_state)
-      diagnostics = heloco_diagnostics(state.info, state.weight)
+    if self._heloco_state is not None:
+      diagnostics = heloco_row(self._heloco_state(self.outer_state))
       for i in applied:
         results[i].update(diagnostics)
     return to_host(results) if fetch else results
@@ -233,15 +240,6 @@ class OuterServer:
     reason = result.pop("reason")
     return {"worker": worker, "staleness": tau, "applied": reason is None, "reason": reason,
             "version": self.version, **result}
-
-
-def _lookahead_finder(state: Any) -> Any:
-  return find_state(state, (outer.MLAState, outer.HeLoCoState),
-                                    "lookahead_params")
-
-
-def _heloco_finder(state: Any) -> Any:
-  return find_state(state, (outer.HeLoCoState,), "heloco_diagnostics")
 
 
 Server = OuterServer

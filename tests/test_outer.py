@@ -188,6 +188,20 @@ def test_lookahead_params_inside_a_chain_and_errors():
     hj.lookahead_params(params, state)
 
 
+def test_state_getter_follows_the_path_found_once():
+  from heloco_jax.outer import lookahead  # pylint: disable=g-import-not-at-top
+  params, arrivals, _ = _arrivals(21, n=2)
+  tx = optax.chain(optax.clip_by_global_norm(100.0),
+                   optax.inject_hyperparams(hj.heloco)(learning_rate=0.5, num_workers=2))
+  state = tx.init(params)
+  get = lookahead.state_getter(state, (hj.HeLoCoState,), "test")  # chain index, inner_state
+  for delta in arrivals:
+    _, state = tx.update(delta, state, params, staleness=0)
+    assert get(state) is lookahead.find_state(state, (hj.HeLoCoState,), "test")
+  with pytest.raises(ValueError, match="test: .* holds 0 MLAState"):
+    lookahead.state_getter(state, (hj.MLAState,), "test")
+
+
 def test_weight_orders_agree_when_weight_is_one():
   params, arrivals, staleness = _arrivals(5)
   before = _run(hj.heloco(weight_order="before"), params, arrivals, staleness)

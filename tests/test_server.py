@@ -92,3 +92,63 @@ def test_non_finite_pseudo_gradients_are_rejected_and_never_touch_theta():
   alone = _server(config, params)
   alone.update([0], [None], _tree(1, 0.1))
   _close(srv.params, alone.params)
+
+
+def _heloco_server(params, **kwargs):
+  return server.OuterServer(hj.heloco(0.7, 0.9, num_workers=3), params, lookahead=True,
+                            **kwargs)
+
+
+def test_the_dispatch_point_is_bit_for_bit_the_eager_lookahead_point():
+  """One jitted pass per stage (η·μ·m, then θ − that) rounds as hj.lookahead_params's eager
+  ops do: no fused multiply-add changes the last bit of where workers start."""
+  params = _tree(0)
+  srv = _heloco_server(params)
+  for i in range(4):
+    start = srv.dispatch(worker=0)
+    srv.arrive(jax.tree.map(lambda x, d: d - x, start, _tree(10 + i, 0.1)), worker=0)
+  start = srv.dispatch_point()
+  eager = hj.lookahead_params(srv.outer_state, srv.params)
+  assert float(jnp.abs(hj.outer_momentum(srv.outer_state)["w"]).max()) > 0  # m ≠ 0
+  for got, want in zip(jax.tree.leaves(start), jax.tree.leaves(eager)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_arrival_rows_hold_heloco_diagnostics_per_block_false_without_the_staleness():
+  params = _tree(0)
+  srv = _heloco_server(params)
+  for i in range(2):
+    srv.dispatch(worker=0)
+    row = srv.arrive(_tree(1 + i, 0.1), worker=0)
+  summary = jax.device_get(hj.heloco_diagnostics(srv.outer_state, per_block=False))
+  assert summary.pop("staleness") == 0
+  assert sorted(summary) == ["branch_count/keep", "branch_count/pass", "branch_count/rotate",
+                             "branch_count/shrink", "cosine_mean", "relative_correction",
+                             "rotation_mean", "shrinkage_mean", "weight"]
+  assert {k: row[k] for k in summary} == {k: v.item() for k, v in summary.items()}
+
+
+@pytest.mark.parametrize("method", ["heloco", "mla", "async_nesterov"])
+def test_sub_states_are_found_once_not_searched_at_every_arrival(method, monkeypatch):
+  from heloco_jax.outer import lookahead  # pylint: disable=g-import-not-at-top
+  calls = []
+  for module, name in ((lookahead, "find_state"), (lookahead, "_find_with_path"),
+                       (server, "find_state")):  # also a name imported into the server
+    if hasattr(module, name):
+      original = getattr(module, name)
+      monkeypatch.setattr(module, name,
+                          lambda *a, original=original, name=name: calls.append(name) or original(*a))
+  params = _tree(0)
+  tx = {"heloco": lambda: optax.chain(optax.clip_by_global_norm(10.0), hj.heloco(num_workers=3)),
+        "mla": lambda: hj.mla(num_workers=3), "async_nesterov": hj.async_nesterov}[method]()
+  srv = server.OuterServer(tx, params, lookahead=method != "async_nesterov")
+  assert calls  # found when built ...
+  for i in range(3):  # ... and traced by the first arrivals' compiled programs
+    srv.dispatch(worker=0)
+    srv.arrive(_tree(1 + i, 0.1), worker=0)
+  calls.clear()
+  for i in range(5):
+    srv.dispatch(worker=0)
+    row = srv.arrive(_tree(5 + i, 0.1), worker=0)
+  assert calls == []  # ... but not walked at any later dispatch or arrival
+  assert row["applied"] and ("cosine_mean" in row)

@@ -4,11 +4,15 @@ Both work on a bare MLA/HeLoCo state or on any state containing one (e.g.
 the state of an ``optax.chain``), on device, with no host sync. Like
 ``optax.contrib.schedule_free_eval_params(state, params)``, the readers take
 the state first.
+
+A loop that reads a state at every arrival finds the sub-state once
+(``state_getter``) and indexes it afterwards, instead of walking the whole
+state tree each time (``find_state``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,19 @@ from heloco_jax.outer.mla import MLAState
 
 
 LOOKAHEAD_STATES = (MLAState, HeLoCoState)
+MOMENTUM_STATES = (MLAState, HeLoCoState, DelayedNesterovState, optax.TraceState)
+
+
+def _find_with_path(state: Any, types: tuple[type, ...], fn: str) -> tuple[Any, Any]:
+  """(key path, sub-state) of the single sub-state of one of ``types`` inside ``state``."""
+  found = [(path, s) for path, s in jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, types)) if isinstance(s, types)]
+  names = " or ".join(t.__name__ for t in types)
+  if len(found) != 1:
+    raise ValueError(
+        f"{fn}: state={type(state).__name__} holds {len(found)} {names} "
+        f"sub-states; allowed: exactly one, alone or inside an optax.chain's state.")
+  return found[0]
 
 
 def _holds_one(tree: Any, types: tuple[type, ...]) -> bool:
@@ -33,15 +50,42 @@ def _holds_one(tree: Any, types: tuple[type, ...]) -> bool:
 
 
 def find_state(state: Any, types: tuple[type, ...], fn: str) -> Any:
-  """The single sub-state of one of ``types`` inside ``state``."""
-  found = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, types))
-           if isinstance(s, types)]
-  names = " or ".join(t.__name__ for t in types)
-  if len(found) != 1:
-    raise ValueError(
-        f"{fn}: state={type(state).__name__} holds {len(found)} {names} "
-        f"sub-states; allowed: exactly one, alone or inside an optax.chain's state.")
-  return found[0]
+  """The single sub-state of one of ``types`` inside ``state`` (walks the whole tree)."""
+  return _find_with_path(state, types, fn)[1]
+
+
+def _child(tree: Any, key: Any) -> Any:
+  """One step of a key path (``jax.tree_util`` keys)."""
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return tree[key.idx]
+  if isinstance(key, jax.tree_util.DictKey):
+    return tree[key.key]
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(tree, key.name)
+  raise TypeError(f"no direct index for key {key!r}")
+
+
+def state_getter(state: Any, types: tuple[type, ...], fn: str) -> Callable[[Any], Any]:
+  """Finds the sub-state of one of ``types`` once; returns a function that indexes it.
+
+  The function takes any state with ``state``'s structure (e.g. the same
+  rule's state after later updates) and follows the key path found here,
+  without walking the rest of the tree. A pytree node without named or
+  numbered children on the path (``FlattenedIndexKey``) falls back to
+  ``find_state`` on every call.
+
+  Raises:
+    ValueError: ``state`` holds no (or several) sub-states of ``types``.
+  """
+  path, _ = _find_with_path(state, types, fn)
+  if any(isinstance(key, jax.tree_util.FlattenedIndexKey) for key in path):
+    return lambda tree: find_state(tree, types, fn)
+
+  def get(tree: Any) -> Any:
+    for key in path:
+      tree = _child(tree, key)
+    return tree
+  return get
 
 
 def lookahead_params(state: Any, params: Any) -> Any:
@@ -85,9 +129,25 @@ def lookahead_params(state: Any, params: Any) -> Any:
                        "first as in optax.contrib.schedule_free_eval_params; got the params "
                        "first and the state second.") from None
     raise
-  step = outer.learning_rate * outer.decay
-  return jax.tree.map(lambda p, m: (p - step * m).astype(jnp.result_type(p)),
-                      params, outer.momentum)
+  return subtract(params, scaled_momentum(outer))
+
+
+def scaled_momentum(sub_state: Any) -> Any:
+  """η·μ·m of an MLA or HeLoCo state, leaf by leaf: the first pass of ``lookahead_params``."""
+  step = sub_state.learning_rate * sub_state.decay
+  return jax.tree.map(lambda m: step * m, sub_state.momentum)
+
+
+def subtract(params: Any, scaled: Any) -> Any:
+  """θ − η·μ·m from θ and ``scaled_momentum``, in θ's dtypes: the second pass.
+
+  Two passes, as two separately compiled programs when a server jits them,
+  keep θ − η·μ·m rounded twice, as the eager ops do: one fused program lets
+  XLA contract it into a fused multiply-add, whose single rounding changes
+  the last bit of the dispatch point (and, through the look-ahead's
+  sensitivity, a run's numbers).
+  """
+  return jax.tree.map(lambda p, q: (p - q).astype(jnp.result_type(p)), params, scaled)
 
 
 def outer_momentum(state: Any) -> Any:
@@ -111,33 +171,77 @@ def outer_momentum(state: Any) -> Any:
     >>> [round(x, 4) for x in hj.outer_momentum(state)["w"].tolist()]  # (1 − μ)·Δ
     [0.03, 0.04]
   """
-  found = find_state(state, (MLAState, HeLoCoState, DelayedNesterovState, optax.TraceState),
-                     "outer_momentum")
-  return found.trace if isinstance(found, optax.TraceState) else found.momentum
+  return momentum_of(find_state(state, MOMENTUM_STATES, "outer_momentum"))
 
 
-def heloco_diagnostics(state: Any) -> dict[str, jax.Array]:
+def momentum_of(sub_state: Any) -> Any:
+  """m of one of the ``MOMENTUM_STATES`` (optax's trace calls it ``trace``)."""
+  return sub_state.trace if isinstance(sub_state, optax.TraceState) else sub_state.momentum
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean of ``values`` where ``mask``; 0 where no entry is selected."""
+  count = jnp.sum(mask)
+  return jnp.where(count > 0, jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1), 0.0)
+
+
+def heloco_diagnostics(state: Any, *, per_block: bool = True) -> dict[str, jax.Array]:
   """The last arrival's diagnostics as a flat dict of device arrays.
 
   Keys: ``staleness``, ``weight`` (ρ), ``relative_correction`` (whole tree,
-  |G − ρΔ|/|ρΔ|), ``branch_count/<pass|keep|shrink|rotate>``, and per block
-  ``<field>/<block name>`` for cosine, confidence, branch, rotation (λ) and
-  shrinkage (β); block names are leaf paths such as ``layers/0/mlp/up``
-  (``tree`` with ``scope="tree"``). Values stay on device; fetch them in
-  batches (``jax.device_get``) when logging.
+  |G − ρΔ|/|ρΔ|), ``branch_count/<pass|keep|shrink|rotate>``, and
+
+  * ``per_block=True`` (default): per block ``<field>/<block name>`` for
+    cosine, confidence, branch, rotation (λ) and shrinkage (β); block names
+    are leaf paths such as ``layers/0/mlp/up`` (``tree`` with
+    ``scope="tree"``);
+  * ``per_block=False``: one number per field instead, as in the engine's
+    arrival rows: ``cosine_mean`` (over all blocks), ``rotation_mean`` (λ
+    over the blocks that rotated) and ``shrinkage_mean`` (β over the blocks
+    that shrank), 0 where no block took that branch.
+
+  Values stay on device; fetch them in batches (``jax.device_get``) when
+  logging. Under ``jit`` they are fresh buffers, which outlive a later
+  update that donates the state.
 
   Args:
     state: the state of ``hj.heloco``, alone or nested in a chain's state.
+    per_block: one entry per block (default), or the block summaries.
 
   Returns:
     A dict of scalar ``jax.Array``s.
+
+  Raises:
+    ValueError: when ``state`` contains no (or several) HeLoCo states.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> tx = hj.heloco(0.7, 0.9)
+    >>> params = {"b": jnp.zeros(2), "w": jnp.zeros(3)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"b": jnp.ones(2), "w": jnp.ones(3)}, state, params, staleness=2)
+    >>> _, state = tx.update({"b": jnp.ones(2), "w": -jnp.ones(3)}, state, params, staleness=1)
+    >>> logs = hj.heloco_diagnostics(state)
+    >>> int(logs["staleness"]), int(logs["branch/b"]), int(logs["branch/w"])  # keep, shrink
+    (1, 1, 2)
+    >>> summary = hj.heloco_diagnostics(state, per_block=False)
+    >>> float(summary["cosine_mean"]), round(float(summary["shrinkage_mean"]), 4)
+    (0.0, 0.3846)
   """
   outer = find_state(state, (HeLoCoState,), "heloco_diagnostics")
   info = outer.info
+  counts = {f"branch_count/{name}": info.branch_counts[i] for i, name in enumerate(BRANCH_NAMES)}
+  if not per_block:
+    return {
+        **counts, "cosine_mean": jnp.mean(info.cosine),
+        "rotation_mean": _masked_mean(info.rotation, info.branch == BRANCH_NAMES.index("rotate")),
+        "shrinkage_mean": _masked_mean(info.shrinkage,
+                                       info.branch == BRANCH_NAMES.index("shrink")),
+        "relative_correction": info.total_relative_correction, "weight": outer.weight,
+        "staleness": outer.staleness}
   out = {"staleness": outer.staleness, "weight": outer.weight,
-         "relative_correction": info.total_relative_correction}
-  for i, name in enumerate(BRANCH_NAMES):
-    out[f"branch_count/{name}"] = info.branch_counts[i]
+         "relative_correction": info.total_relative_correction, **counts}
   leaf_scope = info.cosine.shape[-1] == len(jax.tree.leaves(outer.momentum))
   names = block_names(outer.momentum, "leaf" if leaf_scope else "tree")
   for field in ("cosine", "confidence", "branch", "rotation", "shrinkage"):
