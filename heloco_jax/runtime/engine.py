@@ -99,7 +99,8 @@ class Engine:
     self.runtime = runtime
     self.inner = runtime.inner
     self.num_params = int(sum(np.size(x) for x in jax.tree.leaves(params)))
-    self.model_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+    self.model_bytes = sum(int(np.size(x)) * np.dtype(x.dtype).itemsize  # no copy of θ
+                           for x in jax.tree.leaves(params))
     self.streams = [WorkerStream(source) for source in data]
     self.eval_fn = eval_fn
     self.server = runtime.make_server(outer_tx, params, lookahead=lookahead,
