@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
     validation.validate_distributed(config)  # before JAX starts
-    determinism.require(validation.deterministic(config), "config.deterministic")
+    determinism.configure(validation.deterministic(config))  # the CLI owns its process
     devices.initialize_distributed(config)
     validation.validate(config)
   except (validation.ConfigError, determinism.DeterminismError) as error:

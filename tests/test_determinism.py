@@ -1,5 +1,5 @@
-"""heloco_jax/determinism.py: XLA's deterministic GPU ops are set before JAX starts, or a
-one-line error says how (docs/DESIGN.md, "Determinism")."""
+"""heloco_jax/determinism.py: XLA's deterministic GPU ops are set by the user or the CLI, never
+by library code; a GPU backend without them fails in one line (docs/DESIGN.md, "Determinism")."""
 
 import os
 import subprocess
@@ -18,30 +18,47 @@ def no_flag(monkeypatch):
   assert not determinism.flag_set()
 
 
-def test_before_the_backend_starts_the_flag_is_added(no_flag, monkeypatch):
-  monkeypatch.setattr(determinism, "_backends_started", lambda: False)
-  determinism.require(True)
+def test_configure_adds_the_flag_once_and_only_when_asked(no_flag):
+  determinism.configure(False)
+  assert not determinism.flag_set()
+  determinism.configure(True)
   assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=1",
                                               determinism.FLAG]
-  determinism.require(True)  # once only
+  determinism.configure(True)  # once only
   assert os.environ["XLA_FLAGS"].count(determinism.FLAG) == 1
 
 
-def test_a_started_gpu_backend_without_the_flag_fails_in_one_line(no_flag, monkeypatch):
-  monkeypatch.setattr(determinism, "_backends_started", lambda: True)
+def test_require_never_writes_the_environment(no_flag, monkeypatch):
+  # What make_engine / simulate call: a check, never an edit of XLA_FLAGS, on any backend.
+  before = dict(os.environ)
+  for platform in ("cpu", "tpu", "gpu"):
+    monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+    try:
+      determinism.require(True)
+    except hj.DeterminismError:
+      assert platform == "gpu"
+  assert dict(os.environ) == before
+
+
+def test_no_private_jax_import():
+  source = open(determinism.__file__, encoding="utf-8").read()
+  assert "jax._src" not in source
+
+
+def test_a_gpu_backend_without_the_flag_fails_in_one_line(no_flag, monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   with pytest.raises(hj.DeterminismError) as error:
     determinism.require(True, "config.deterministic")
   message = str(error.value)
   assert "\n" not in message
   assert "config.deterministic=True needs XLA's deterministic GPU ops" in message
+  assert "hj.enable_deterministic_ops()" in message
   assert "XLA_FLAGS=--xla_gpu_deterministic_ops=true" in message
   assert "config.deterministic=False" in message
   determinism.require(False)  # off: nothing to check
 
 
 def test_cpu_and_tpu_programs_need_nothing(no_flag, monkeypatch):
-  monkeypatch.setattr(determinism, "_backends_started", lambda: True)
   for platform in ("cpu", "tpu"):
     monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
     determinism.require(True)
