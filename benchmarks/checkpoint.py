@@ -6,8 +6,9 @@
    (one packed array per dtype) against orbax saving the same leaves one by
    one (``StandardSave`` of a flat dict), both synchronous, medians of
    ``--repeats`` alternating runs.
-2. Run overhead: wall time of the quickstart's ``Simulation.run`` with
-   ``checkpoint_every`` = 10 (the default) against 0 (off), same process.
+2. Run overhead: wall time of the quickstart's run (the CLI's engine,
+   ``harness.make_engine``, writing a workdir) with ``checkpoint_every`` = 10
+   (the default) against 0 (off), same process.
 
   python benchmarks/checkpoint.py [--repeats 5]
 """
@@ -24,7 +25,8 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
-from heloco_jax import checkpoint, harness as scheduler
+import heloco_jax as hj
+from heloco_jax import checkpoint, harness
 from heloco_jax.configs import default
 
 
@@ -33,14 +35,17 @@ def _state() -> tuple[dict, dict]:
   config = default.get_config()
   captured = {}
 
-  def on_checkpoint(sim):
-    captured["state"] = sim.checkpoint_state()
-    raise StopAsyncIteration  # enough: one real mid-run state
-  simulation = scheduler.Simulation(config)
-  try:
-    asyncio.run(simulation.run(on_checkpoint=on_checkpoint))
-  except StopAsyncIteration:
-    pass
+  def on_checkpoint(engine):
+    captured["state"] = engine.checkpoint_state()
+    engine.request_stop("one checkpoint")  # enough: one real mid-run state
+  with tempfile.TemporaryDirectory() as root:  # checkpoints come with a workdir
+    engine, _ = harness.make_engine(config, workdir=root)
+    try:
+      asyncio.run(engine.run(on_checkpoint=on_checkpoint))
+    except hj.Stopped:
+      pass
+    finally:
+      engine.close()
   return captured["state"]
 
 
@@ -83,10 +88,11 @@ def run_overhead() -> None:
     config = default.get_config()
     config.checkpoint_every = every
     with tempfile.TemporaryDirectory() as root:
-      ckpt = checkpoint.Checkpointer(root)
-      simulation = scheduler.Simulation(config)
-      summary = asyncio.run(simulation.run(on_checkpoint=lambda sim: ckpt.save(
-          sim.version, *sim.checkpoint_state())))
+      engine, _ = harness.make_engine(config, workdir=root)  # checkpoints to root/checkpoints
+      try:
+        summary = asyncio.run(engine.run())
+      finally:
+        engine.close()
       walls[every] = summary["wall_seconds"]
   print(f"quickstart run: {walls[0]:.1f} s without checkpoints, {walls[10]:.1f} s with "
         f"checkpoint_every=10 (ratio {walls[10] / walls[0]:.3f})")

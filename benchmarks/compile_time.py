@@ -24,7 +24,8 @@ import time
 
 def _child(cache_dir: str, arrivals: int) -> None:
   import jax  # pylint: disable=g-import-not-at-top
-  from heloco_jax import harness as scheduler, train  # pylint: disable=g-import-not-at-top
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from heloco_jax import harness, train  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   train.use_compilation_cache(cache_dir)
@@ -39,8 +40,12 @@ def _child(cache_dir: str, arrivals: int) -> None:
   config.eval_every_tokens = 0
   config.metrics_fetch_every = 1  # a row per arrival as it happens, not 16 at a time
   first = []
-  scheduler.simulate(config, on_row=lambda row: first.append(time.perf_counter() - start)
-                     if row["event"] == "arrival" and not first else None)
+  engine, _ = harness.make_engine(config)  # the CLI's engine of the config
+  try:
+    asyncio.run(engine.run(lambda row: first.append(time.perf_counter() - start)
+                           if row["event"] == "arrival" and not first else None))
+  finally:
+    engine.close()
   name = lambda suffix: sum(v for k, v in seconds.items() if k.endswith(suffix))
   print(json.dumps({
       "backend_compile_s": name("backend_compile_duration"),

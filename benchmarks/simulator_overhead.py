@@ -28,8 +28,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from heloco_jax import harness as scheduler
+from heloco_jax import harness
 from heloco_jax.configs import default
 
 
@@ -47,21 +48,25 @@ def overhead(dispatches: int) -> dict:
   tokens_per_dispatch = config.inner_steps * config.batch_size * config.model.context
   config.budget.tokens = (dispatches + 1) * tokens_per_dispatch
   arrivals: list[tuple[float, int]] = []
-  simulation = scheduler.Simulation(config)
-  update = simulation.server.update
+  engine, problem = harness.make_engine(config)  # the CLI's engine of the config
+  update = engine.server.update
 
   def timed_update(*args, **kwargs):  # when each outer update is applied (rows are
     out = update(*args, **kwargs)     # fetched in batches, so on_row would time those)
-    arrivals.append((time.perf_counter(), simulation.units))
+    arrivals.append((time.perf_counter(), engine.units))
     return out
-  simulation.server.update = timed_update
-  asyncio.run(simulation.run())
+  engine.server.update = timed_update
+  try:
+    asyncio.run(engine.run())
+  finally:
+    engine.close()
   (t0, tokens0), (t1, tokens1) = arrivals[0], arrivals[-1]
   simulated = (tokens1 - tokens0) / (t1 - t0)
 
-  loop = simulation.inner
-  batches = jnp.asarray(simulation.batches(0, config.inner_steps))
-  state = loop.start(simulation.params)
+  loop = engine.runtime.executor.inner
+  worker_batches = iter(problem.data.worker_iterator(0))
+  batches = jnp.asarray(np.stack([next(worker_batches) for _ in range(config.inner_steps)]))
+  state = loop.start(engine.params)
   state, _ = loop.run_jit(state, batches, jax.random.key(0))  # compile
   jax.block_until_ready(state)
   start = time.perf_counter()
@@ -70,7 +75,7 @@ def overhead(dispatches: int) -> dict:
   jax.block_until_ready(state)
   bare = (len(arrivals) - 1) * tokens_per_dispatch / (time.perf_counter() - start)
   print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}; quickstart model "
-        f"({simulation.num_params / 1e6:.2f}M params), batch {config.batch_size}, "
+        f"({engine.num_params / 1e6:.2f}M params), batch {config.batch_size}, "
         f"H = {config.inner_steps}, severe preset, {len(arrivals)} arrivals")
   print(f"bare compiled inner loop  {bare:9.0f} tokens/s")
   print(f"async HeLoCo simulation   {simulated:9.0f} tokens/s")
@@ -84,7 +89,11 @@ def scale_one(num_workers: int, tokens: int) -> None:
   from heloco_jax import train  # pylint: disable=g-import-not-at-top
   train.use_compilation_cache(train.default_cache_dir())  # as the CLI: warm after one run
   start = time.perf_counter()
-  summary, _ = scheduler.simulate(_config(num_workers, tokens))
+  engine, _ = harness.make_engine(_config(num_workers, tokens))
+  try:
+    summary = asyncio.run(engine.run())
+  finally:
+    engine.close()
   print(json.dumps({"K": num_workers, "wall_seconds": time.perf_counter() - start,
                     "tokens": summary["tokens"], "outer_updates": summary["outer_updates"],
                     "tokens_per_second": summary["tokens_per_second"],

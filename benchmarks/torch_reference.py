@@ -34,7 +34,7 @@ Matched (same values as the quickstart):
     rotation schedule); m ← μ·m + (1 − μ)·G; θ ← θ − η·(G + μ·m); workers
     dispatched from the look-ahead point θ − η·μ·m. η = 0.7, μ = 0.9,
     c_ok = 0.2, c_bad = −0.2, k_s = 0.5, β_max = 0.5, k_d = 1.0, κ = 3.0, ε = 1e-8.
-  * Scheduler (``heloco_jax/runtime/engine.py``, simulated runtime): K = 5 workers,
+  * Scheduler (``heloco_jax/runtime/loops.py``, simulated runtime): K = 5 workers,
     H = 20, batch 8, "severe" speeds (1, 15, 15, 15, 15 seconds per step);
     a heap of (finish time, worker); a worker's H steps are computed when it
     is dispatched and delivered at finish = now + message + H·t_i + message

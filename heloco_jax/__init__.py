@@ -31,20 +31,15 @@ from heloco_jax.outer import (
     scale_by_arrival_weight,
 )
 
-from heloco_jax.api import (
-    SimulationResult,
-    devices_runtime,
-    make_engine,
-    ray_runtime,
-    simulate,
-)
+from heloco_jax.api import SimulationResult, Workdir, make_engine, simulate
+from heloco_jax.runtime.factories import devices_runtime, ray_runtime, simulated_runtime
 from heloco_jax.clock import CommModel
 from heloco_jax.determinism import DeterminismError, enable as enable_deterministic_ops
 from heloco_jax.inner import PalsgdState, adamw as inner_adamw, palsgd_inner
 from heloco_jax.inner import scale_by_step_schedule
 from heloco_jax.methods import METHODS
 from heloco_jax.rejection import DivergenceError
-from heloco_jax.runtime.engine import BudgetError, Stopped
+from heloco_jax.runtime.engine import BudgetError, Stopped, stop_on_signals
 from heloco_jax.server import Server
 from heloco_jax.workdir import WorkdirError
 from heloco_jax.writers import TensorBoardWriter, Writers
@@ -54,7 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "METHODS", "BudgetError", "CommModel", "DeterminismError", "DivergenceError", "Stopped",
     "PalsgdState", "Server", "SimulationResult", "TensorBoardWriter", "WorkdirError",
-    "Writers", "devices_runtime",
+    "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",

@@ -1,4 +1,4 @@
-"""The public engine API: ``hj.simulate`` runs any model, loss, data and optimizers.
+"""The public engine API: ``hj.make_engine`` builds every engine; ``hj.simulate`` runs one.
 
 ::
 
@@ -12,7 +12,8 @@
 ``data`` holds one iterable of batches (pytrees of arrays) per worker. The
 method (docs/ALGORITHMS.md) supplies the outer rule, the dispatch rule and
 the default inner optimizer; ``outer_tx`` and ``inner_tx`` replace them with
-any optax transform or chain.
+any optax transform or chain. The CLI (``heloco-jax train``), the science
+grids, the notebook and the benchmarks build their engines here too.
 """
 
 from __future__ import annotations
@@ -22,36 +23,56 @@ import dataclasses
 import json
 import math
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
 import optax
 
 from heloco_jax import clock, determinism, inner as inner_lib, methods, workdir as workdir_lib
-from heloco_jax.runtime import engine as engine_lib, simulated, state as state_lib
+from heloco_jax import problem
+from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
 
 
 @dataclasses.dataclass
-class SimulationResult:
-  """What ``simulate`` returns.
+class RunResult:
+  """What ``simulate`` returns (``hj.SimulationResult``).
 
   Attributes:
     params: the final θ, with the structure of the initial params.
-    history: the metrics rows in order: ``{"event": "eval", "steps",
-      "sim_time", "outer_updates", "val_loss", ...}``, ``{"event":
-      "arrival", "worker", "staleness", "steps", "sim_time", "outer_updates",
-      "train_loss", ...diagnostics}``, ``{"event": "train", "steps",
-      "sim_time", "outer_updates", "train_loss"}`` (synchronous methods) and
-      ``{"event": "rejected", "worker", "reason", ...}``.
+    history: every metrics row of the run in order, those of earlier
+      (resumed) parts of a ``workdir`` run included; the kinds and keys of
+      rows are in docs/DESIGN.md ("metrics.jsonl").
     summary: steps, simulated time, outer updates, losses, mean staleness,
       wall time (docs/DESIGN.md, summary.json).
   """
   params: Any
   history: list[Row]
   summary: dict[str, Any]
+
+
+SimulationResult = RunResult
+
+
+@dataclasses.dataclass(frozen=True)
+class Workdir:
+  """A run directory with its options (``make_engine(workdir=...)`` also takes a plain path).
+
+  Attributes:
+    path: the directory: checkpoints, ``metrics.jsonl``, ``config.json``, ``summary.json``.
+    keep_checkpoints: how many of the newest checkpoints to keep.
+    allow_config_change: resume although ``config.json`` differs.
+    config_json: what ``config.json`` holds (default: the run's settings as
+      ``make_engine`` sees them; the CLI writes its resolved config).
+    flag: how messages name the directory ("workdir"; the CLI's "--workdir").
+  """
+  path: str
+  keep_checkpoints: int = 3
+  allow_config_change: bool = False
+  config_json: Optional[str] = None
+  flag: str = "workdir"
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -70,10 +91,41 @@ def _check_palsgd(inner_tx: optax.GradientTransformation, params: Any) -> None:
                      "...), whose pseudo-sync steps know the inner learning rate")
 
 
+def _budget(budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps,
+            eval_every_tokens, tokens_per_step) -> tuple[state_lib.Budget, int, int, str]:
+  """(budget, evaluation cadence, units per step, unit) in steps or, with ``tokens_per_step``,
+  in tokens."""
+  _positive_int("budget_steps", budget_steps, allow_none=True)
+  _positive_int("eval_every_steps", eval_every_steps, allow_none=True)
+  _positive_int("tokens_per_step", tokens_per_step, allow_none=True)
+  for name, value in (("budget_tokens", budget_tokens), ("eval_every_tokens", eval_every_tokens)):
+    _positive_int(name, value, allow_none=True)
+    if value is not None and tokens_per_step is None:
+      raise ValueError(f"{name}={value!r} is not allowed without tokens_per_step; allowed: "
+                       "tokens_per_step (the tokens of one worker's inner step), or steps: "
+                       f"{name.replace('tokens', 'steps')}")
+  if tokens_per_step is not None:
+    for name, value in (("budget_steps", budget_steps), ("eval_every_steps", eval_every_steps)):
+      if value is not None:
+        raise ValueError(f"{name}={value!r} is not allowed with tokens_per_step; allowed: "
+                         f"{name.replace('steps', 'tokens')} (the run counts tokens)")
+  if budget_sim_seconds is not None and not budget_sim_seconds > 0:
+    raise ValueError(f"budget_sim_seconds={budget_sim_seconds!r} is not allowed; allowed: a "
+                     "number > 0 or None")
+  units = budget_tokens if tokens_per_step is not None else budget_steps
+  if units is None and budget_sim_seconds is None:
+    raise ValueError("budget_steps=None and budget_sim_seconds=None is not allowed; allowed: "
+                     "at least one budget (a run needs an end)")
+  every = eval_every_tokens if tokens_per_step is not None else eval_every_steps
+  return (state_lib.Budget(units or 0, budget_sim_seconds or 0.0), every or 0,
+          tokens_per_step or 1, "tokens" if tokens_per_step is not None else "steps")
+
+
 def make_engine(
     loss_fn: Callable[..., Any],
     params: Any,
     data: Sequence[Iterable[Any]],
+    *,
     method: str = "heloco",
     outer_tx: Optional[optax.GradientTransformation] = None,
     inner_tx: Optional[optax.GradientTransformation] = None,
@@ -81,30 +133,42 @@ def make_engine(
     speeds: Union[str, Sequence[float]] = "severe",
     budget_steps: Optional[int] = None,
     budget_sim_seconds: Optional[float] = None,
+    budget_tokens: Optional[int] = None,
+    tokens_per_step: Optional[int] = None,
     eval_fn: Optional[Callable[[Any], Any]] = None,
     eval_every_steps: Optional[int] = None,
+    eval_every_tokens: Optional[int] = None,
     seed: int = 0,
-    runtime: Any = "simulated",
-    *,
+    runtime: Optional[factories.RuntimeFactory] = None,
+    workdir: Union[None, str, Workdir] = None,
+    checkpoint_every: int = 10,
+    outer_options: Optional[Mapping[str, Any]] = None,
     lookahead_dispatch: Optional[bool] = None,
     reset_optimizer: Optional[bool] = None,
-    outer_options: Optional[dict[str, Any]] = None,
     grace_window: float = 0.0,
     dylu: bool = False,
     jitter: float = 0.0,
     comm: clock.CommModel = clock.CommModel(),
-    checkpoint_every: int = 0,
     metrics_fetch_every: int = 16,
-    rejection_limit: int = 0,
+    rejection_limit: Optional[int] = None,
     deterministic: Optional[bool] = None,
     palsgd_coins: str = "shared",
+    palsgd_warmup_steps: Optional[int] = None,
 ) -> engine_lib.Engine:
-  """The engine of a ``simulate`` call, for ``await engine.run()`` in a notebook.
+  """The engine of a run, for ``summary = await engine.run()`` (e.g. in a notebook).
 
-  Takes the arguments of ``simulate`` (without ``workdir``); see there.
+  Takes the arguments of ``simulate`` (see there) and returns its engine:
+  ``await engine.run(on_row)`` runs it, ``engine.rows`` and
+  ``engine.params`` hold the results, ``engine.request_stop()`` stops it at
+  the next outer update (after a checkpoint, with ``workdir``), and
+  ``engine.close()`` releases its runtime and workdir.
   """
-  determinism.require(runtime == "simulated" if deterministic is None else deterministic)
   spec_method = methods.get(method)
+  factory = factories.simulated_runtime() if runtime is None else runtime
+  if not isinstance(factory, factories.RuntimeFactory):
+    raise ValueError(f"runtime={runtime!r} is not allowed; allowed: None (simulated workers), "
+                     "hj.simulated_runtime(...), hj.devices_runtime(...) or hj.ray_runtime(...)")
+  determinism.require(factory.simulated_clock if deterministic is None else deterministic)
   if palsgd_coins not in state_lib.PALSGD_COINS:
     raise ValueError(f"palsgd_coins={palsgd_coins!r} is not allowed; allowed: one of "
                      f"{', '.join(map(repr, state_lib.PALSGD_COINS))}")
@@ -112,50 +176,78 @@ def make_engine(
     raise ValueError("data must be a sequence of K >= 1 per-worker iterables of batches; "
                      f"got {type(data).__name__}")
   num_workers = len(data)
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+    raise ValueError(f"seed={seed!r} is not allowed; allowed: an integer in [0, 2**32)")
   _positive_int("inner_steps", inner_steps)
-  _positive_int("budget_steps", budget_steps, allow_none=True)
-  _positive_int("eval_every_steps", eval_every_steps, allow_none=True)
-  if budget_sim_seconds is not None and not budget_sim_seconds > 0:
-    raise ValueError(f"budget_sim_seconds={budget_sim_seconds!r} is not allowed; allowed: a "
-                     "number > 0 or None")
-  if budget_steps is None and budget_sim_seconds is None:
-    raise ValueError("budget_steps=None and budget_sim_seconds=None is not allowed; allowed: "
-                     "at least one budget (a run needs an end)")
+  _positive_int("metrics_fetch_every", metrics_fetch_every)
+  if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
+    raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
+                     "integer >= 0 (0 = off)")
+  budget, eval_every, units_per_step, unit = _budget(
+      budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,
+      tokens_per_step)
+  problem.check_params(params)
+  streams = [state_lib.WorkerStream(source, worker=i) for i, source in enumerate(data)]
+  problem.check_loss_fn(loss_fn, params, streams[0].peek())
   seconds = clock.seconds_per_step(speeds, num_workers)
   if inner_tx is None:
     inner_tx = spec_method.make_inner(inner_lib.InnerConfig())
   elif spec_method.inner == "palsgd":
     _check_palsgd(inner_tx, params)
+  lookahead = spec_method.lookahead_dispatch(lookahead_dispatch)
   if outer_tx is None:
     outer_tx = spec_method.make_outer(num_workers, outer_options)
+  elif outer_options:
+    raise ValueError(f"outer_options={dict(outer_options)!r} is not allowed with outer_tx; "
+                     "allowed: one of them (outer_options sets the method's own rule)")
+  else:
+    problem.check_outer_tx(outer_tx, params, spec_method, lookahead)
   reset = spec_method.reset_optimizer if reset_optimizer is None else bool(reset_optimizer)
   inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset)
   spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
-      grace_window=grace_window,
-      budget=state_lib.Budget(budget_steps or 0, budget_sim_seconds or 0.0),
-      eval_every=eval_every_steps or 0,
-      checkpoint_every=checkpoint_every, metrics_fetch_every=metrics_fetch_every,
-      rejection_limit=rejection_limit, palsgd_coins=palsgd_coins, seed=seed)
-  if runtime == "simulated":
-    runtime = simulated.SimulatedRuntime(inner)
-  elif callable(runtime):  # a factory: (inner loop, spec) -> runtime (devices, Ray)
-    runtime = runtime(inner, spec)
-  else:
-    raise ValueError(f"runtime={runtime!r} is not allowed; allowed: 'simulated', or a factory "
-                     "such as hj.devices_runtime(...) or hj.ray_runtime(...)")
-  weighting = (outer_options or {}).get("weighting", "constant")
-  return engine_lib.Engine(
-      spec, runtime, params, data, outer_tx=outer_tx, eval_fn=eval_fn,
-      lookahead=spec_method.lookahead_dispatch(lookahead_dispatch),
-      arrival_weight=spec_method.arrival_weight(num_workers, weighting))
+      grace_window=grace_window, palsgd_warmup_steps=palsgd_warmup_steps, budget=budget,
+      eval_every=eval_every, units_per_step=units_per_step, unit=unit,
+      checkpoint_every=checkpoint_every if workdir is not None else 0,
+      metrics_fetch_every=metrics_fetch_every, rejection_limit=rejection_limit or 0,
+      palsgd_coins=palsgd_coins, seed=seed)
+  engine = engine_lib.Engine(spec, factory(inner, spec), params, streams, outer_tx=outer_tx,
+                             eval_fn=eval_fn, lookahead=lookahead)
+  if workdir is not None:
+    try:
+      run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
+                                outer_tx, inner_tx)
+      _open_workdir(engine, workdir if isinstance(workdir, Workdir) else Workdir(str(workdir)),
+                    settings=dict(outer_options=outer_options, lookahead_dispatch=lookahead,
+                                  reset_optimizer=reset, deterministic=deterministic, run=run))
+    except BaseException:
+      engine.close()
+      raise
+  return engine
+
+
+def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[str, Any]) -> None:
+  """Attaches ``workdir`` to ``engine`` and resumes its run; notes come as warnings."""
+  config_json = workdir.config_json or _spec_json(engine, settings)
+  directory = workdir_lib.RunDirectory(workdir.path, config_json, engine.spec.checkpoint_every,
+                                       workdir.keep_checkpoints, workdir.allow_config_change,
+                                       flag=workdir.flag)
+  try:
+    engine.attach(directory)
+  except BaseException:
+    directory.close()
+    raise
+  for note in engine.workdir_notes:  # fallbacks, a lock taken over, ...
+    warnings.warn(f"{workdir.flag}={workdir.path!r}: {note.removeprefix('warning: ')}",
+                  stacklevel=3)
 
 
 def simulate(
     loss_fn: Callable[..., Any],
     params: Any,
     data: Sequence[Iterable[Any]],
+    *,
     method: str = "heloco",
     outer_tx: Optional[optax.GradientTransformation] = None,
     inner_tx: Optional[optax.GradientTransformation] = None,
@@ -163,21 +255,35 @@ def simulate(
     speeds: Union[str, Sequence[float]] = "severe",
     budget_steps: Optional[int] = None,
     budget_sim_seconds: Optional[float] = None,
+    budget_tokens: Optional[int] = None,
+    tokens_per_step: Optional[int] = None,
     eval_fn: Optional[Callable[[Any], Any]] = None,
     eval_every_steps: Optional[int] = None,
+    eval_every_tokens: Optional[int] = None,
     seed: int = 0,
-    workdir: Optional[str] = None,
-    runtime: Any = "simulated",
-    *,
+    runtime: Optional[factories.RuntimeFactory] = None,
+    workdir: Union[None, str, Workdir] = None,
     checkpoint_every: int = 10,
+    outer_options: Optional[Mapping[str, Any]] = None,
+    lookahead_dispatch: Optional[bool] = None,
+    reset_optimizer: Optional[bool] = None,
+    grace_window: float = 0.0,
+    dylu: bool = False,
+    jitter: float = 0.0,
+    comm: clock.CommModel = clock.CommModel(),
+    metrics_fetch_every: int = 16,
+    rejection_limit: Optional[int] = None,
+    deterministic: Optional[bool] = None,
+    palsgd_coins: str = "shared",
+    palsgd_warmup_steps: Optional[int] = None,
     on_row: Optional[Callable[[Row], None]] = None,
-    **options: Any,
-) -> SimulationResult:
+    handle_signals: bool = False,
+) -> RunResult:
   """Trains ``params`` with ``method`` on K heterogeneous workers.
 
   Args:
     loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``, differentiable in params.
-    params: the initial θ (any pytree of arrays).
+    params: the initial θ (any pytree of floating-point arrays).
     data: K per-worker iterables of batches (pytrees of arrays); worker i
       reads ``data[i]``, one batch per inner step. Re-iterables (lists,
       grain datasets) or iterators with ``get_state``/``set_state`` resume
@@ -186,7 +292,10 @@ def simulate(
       diloco, palsgd, async_nesterov, delayed_nesterov, mla, heloco.
     outer_tx: the outer rule, any optax transform of pseudo-gradients
       (e.g. ``optax.chain(optax.clip_by_global_norm(1.0), hj.heloco(...))``);
-      None: the method's (docs/ALGORITHMS.md defaults, ρ = 1/√K).
+      None: the method's (docs/ALGORITHMS.md defaults, ρ = 1/√K). It replaces
+      the whole rule, ρ included: for an asynchronous method it must hold an
+      arrival weight (``hj.scale_by_arrival_weight`` or one of the
+      asynchronous rules), and for heloco a ``hj.heloco`` state.
     inner_tx: the workers' optimizer, any optax transform; None: the
       method's AdamW with warm-up + cosine schedule (``hj.inner_adamw``).
       PALSGD needs ``hj.palsgd_inner(...)``.
@@ -196,25 +305,43 @@ def simulate(
     budget_steps: stop before the applied local steps of all workers
       together pass this (the HeLoCo authors' budget).
     budget_sim_seconds: stop before the simulated clock passes this.
+    budget_tokens: with ``tokens_per_step``: the budget in tokens.
+    tokens_per_step: the tokens of one worker's inner step (e.g. batch ×
+      context): budgets, evaluations, rows and the summary count tokens.
     eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}``; evaluated at
       the start, every ``eval_every_steps`` and at the end.
     eval_every_steps: local steps between evaluations.
+    eval_every_tokens: with ``tokens_per_step``: tokens between evaluations.
     seed: PRNG seed (dispatch keys, PALSGD's coins, the clock's jitter).
-    workdir: a directory to checkpoint to every ``checkpoint_every`` outer
-      updates and to resume from: the same call resumes exactly.
-    runtime: "simulated" (deterministic; bit for bit reproducible), or a
-      factory ``inner_loop -> runtime`` such as ``hj.devices_runtime(...)``.
+    runtime: None or ``hj.simulated_runtime()`` (deterministic: bit for bit
+      reproducible), ``hj.devices_runtime(...)`` or ``hj.ray_runtime(...)``.
+    workdir: a directory (or ``hj.Workdir``) to checkpoint to every
+      ``checkpoint_every`` outer updates and to resume from: the same call
+      resumes exactly, and ``history`` is then the whole run's.
     checkpoint_every: outer updates between checkpoints (with ``workdir``).
+    outer_options: keyword options of the method's own outer rule (with
+      ``outer_tx`` None), e.g. ``{"learning_rate": 0.5}``; the keys each method
+      takes are ``heloco_jax.methods.METHODS[method].outer_keys``.
+    lookahead_dispatch: None (the method's default), True or False (mla).
+    reset_optimizer: a fresh inner optimizer state at every dispatch; None:
+      the method's default (True but for PALSGD). The worker's step count and
+      the step counts of the schedules in ``inner_tx``'s state are kept.
+    grace_window: simulated seconds within which arrivals are combined.
+    dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
+    jitter: relative per-step jitter of the simulated clock, in [0, 1).
+    comm: message and all-reduce costs (``hj.CommModel``).
+    metrics_fetch_every: arrival rows whose device scalars are fetched together.
+    rejection_limit: non-finite pseudo-gradients in a row that stop the run;
+      None: K (at least 2).
+    deterministic: None: True on a simulated clock; on a GPU, True needs
+      XLA's deterministic ops (``hj.enable_deterministic_ops``).
+    palsgd_coins: "shared" (all workers pseudo-sync on the same steps, as the
+      authors' code) or "independent".
+    palsgd_warmup_steps: DDP steps before PALSGD's rounds; None: H.
     on_row: called with every history row as it is emitted (progress).
-    **options: ``lookahead_dispatch``, ``reset_optimizer``, ``outer_options``
-      (the method's outer keywords, e.g. ``{"learning_rate": 0.5}``),
-      ``grace_window``, ``dylu``, ``jitter``, ``comm`` (``hj.CommModel``),
-      ``metrics_fetch_every``, ``rejection_limit`` (non-finite pseudo-gradients
-      in a row that stop the run; 0 = K, at least 2) and ``deterministic``
-      (None: True for the simulated runtime; on a GPU, True needs XLA's
-      deterministic ops, see ``hj.enable_deterministic_ops``) and ``palsgd_coins``
-      ("shared", the default: all workers pseudo-sync on the same steps, as the
-      authors' code; or "independent").
+    handle_signals: SIGTERM and Ctrl-C stop the run at the next outer update,
+      after a checkpoint (with ``workdir``), raising ``hj.Stopped``; the same
+      call then resumes it.
 
   Returns:
     ``SimulationResult(params, history, summary)``.
@@ -226,39 +353,31 @@ def simulate(
     hj.DeterminismError: ``deterministic`` on a GPU whose backend started
       without XLA's deterministic ops.
     hj.WorkdirError: ``workdir`` holds a finished run or another run.
+    hj.Stopped: ``handle_signals`` and a signal stopped the run.
   """
   engine_lib.require_no_event_loop(
       "hj.simulate()", "`engine = hj.make_engine(...)`, `summary = await engine.run()`, "
       "`engine.rows` and `engine.params`")
-  engine = make_engine(loss_fn, params, data, method, outer_tx, inner_tx, inner_steps, speeds,
-                       budget_steps, budget_sim_seconds, eval_fn, eval_every_steps, seed,
-                       runtime, checkpoint_every=checkpoint_every if workdir else 0, **options)
-  directory = None
+  options = {name: value for name, value in locals().items()
+             if name not in ("loss_fn", "params", "data", "on_row", "handle_signals")}
+  engine = make_engine(loss_fn, params, data, **options)
   try:
-    if workdir is not None:
-      directory = workdir_lib.RunDirectory(workdir, _spec_json(engine, options),
-                                           engine.spec.checkpoint_every, flag="workdir")
-      for note in directory.restore(engine)[1]:  # fallbacks, a lock taken over, ...
-        warnings.warn(f"workdir={workdir!r}: {note.removeprefix('warning: ')}", stacklevel=2)
-
-    def record(row: Row) -> None:
-      if directory is not None:
-        directory.write_row(row)
-      if on_row is not None:
-        on_row(row)
-
-    summary = asyncio.run(engine.run(
-        record, directory.on_checkpoint if directory is not None else None))
-    if directory is not None:
-      directory.finish(summary)
-    return SimulationResult(jax.device_get(engine.params), engine.rows, summary)
+    with engine_lib.stop_on_signals(engine) if handle_signals else _nothing():
+      summary = asyncio.run(engine.run(on_row))
+    return RunResult(jax.device_get(engine.params), engine.rows, summary)
   finally:
-    if directory is not None:
-      directory.close()
     engine.close()
 
 
-def _spec_json(engine: engine_lib.Engine, options: dict[str, Any]) -> str:
+class _nothing:  # pylint: disable=invalid-name
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
   """The run's settings as JSON (a workdir's config.json): what a resume must match."""
   spec = dataclasses.asdict(engine.spec)
   spec["method"] = engine.spec.method.name
@@ -266,44 +385,6 @@ def _spec_json(engine: engine_lib.Engine, options: dict[str, Any]) -> str:
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
                   else engine.spec.comm.bandwidth,
                   "ddp_overlap": engine.spec.comm.ddp_overlap}
-  spec["options"] = options  # JSON as far as it goes; other values by their repr
+  spec["options"] = settings  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"
-
-
-RuntimeFactory = Callable[[inner_lib.InnerLoop, state_lib.RunSpec], Any]
-
-
-def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = "",
-                    server: int = 0, slowdown: Union[str, Sequence[float]] = ""
-                    ) -> RuntimeFactory:
-  """``runtime=`` for ``simulate``: each worker on its own group of ``jax.devices()``.
-
-  Args:
-    batch_size: the leading size of every batch (split over a group's devices).
-    group_sizes: "" (the devices split evenly) or K group sizes.
-    server: index into ``jax.devices()`` of the device holding θ and the outer step.
-    slowdown: "" or K factors >= 1 (worker i's result arrives after f_i × its compute).
-  """
-  from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
-
-  def make(inner: inner_lib.InnerLoop, spec: state_lib.RunSpec) -> Any:
-    groups = devices.group_devices(spec.num_workers, batch_size, group_sizes, server, slowdown,
-                                   synchronous=spec.method.synchrony == "round")
-    return devices.DeviceRuntime(inner, groups)
-  return make
-
-
-def ray_runtime(**options: Any) -> RuntimeFactory:
-  """``runtime=`` for ``simulate``: a parameter-server actor and one actor per worker.
-
-  Args:
-    **options: the fields of ``heloco_jax.runtime.ray.RayOptions`` (address,
-      num_cpus, cpus_per_worker, gpus_per_worker, server_gpus, slowdown, ...).
-  """
-  from heloco_jax.runtime import ray  # pylint: disable=g-import-not-at-top
-  ray_options = ray.RayOptions(**options)
-
-  def make(inner: inner_lib.InnerLoop, spec: state_lib.RunSpec) -> Any:
-    return ray.RayRuntime(inner, spec.num_workers, ray_options)
-  return make

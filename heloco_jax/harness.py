@@ -1,17 +1,17 @@
-"""The CLI's defaults around the engine: TinyGPT, the byte-level data, the evaluator.
+"""The CLI's defaults around the engine: TinyGPT, the data, the evaluator, and its arguments.
 
-``Simulation(config)`` builds one run of a config of ``heloco_jax/configs``
-(docs/DESIGN.md, "Command line"): the model of ``config.model``, the data of
-``config.data`` (K grain iterators), the held-out evaluation, the method's
-inner and outer optimizers and the runtime of ``config.runtime``, and hands
-them to the engine (``heloco_jax.runtime.engine.Engine``), which knows none
-of them. Its budgets and rows count tokens (``batch_size`` × ``context`` per
-inner step).
+A run config of ``heloco_jax/configs`` (docs/DESIGN.md, "Command line")
+becomes ``hj.make_engine``'s arguments here: ``default_problem`` builds the
+model of ``config.model``, the data of ``config.data`` (K grain iterators)
+and the held-out evaluation, and ``engine_options`` the rest (the method's
+inner optimizer of ``config.inner``, its outer options of ``config.outer``,
+the runtime, budgets and cadence in tokens: ``batch_size`` × ``context`` per
+inner step). The engine knows none of them.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import functools
 import math
 import re
@@ -21,7 +21,7 @@ import ml_collections
 
 from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, methods
 from heloco_jax import model as model_lib
-from heloco_jax.runtime import devices as devices_lib, engine, simulated, state
+from heloco_jax.runtime import factories
 
 Row = dict[str, Any]
 
@@ -68,101 +68,92 @@ def make_dataset(config: ml_collections.ConfigDict) -> data_lib.Data:
     raise ValueError(message) from None
 
 
-def spec_from(config: ml_collections.ConfigDict) -> state.RunSpec:
-  """The engine's ``RunSpec`` of a run config (budgets and cadence in tokens)."""
-  fault = config.fault
-  return state.RunSpec(
-      method=methods.get(config.method), num_workers=config.num_workers,
-      inner_steps=config.inner_steps,
-      seconds_per_step=tuple(clock.seconds_per_step(config.speeds, config.num_workers)),
-      jitter=config.jitter,
-      comm=clock.CommModel(config.comm.latency, config.comm.bandwidth or math.inf,
-                           config.comm.ddp_overlap),
-      dylu=config.dylu, grace_window=config.grace_window,
-      palsgd_warmup_steps=config.palsgd_warmup_steps,
-      budget=state.Budget(config.budget.tokens, config.budget.sim_seconds),
-      eval_every=config.eval_every_tokens,
-      units_per_step=config.batch_size * config.model.context, unit="tokens",
-      checkpoint_every=config.checkpoint_every, metrics_fetch_every=config.metrics_fetch_every,
-      rejection_limit=config.rejection_limit, palsgd_coins=config.inner.palsgd_coins,
-      seed=config.seed,
-      fault=state.Fault(fault.worker, fault.arrival, fault.value, fault.kill_worker))
+def runtime_factory(config: ml_collections.ConfigDict) -> factories.RuntimeFactory:
+  """The ``runtime=`` of ``config.runtime`` with its ``devices.*`` / ``ray.*`` keys."""
+  def ray(c):
+    from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
+    return factories.ray_runtime(
+        address=c.ray.address, num_cpus=c.ray.num_cpus, cpus_per_worker=c.ray.cpus_per_worker,
+        gpus_per_worker=c.ray.gpus_per_worker, server_gpus=c.ray.server_gpus,
+        log_to_driver=c.ray.log_to_driver, max_restarts=c.ray.max_restarts,
+        slowdown=devices.slowdown_factors(c.devices.slowdown, c.num_workers),
+        batch_size=c.batch_size)
+  return {
+      "simulated": lambda c: factories.simulated_runtime(),
+      "devices": lambda c: factories.devices_runtime(
+          c.batch_size, c.devices.group_sizes, c.devices.server, c.devices.slowdown),
+      "ray": ray,
+  }[config.runtime](config)
 
 
-def make_inner_loop(config: ml_collections.ConfigDict, loss_fn: Callable[..., Any]
-                    ) -> inner_lib.InnerLoop:
-  """The workers' inner loop: the method's default inner optimizer from ``config.inner``."""
+@dataclasses.dataclass
+class Problem:
+  """The CLI's default problem: TinyGPT on ``config.data``, evaluated on its held-out set.
+
+  Attributes:
+    data: the dataset (languages, per-worker iterators, validation set).
+    loss_fn: TinyGPT's mean next-token loss.
+    params: the initial parameters.
+    eval_fn: the held-out evaluation (``val_loss`` and one per language).
+  """
+  data: data_lib.Data
+  loss_fn: Callable[..., Any]
+  params: Any
+  eval_fn: Callable[[Any], Any]
+
+
+def default_problem(config: ml_collections.ConfigDict,
+                    dataset: Optional[data_lib.Data] = None) -> Problem:
+  """TinyGPT of ``config.model`` on the data of ``config.data`` (or ``dataset``)."""
+  data = dataset or make_dataset(config)
+  graphdef, params = model_lib.init(model_lib.config_from(config.model, data.vocab_size),
+                                    config.seed)
+  evaluator = evaluate.Evaluator(functools.partial(model_lib.token_losses, graphdef),
+                                 data.validation_tokens, data.validation_language_ids,
+                                 data.languages)
+  return Problem(data, functools.partial(model_lib.loss, graphdef), params, evaluator.as_metrics)
+
+
+def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The keys of ``config.outer`` the method takes (``Method.outer_keys``); the others are
+  other methods' (unset keys: the method's defaults)."""
+  return {key: config.outer[key] for key in methods.get(config.method).outer_keys}
+
+
+def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``hj.make_engine``'s keyword arguments of a run config, budgets in tokens."""
   method = methods.get(config.method)
-  reset = (method.reset_optimizer if config.inner.reset_optimizer < 0
-           else bool(config.inner.reset_optimizer))
-  return inner_lib.InnerLoop(loss_fn, method.make_inner(inner_lib.config_from(config.inner)),
-                             reset)
+  return dict(
+      method=config.method,
+      inner_tx=method.make_inner(inner_lib.config_from(config.inner)),
+      inner_steps=config.inner_steps, speeds=config.speeds,
+      budget_tokens=config.budget.tokens or None,
+      budget_sim_seconds=config.budget.sim_seconds or None,
+      tokens_per_step=config.batch_size * config.model.context,
+      eval_every_tokens=config.eval_every_tokens or None, seed=config.seed,
+      runtime=runtime_factory(config), checkpoint_every=config.checkpoint_every,
+      outer_options=outer_options(config),
+      lookahead_dispatch=config.lookahead_dispatch,
+      reset_optimizer=config.inner.reset_optimizer,
+      grace_window=config.grace_window, dylu=config.dylu, jitter=config.jitter,
+      comm=clock.CommModel(config.comm.latency,
+                           math.inf if config.comm.bandwidth is None else config.comm.bandwidth,
+                           config.comm.ddp_overlap),
+      metrics_fetch_every=config.metrics_fetch_every,
+      rejection_limit=config.rejection_limit,
+      deterministic=config.deterministic,
+      palsgd_coins=config.inner.palsgd_coins,
+      palsgd_warmup_steps=config.palsgd_warmup_steps)
 
 
-def make_runtime(config: ml_collections.ConfigDict, inner: inner_lib.InnerLoop) -> Any:
-  """The runtime of ``config.runtime`` (its ``devices.*`` / ``ray.*`` keys)."""
-  if config.runtime == "devices":
-    groups = devices_lib.group_devices(
-        config.num_workers, config.batch_size, config.devices.group_sizes,
-        config.devices.server, config.devices.slowdown,
-        synchronous=methods.get(config.method).synchrony == "round")
-    return devices_lib.DeviceRuntime(inner, groups)
-  if config.runtime == "ray":
-    from heloco_jax.runtime import ray  # pylint: disable=g-import-not-at-top
-    options = ray.RayOptions(
-        address=config.ray.address, num_cpus=config.ray.num_cpus,
-        cpus_per_worker=config.ray.cpus_per_worker, gpus_per_worker=config.ray.gpus_per_worker,
-        server_gpus=config.ray.server_gpus, log_to_driver=config.ray.log_to_driver,
-        max_restarts=config.ray.max_restarts,
-        slowdown=devices_lib.slowdown_factors(config.devices.slowdown, config.num_workers),
-        batch_size=config.batch_size)
-    return ray.RayRuntime(inner, config.num_workers, options)
-  return simulated.SimulatedRuntime(inner)
-
-
-class Simulation(engine.Engine):
-  """One run of ``config`` (see ``heloco_jax/configs/default.py``).
-
-  Args:
-    config: the run's ``ml_collections.ConfigDict``.
-    dataset: a ``heloco_jax.data.Data`` to use instead of building one from
-      ``config.data`` (tests share one across runs).
-  """
-
-  def __init__(self, config: ml_collections.ConfigDict,
-               dataset: Optional[data_lib.Data] = None):
-    self.config = config
-    method = methods.get(config.method)
-    self.data = dataset or make_dataset(config)
-    graphdef, params = model_lib.init(
-        model_lib.config_from(config.model, self.data.vocab_size), config.seed)
-    evaluator = evaluate.Evaluator(functools.partial(model_lib.token_losses, graphdef),
-                                   self.data.validation_tokens,
-                                   self.data.validation_language_ids, self.data.languages)
-    inner = make_inner_loop(config, functools.partial(model_lib.loss, graphdef))
-    option = None if config.lookahead_dispatch < 0 else bool(config.lookahead_dispatch)
-    super().__init__(
-        spec_from(config), make_runtime(config, inner), params,
-        [self.data.worker_iterator(i) for i in range(config.num_workers)],
-        outer_tx=method.make_outer(config.num_workers, config.outer),
-        eval_fn=evaluator.as_metrics, lookahead=method.lookahead_dispatch(option),
-        arrival_weight=method.arrival_weight(config.num_workers, config.outer.weighting))
-
-
-def simulate(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
-             on_row: Optional[Callable[[Row], None]] = None) -> tuple[dict[str, Any], list[Row]]:
-  """Runs ``config``; returns (summary, metrics rows).
-
-  Inside a running event loop (a Jupyter kernel) ``asyncio.run`` is not
-  allowed: there, ``simulation = Simulation(config)``, ``summary = await
-  simulation.run()`` and ``simulation.rows`` do the same.
-  """
-  engine.require_no_event_loop(
-      "simulate()", "`simulation = Simulation(config); summary = await simulation.run()` and "
-      "`simulation.rows`")
-  simulation = Simulation(config, dataset)
-  try:
-    summary = asyncio.run(simulation.run(on_row))
-  finally:
-    simulation.close()
-  return summary, simulation.rows
+def make_engine(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
+                workdir: Any = None, **overrides: Any) -> tuple[Any, Problem]:
+  """(``hj.make_engine`` of ``config``'s default problem, the problem); ``overrides``
+  replace keyword arguments (e.g. a test's ``runtime``)."""
+  from heloco_jax import api  # pylint: disable=g-import-not-at-top
+  problem = default_problem(config, dataset)
+  options = {**engine_options(config), **overrides}
+  engine = api.make_engine(problem.loss_fn, problem.params,
+                           [problem.data.worker_iterator(i) for i in range(config.num_workers)],
+                           eval_fn=problem.eval_fn, workdir=workdir, **options)
+  return engine, problem

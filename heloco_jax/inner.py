@@ -267,14 +267,43 @@ def train_loss(metrics: InnerMetrics) -> jax.Array:
   return jnp.sum(jnp.where(real, metrics.loss, 0.0)) / jnp.maximum(jnp.sum(real), 1)
 
 
+# Optimizer states whose ``count`` is a schedule's step, not a statistic's: a reset keeps it.
+_SCHEDULE_STATES = (optax.ScaleByScheduleState, optax.InjectHyperparamsState,
+                    optax.InjectStatefulHyperparamsState)
+
+
+def _is_schedule_state(node: Any) -> bool:
+  return isinstance(node, _SCHEDULE_STATES)
+
+
+def keep_schedule_counts(fresh: Any, old: Any) -> Any:
+  """``fresh`` (a new ``inner_tx`` state) with the schedule step counts of ``old``.
+
+  A reset restarts the optimizer's statistics (Adam's moments and their bias
+  correction), not its learning-rate schedules: ``optax.adam(schedule)``'s
+  ``ScaleByScheduleState.count`` and ``optax.inject_hyperparams``' count
+  carry over, so that a warm-up is not redone at every dispatch (README,
+  "Inner optimizer state").
+  """
+  def keep(new, previous):
+    if not _is_schedule_state(new):
+      return new
+    if hasattr(new, "inner_state"):  # inject_hyperparams: schedules may sit inside too
+      new = new._replace(inner_state=keep_schedule_counts(new.inner_state,
+                                                          previous.inner_state))
+    return new._replace(count=previous.count)
+  return jax.tree.map(keep, fresh, old, is_leaf=_is_schedule_state)
+
+
 class InnerLoop:
   """H inner steps of ``loss_fn`` with ``inner_tx`` as one compiled call.
 
   Args:
     loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``.
     inner_tx: any optax transform (default: ``adamw()``).
-    reset_optimizer: start every dispatch with a fresh ``inner_tx`` state
-      (the step count is kept either way).
+    reset_optimizer: start every dispatch with a fresh ``inner_tx`` state.
+      The worker's step count and every schedule's step count in the state
+      (``keep_schedule_counts``) are kept either way.
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
@@ -299,12 +328,14 @@ class InnerLoop:
     params = jax.tree.map(jnp.array, params)  # jnp.array copies
     if previous is None:
       return InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
-    opt_state = self.tx.init(params) if self.reset_optimizer else previous.opt_state
+    opt_state = (keep_schedule_counts(self.tx.init(params), previous.opt_state)
+                 if self.reset_optimizer else previous.opt_state)
     return InnerState(params, opt_state, previous.step)
 
   def fresh_moments(self, state: InnerState) -> InnerState:
-    """``state`` with a fresh optimizer state (its step count kept): after a rejected Δ."""
-    return state._replace(opt_state=self.tx.init(state.params))
+    """``state`` with a fresh optimizer state (its step counts kept): after a rejected Δ."""
+    return state._replace(
+        opt_state=keep_schedule_counts(self.tx.init(state.params), state.opt_state))
 
   def _start_many(self, params: Any, previous: Optional[InnerState],
                   num_workers: int) -> InnerState:
@@ -319,7 +350,7 @@ class InnerLoop:
 
   def _reset_moments(self, states: InnerState, rejected: jax.Array) -> InnerState:
     """K stacked states with fresh optimizer states where ``rejected`` (bool, K); steps kept."""
-    fresh = jax.vmap(self.tx.init)(states.params)
+    fresh = keep_schedule_counts(jax.vmap(self.tx.init)(states.params), states.opt_state)
     def pick(new, old):
       return jnp.where(rejected.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
     return states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state))

@@ -56,6 +56,7 @@ class Method:
     reset_optimizer: the inner optimizer state is reset at every dispatch by
       default (PALSGD keeps it local).
     learning_rate: the default outer η.
+    outer_keys: the keyword options ``make_outer`` takes (``outer_options``).
   """
   name: str
   synchrony: str
@@ -64,6 +65,7 @@ class Method:
   inner: str = "plain"
   reset_optimizer: bool = True
   learning_rate: float = 0.7
+  outer_keys: tuple[str, ...] = ()
 
   def make_outer(self, num_workers: int, options: Mapping[str, Any] = None
                  ) -> Optional[optax.GradientTransformation]:
@@ -71,16 +73,26 @@ class Method:
 
     Args:
       num_workers: K (for ρ = 1/√K and DN's default buffer N = K).
-      options: keyword options, e.g. a config's ``outer`` section:
-        ``learning_rate`` (0 or absent: the method's default), ``momentum``,
-        ``weighting``, DN's ``buffer_size`` (0: K) and ``dn_c``, and HeLoCo's
-        ``HELOCO_OPTIONS``. Options the method does not use are ignored.
+      options: the method's keyword options (``outer_keys``):
+        ``learning_rate`` (None or absent: the method's default),
+        ``momentum``, ``weighting``, DN's ``buffer_size`` (None: K) and
+        ``dn_c``, and HeLoCo's ``HELOCO_OPTIONS``.
+
+    Raises:
+      ValueError: an option the method does not take (a typo, or another
+        method's), naming the ones it takes.
     """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(self.outer_keys))
+    if unknown:
+      allowed = ", ".join(self.outer_keys) or "none (it has no outer rule)"
+      raise ValueError(f"outer_options key {unknown[0]!r} is not allowed with method="
+                       f"{self.name!r}; allowed: {allowed}")
     if self.outer is None:
       return None
-    options = dict(options or {})
-    learning_rate = options.get("learning_rate") or self.learning_rate
-    return self.outer(learning_rate, num_workers, options)
+    learning_rate = options.get("learning_rate")
+    return self.outer(self.learning_rate if learning_rate is None else learning_rate,
+                      num_workers, options)
 
   def lookahead_dispatch(self, option: Optional[bool] = None) -> bool:
     """Whether workers start from the look-ahead point (``option`` None: the default).
@@ -98,12 +110,6 @@ class Method:
       raise ValueError(f"lookahead_dispatch=True is not allowed with method={self.name!r}; "
                        "allowed: methods with an MLA or HeLoCo momentum (mla, heloco)")
     return bool(option)
-
-  def arrival_weight(self, num_workers: int, weighting: str = "constant"
-                     ) -> Callable[[int], float]:
-    """ρ(τ) of the method's rule, for combining a grace window's arrivals."""
-    return lambda tau: float(outer.arrival_weight(tau, num_workers=num_workers,
-                                                  weighting=weighting))
 
   def make_inner(self, config: inner_lib.InnerConfig) -> optax.GradientTransformation:
     """The default inner optimizer: AdamW, or PALSGD's variant of it."""
@@ -129,7 +135,8 @@ def _nesterov(learning_rate, num_workers, options):
 def _delayed_nesterov(learning_rate, num_workers, options):
   kwargs = _async(options, num_workers)
   return outer.delayed_nesterov(learning_rate, kwargs.pop("momentum"),
-                                buffer_size=options.get("buffer_size") or num_workers,
+                                buffer_size=(num_workers if options.get("buffer_size") is None
+                                             else options["buffer_size"]),
                                 c=options.get("dn_c", 0.0), **kwargs)
 
 
@@ -139,16 +146,24 @@ def _heloco(learning_rate, num_workers, options):
   return outer.heloco(learning_rate, kwargs.pop("momentum"), **kwargs)
 
 
+_ASYNC_KEYS = ("learning_rate", "momentum", "weighting")
+_SYNC_KEYS = ("learning_rate", "momentum")
+
 METHODS: dict[str, Method] = {m.name: m for m in [
     Method("ddp", "step", None),
     Method("local_sgd", "round", lambda lr, k, o: optax.sgd(1.0), learning_rate=1.0),
-    Method("diloco", "round", _nesterov),
-    Method("palsgd", "round", _nesterov, inner="palsgd", reset_optimizer=False),
+    Method("diloco", "round", _nesterov, outer_keys=_SYNC_KEYS),
+    Method("palsgd", "round", _nesterov, inner="palsgd", reset_optimizer=False,
+           outer_keys=_SYNC_KEYS),
     Method("async_nesterov", "async",
-           lambda lr, k, o: outer.async_nesterov(lr, **_async(o, k)), learning_rate=0.07),
-    Method("delayed_nesterov", "async", _delayed_nesterov, learning_rate=0.07),
-    Method("mla", "async", lambda lr, k, o: outer.mla(lr, **_async(o, k)), lookahead="option"),
-    Method("heloco", "async", _heloco, lookahead="always"),
+           lambda lr, k, o: outer.async_nesterov(lr, **_async(o, k)), learning_rate=0.07,
+           outer_keys=_ASYNC_KEYS),
+    Method("delayed_nesterov", "async", _delayed_nesterov, learning_rate=0.07,
+           outer_keys=_ASYNC_KEYS + ("buffer_size", "dn_c")),
+    Method("mla", "async", lambda lr, k, o: outer.mla(lr, **_async(o, k)), lookahead="option",
+           outer_keys=_ASYNC_KEYS),
+    Method("heloco", "async", _heloco, lookahead="always",
+           outer_keys=_ASYNC_KEYS + HELOCO_OPTIONS),
 ]}
 
 

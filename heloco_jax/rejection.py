@@ -3,7 +3,7 @@
 Every runtime and both loops (asynchronous arrivals, synchronous rounds) ask
 ``reasons`` which pseudo-gradients to reject; a rejected worker restarts with
 a fresh inner optimizer state (its step count kept). ``poison`` injects such
-a pseudo-gradient for the fault tests (``fault.*`` keys).
+a pseudo-gradient for the fault tests (``tests/faults.py``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from heloco_jax import outer
+from heloco_jax.outer import weighting as weighting_lib
 from heloco_jax.outer import lookahead as lookahead_lib
 from heloco_jax import rejection
 
@@ -113,14 +114,11 @@ class OuterServer:
       (DDP).
     params: the initial θ (copied: the outer step donates the server's buffers).
     lookahead: dispatch from θ − η·μ·m (needs an MLA or HeLoCo state in the chain).
-    arrival_weight: ρ(τ) of the rule, to combine a grace window's arrivals
-      (default: ρ constant, a plain mean).
     place: puts a pytree where the server computes (default: leaves it).
   """
 
   def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
                lookahead: bool = False,
-               arrival_weight: Optional[Callable[[int], float]] = None,
                place: Callable[[Any], Any] = lambda tree: tree):
     self._place = place
     self.outer_tx = outer_tx
@@ -135,7 +133,8 @@ class OuterServer:
     if lookahead and self._lookahead_state is None:
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
-    self._arrival_weight = arrival_weight or (lambda tau: 1.0)
+    # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
+    self._arrival_weight = weighting_lib.arrival_weighting(self.outer_state)
     self._step = jit_outer_step(outer_tx) if outer_tx is not None else None
     self._heloco_state = _getter(self.outer_state, (outer.HeLoCoState,), "heloco_diagnostics")
     self._momentum_state = None if self._heloco_state is not None else _getter(
@@ -166,7 +165,7 @@ class OuterServer:
     self.params, self.outer_state = self._step(self.params, self.outer_state, delta,
                                                jnp.int32(staleness))
 
-  def update(self, taus: list[int], poisons: list[Optional[str]], *deltas: Any,
+  def update(self, taus: list[int], *deltas: Any,
              fetch: bool = True) -> list[Row]:
     """One arrival group: at most one outer update.
 
@@ -176,7 +175,6 @@ class OuterServer:
 
     Args:
       taus: each arrival's staleness τ.
-      poisons: per arrival, None or "nan"/"inf" (fault injection, tests).
       *deltas: the arrivals' pseudo-gradients.
       fetch: return the diagnostics as Python numbers (default).
 
@@ -187,7 +185,6 @@ class OuterServer:
       update. The update happens iff some reason is None; several applied
       arrivals are combined as Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j.
     """
-    deltas = [d if p is None else rejection.poison(d, p) for d, p in zip(deltas, poisons)]
     results = [{"reason": reason} for reason in rejection.screen(deltas)]
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
     if not applied:
@@ -236,7 +233,7 @@ class OuterServer:
       raise KeyError(f"arrive(worker={worker}): that worker was not dispatched; call "
                      "dispatch(worker) first")
     tau = self.version - self._dispatched.pop(worker)
-    result = self.update([tau], [None], delta)[0]
+    result = self.update([tau], delta)[0]
     reason = result.pop("reason")
     return {"worker": worker, "staleness": tau, "applied": reason is None, "reason": reason,
             "version": self.version, **result}

@@ -44,10 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
-import threading
 import time
+import warnings
 from typing import Optional, Sequence
 
 from absl import flags
@@ -76,8 +75,45 @@ def _parse(argv: list[str]):
       "compilation_cache", None, "JAX's persistent compilation cache directory; '' turns it "
       f"off (default: $JAX_COMPILATION_CACHE_DIR, else {default_cache_dir()}).",
       flag_values=flag_values)
-  flag_values(full_argv)
+  rest = flag_values(full_argv)[1:]
+  if rest:
+    raise ValueError(f"unexpected argument {rest[0]!r}; allowed: flags only, each starting "
+                     f"with -- (e.g. --{rest[0].lstrip('-')})")
   return workdir.value, config.value, allow.value, cache.value
+
+
+def _check_config_file(argv: Sequence[str]) -> None:
+  """A ``--config=PATH`` that does not load, or whose ``get_config()`` fails or returns no
+  ``ConfigDict``, as one line (ValueError) instead of a traceback."""
+  paths = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+  if not paths:
+    return
+  path = paths[-1]
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(path):
+    raise ValueError(f"--config={path!r}: no such file; allowed: a Python file with "
+                     "get_config()")
+  try:
+    spec = importlib.util.spec_from_file_location("heloco_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  except Exception as error:  # pylint: disable=broad-except  (the user's file)
+    first = (str(error).strip().splitlines() or [""])[0]
+    raise ValueError(f"--config={path!r} does not load: {type(error).__name__}: "
+                     f"{first}") from None
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"--config={path!r} has no get_config(); allowed: a Python file whose "
+                     "get_config() returns an ml_collections.ConfigDict")
+  try:
+    value = module.get_config()
+  except Exception as error:  # pylint: disable=broad-except
+    first = (str(error).strip().splitlines() or [""])[0]
+    raise ValueError(f"--config={path!r}: get_config() raised {type(error).__name__}: "
+                     f"{first}") from None
+  if not isinstance(value, ml_collections.ConfigDict):
+    raise ValueError(f"--config={path!r}: get_config() returned a {type(value).__name__}; "
+                     "allowed: an ml_collections.ConfigDict")
 
 
 def default_cache_dir() -> str:
@@ -93,13 +129,58 @@ def use_compilation_cache(path: str) -> None:
 
   JAX's persistent compilation cache: every program is stored (also the small
   ones, which add up to seconds), keyed by the program, the JAX version and
-  the device.
+  the device. A link in its place or among its files is refused (``LinkError``):
+  JAX writes there, and must not write through a link.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  from heloco_jax import safe_files  # pylint: disable=g-import-not-at-top
   if not path:
     return
+  if os.path.lexists(path):
+    safe_files.refuse_links_below(path)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class _TolerantStderr:
+  """stderr that a reader who closed it (``heloco-jax train ... 2>&1 | head -1``) cannot
+  break: the first failed write sends the rest to /dev/null, and the run goes on."""
+
+  def __init__(self, stream):
+    self._stream, self.broken = stream, False
+
+  def write(self, text: str) -> int:
+    try:
+      return self._stream.write(text)
+    except OSError:  # BrokenPipeError, EPIPE
+      self._break()
+      return len(text)
+
+  def flush(self) -> None:
+    try:
+      self._stream.flush()
+    except OSError:
+      self._break()
+
+  def _break(self) -> None:
+    if not self.broken:
+      self.broken = True
+      try:  # later writes by anyone (tqdm, warnings, the interpreter at exit) go nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+      except (OSError, ValueError, AttributeError):
+        pass
+      self._stream = open(os.devnull, "w")  # pylint: disable=consider-using-with
+
+  def isatty(self) -> bool:
+    try:
+      return self._stream.isatty()
+    except (OSError, ValueError):
+      return False
+
+  def __getattr__(self, name: str):
+    return getattr(self._stream, name)
 
 
 def _error(message: str) -> int:
@@ -169,12 +250,24 @@ class ProgressLines:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
+  stderr = sys.stderr
+  sys.stderr = _TolerantStderr(stderr)
+  try:
+    return _main(list(sys.argv[1:] if argv is None else argv))
+  finally:
+    sys.stderr = stderr
+
+
+def _main(argv: list[str]) -> int:
   if any(arg in ("-h", "--help", "--helpfull", "help") for arg in argv):
     from heloco_jax.configs import default, help as config_help  # pylint: disable=g-import-not-at-top
     print(f"{USAGE}\n\n{__doc__.strip()}\n\nconfig keys (--config.KEY=VALUE):\n"
           f"{config_help.describe(default.get_config())}")
     return 0
+  try:
+    _check_config_file(argv)
+  except ValueError as error:
+    return _error(str(error))
   try:
     workdir, config, allow_config_change, compilation_cache = _parse(argv)
   except (KeyError, AttributeError) as error:  # an override of a key the config lacks
@@ -190,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # Validation before any work (and before importing JAX-heavy modules).
   from heloco_jax import checkpoint, determinism, harness, rejection  # pylint: disable=g-import-not-at-top
   from heloco_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  from heloco_jax.runtime import engine  # pylint: disable=g-import-not-at-top
+  from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
   from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
   try:
@@ -203,45 +296,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except RuntimeError as error:  # jax.distributed could not reach the coordinator
     return _error(f"config.distributed.coordinator={config.distributed.coordinator!r}: "
                   f"{str(error).splitlines()[0]}")
-  use_compilation_cache(default_cache_dir() if compilation_cache is None else compilation_cache)
+  try:
+    use_compilation_cache(default_cache_dir() if compilation_cache is None
+                          else compilation_cache)
+  except ValueError as error:  # safe_files.LinkError
+    return _error(f"--compilation_cache: {error}")
   if config.distributed.coordinator:
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_index() > 0:  # process 0 writes the workdir
       workdir = os.path.join(workdir, f"process_{jax.process_index()}")
-  seconds = "simulated s" if config.runtime == "simulated" else "real s"
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  from heloco_jax import api  # pylint: disable=g-import-not-at-top
+  directory = api.Workdir(workdir, keep_checkpoints=config.keep_checkpoints,
+                          allow_config_change=allow_config_change, config_json=config_json,
+                          flag="--workdir")
   try:  # the data first: a config it refuses leaves no trace in the workdir
-    simulation = harness.Simulation(config)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      engine, problem = harness.make_engine(config, workdir=directory)
+  except (workdir_lib.WorkdirError, checkpoint.CheckpointError) as error:
+    return _error(str(error))
+  except ConnectionError as error:  # e.g. runtime=ray with an unreachable ray.address
+    return _error(f"config.runtime={config.runtime!r}: cannot connect: "
+                  f"{(str(error).strip().splitlines() or [type(error).__name__])[0]}")
+  except OSError as error:
+    return _error(f"cannot resume: {error.strerror or error}")
   except ValueError as error:  # e.g. a corpus too small for the validation set
     return _error(str(error).splitlines()[0])
-  try:
-    directory = workdir_lib.RunDirectory(workdir, config_json, config.checkpoint_every,
-                                         config.keep_checkpoints, allow_config_change)
-  except workdir_lib.WorkdirError as error:
-    simulation.close()
-    return _error(str(error))
-  try:
-    step, notes = directory.restore(simulation)
-  except (checkpoint.CheckpointError, workdir_lib.WorkdirError, OSError) as error:
-    directory.close()
-    simulation.close()
-    if isinstance(error, OSError):
-      return _error(f"cannot resume: {error.strerror or error}")
-    return _error(str(error))
-  for note in notes:
+  for note in engine.workdir_notes:
     print(f"heloco-jax train: {note}", file=sys.stderr)
-  if step is not None:
-    print(f"heloco-jax train: resuming from checkpoint {step} ({simulation.units} "
-          f"tokens, {simulation.sim_time:.0f} {seconds})", file=sys.stderr)
-  where = simulation.runtime.describe()
-  if config.runtime == "simulated":
+  for warning in caught:  # anything else a library warned about while building
+    if not str(warning.message).startswith("--workdir="):
+      warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+  seconds = "simulated s" if engine.clock.simulated else "real s"
+  if engine.resumed_from is not None:
+    print(f"heloco-jax train: resuming from checkpoint {engine.resumed_from} ({engine.units} "
+          f"tokens, {engine.sim_time:.0f} {seconds})", file=sys.stderr)
+  where = engine.runtime.describe()
+  if engine.clock.simulated:
     where += f" ({config.speeds if isinstance(config.speeds, str) else 'custom'} speeds)"
   print(f"heloco-jax train: {config.method} on {config.num_workers} {where}, "
-        f"{simulation.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
-        f"{config.data.partition} ({', '.join(simulation.data.languages)}); writing {workdir}",
+        f"{engine.num_params / 1e6:.2f}M parameters, data {config.data.source}/"
+        f"{config.data.partition} ({', '.join(problem.data.languages)}); writing {workdir}",
         file=sys.stderr)
   from heloco_jax import writers  # pylint: disable=g-import-not-at-top
-  extra = writers.for_workdir(writers.parse(config.writers), workdir)
+  extra = writers.for_workdir(writers.parse(config.writers), workdir, engine.rows)
   bar = None if config.quiet else _progress(config.budget.tokens)
   lines = (ProgressLines(config.budget.tokens, config.budget.sim_seconds)
            if bar is None and not config.quiet else None)
@@ -249,60 +348,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   def on_row(row):
     nonlocal last_loss
-    directory.write_row(row)
     if extra is not None:
       extra(row)
     if row["event"] == "eval":
       last_loss = row["val_loss"]
     if lines is not None:
-      lines.update(simulation.units, simulation.sim_time, last_loss, row["event"] == "eval")
+      lines.update(engine.units, engine.sim_time, last_loss, row["event"] == "eval")
     if bar is not None:
-      bar.n = simulation.units
-      bar.set_postfix(sim_time=f"{simulation.sim_time:.0f}s", val_loss=f"{last_loss:.3f}",
+      bar.n = engine.units
+      bar.set_postfix(sim_time=f"{engine.sim_time:.0f}s", val_loss=f"{last_loss:.3f}",
                       refresh=False)
       bar.refresh()
 
-  def stop_at_the_next_boundary(signum, frame):
-    del frame
-    if simulation.stop_requested and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C: at once, from the last checkpoint
-    simulation.request_stop(signal.Signals(signum).name)
-  handlers = {}
-  if threading.current_thread() is threading.main_thread():  # where Python runs handlers
-    handlers = {signum: signal.signal(signum, stop_at_the_next_boundary)
-                for signum in (signal.SIGTERM, signal.SIGINT)}
   try:
-    summary = asyncio.run(simulation.run(on_row, directory.on_checkpoint))
-    directory.finish(summary)
-  except engine.BudgetError as error:
+    with engine_lib.stop_on_signals(engine):
+      summary = asyncio.run(engine.run(on_row))
+  except engine_lib.BudgetError as error:
     return _error(str(error))
-  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt, engine.Stopped,
-          rejection.DivergenceError) as error:
-    keep = directory.last_checkpoint()
-    if isinstance(error, engine.Stopped) and error.reason == "SIGTERM":
+  except (OSError, checkpoint.CheckpointError, KeyboardInterrupt, engine_lib.Stopped,
+          rejection.DivergenceError, workdir_lib.WorkdirError, RuntimeError) as error:
+    keep = engine.directory.last_checkpoint()
+    if isinstance(error, engine_lib.Stopped) and error.reason == "SIGTERM":
       print(f"heloco-jax train: stopped by SIGTERM (preemption) at the end of an arrival; "
             f"{keep}", file=sys.stderr)
       return 143
-    if isinstance(error, (KeyboardInterrupt, engine.Stopped)):
+    if isinstance(error, (KeyboardInterrupt, engine_lib.Stopped)):
       print(f"heloco-jax train: interrupted; {keep}", file=sys.stderr)
       return 130
-    if isinstance(error, rejection.DivergenceError):
-      message = f"the run stopped: {error}; {keep}"
-    elif isinstance(error, checkpoint.CheckpointError):
+    if isinstance(error, (checkpoint.CheckpointError, workdir_lib.WorkdirError)):
       message = str(error)
+    elif isinstance(error, (rejection.DivergenceError, RuntimeError)):
+      message = f"the run stopped: {error}; {keep}"
     else:
       message = f"cannot write to --workdir={workdir!r}: {error.strerror or error}; {keep}"
     print(f"heloco-jax train: {message}", file=sys.stderr)
     return 1
   finally:
-    for signum, handler in handlers.items():
-      signal.signal(signum, handler)
     if bar is not None:
       bar.close()
-    if extra is not None:
-      extra.close()
-    directory.close()
-    simulation.close()
+    try:  # a full disk or EPERM already reported above must not raise a second time here
+      if extra is not None:
+        extra.close()
+    except OSError:
+      pass
+    engine.close()
   rejected = (f" ({summary['rejected_tokens']} of them rejected: {summary['rejected']} "
               "non-finite pseudo-gradients)" if summary["rejected"] else "")
   print(f"heloco-jax train: done: {summary['tokens']} tokens{rejected}, "

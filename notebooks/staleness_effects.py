@@ -105,8 +105,15 @@ if FAST:  # same code paths, tiny sizes: the test suite runs this in seconds
 # %% [markdown]
 # ## Set-up
 #
-# Configs are built from the quickstart config (`heloco_jax/configs/default.py`) and validated
-# before anything runs, so a bad knob fails at once with a message naming it. JAX's persistent
+# Every run is built by `hj.make_engine`, the library's one way to build an engine (the command
+# line builds its runs there too). Its settings come from a run config: the quickstart config
+# (`heloco_jax/configs/default.py`) with this notebook's knobs, validated before anything runs,
+# so a bad knob fails at once with a message naming it. `harness.default_problem` turns the
+# config into the command line's problem (TinyGPT, the per-worker data, the held-out
+# evaluation) and `harness.engine_options` into `hj.make_engine`'s keyword arguments (`method`,
+# `inner_tx`, `inner_steps`, `speeds`, `budget_tokens`, `tokens_per_step`, `eval_every_tokens`,
+# `seed`, `jitter`, ...); your own model, loss and data go to `hj.make_engine` the same way
+# (see the README). JAX's persistent
 # compilation cache (in the temporary directory, unless `JAX_COMPILATION_CACHE_DIR` is set) lets
 # runs of the same shapes reuse compiled programs, so re-running after changing speeds, skew or
 # method is faster than the first time.
@@ -120,6 +127,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
+import heloco_jax as hj
 from heloco_jax import clock, data, harness
 from heloco_jax.configs import default, validation
 from heloco_jax.methods import METHODS as REGISTRY
@@ -155,7 +163,8 @@ def make_config(method: str, seed: int):
 
 
 def make_dataset(c):
-  """The data a Simulation of `c` would build; shared by the runs of one seed."""
+  """The data of `c` (`harness.default_problem` would build it); shared by the runs of one
+  seed."""
   return data.make_data(
       source=c.data.source, partition=c.data.partition, dirichlet_alpha=c.data.dirichlet_alpha,
       num_workers=c.num_workers, context=c.model.context, batch_size=c.batch_size,
@@ -179,8 +188,11 @@ print(f"{len(configs)} runs: methods {METHODS}, seeds {SEEDS}; K = {NUM_WORKERS}
 #
 # One line per run: a dot per validation point while it runs, then the validation loss before
 # and after, the outer updates, the simulated seconds and the wall time. The first run compiles
-# the model and is the slowest. (`harness.simulate` calls `asyncio.run`, which cannot run inside
-# Jupyter's own event loop, so the cell awaits `Simulation.run` directly.)
+# the model and is the slowest. A run is `engine = hj.make_engine(loss_fn, params, data, ...)`,
+# then `summary = await engine.run(on_row)`; `engine.rows` holds its metrics rows (the kinds
+# and keys of rows: `docs/DESIGN.md`, "metrics.jsonl") and `engine.params` the final
+# parameters. (`hj.simulate` does the same in one call, but it calls `asyncio.run`, which cannot
+# run inside Jupyter's own event loop, so the cell awaits `engine.run` directly.)
 
 # %%
 def show_progress(row):
@@ -198,11 +210,18 @@ for method in METHODS:
       datasets[seed] = make_dataset(config)
     print(f"{method:<16} seed {seed} ", end="", flush=True)
     start = time.perf_counter()
-    simulation = harness.Simulation(config, dataset=datasets[seed])
-    summary = await simulation.run(on_row=show_progress)
+    problem = harness.default_problem(config, datasets[seed])  # TinyGPT, data, evaluation
+    engine = hj.make_engine(
+        problem.loss_fn, problem.params,
+        [problem.data.worker_iterator(i) for i in range(NUM_WORKERS)],  # one stream per worker
+        eval_fn=problem.eval_fn, **harness.engine_options(config))
+    try:
+      summary = await engine.run(on_row=show_progress)
+    finally:
+      engine.close()
     wall = time.perf_counter() - start
     results.append({"method": method, "seed": seed, "summary": summary,
-                    "rows": simulation.rows, "wall": wall})
+                    "rows": engine.rows, "wall": wall})
     print(f" val_loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
           f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} simulated s, "
           f"{wall:.1f} s wall")

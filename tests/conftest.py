@@ -1,7 +1,7 @@
 """Test-session settings, for this process and the subprocesses tests start.
 
 * One persistent XLA compilation cache for the whole run: many tests build
-  fresh jitted functions for identical programs (a new ``Simulation`` or
+  fresh jitted functions for identical programs (a new engine or
   ``InnerLoop`` per test); the cache compiles each once per session.
 * On a GPU (docs/DESIGN.md, "Determinism"): XLA's deterministic ops, so that
   replays are bit-exact; matmuls at full float32 precision (not TF32), so

@@ -19,17 +19,20 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import tiny  # pylint: disable=g-import-not-at-top
-from heloco_jax import harness as scheduler  # pylint: disable=g-import-not-at-top
+from heloco_jax import harness  # pylint: disable=g-import-not-at-top
 from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
 
 
 def run(config):
   validation.validate(config)
-  simulation = scheduler.Simulation(config, tiny.dataset(config.num_workers))
-  summary = asyncio.run(simulation.run())
-  params = [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(simulation.params))]
-  devices = sorted({d.id for x in jax.tree.leaves(simulation.params) for d in x.devices()})
-  return {"summary": summary, "rows": simulation.rows, "params": params,
+  engine, _ = harness.make_engine(config, tiny.dataset(config.num_workers))  # the CLI's engine
+  try:
+    summary = asyncio.run(engine.run())
+    params = [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(engine.params))]
+    devices = sorted({d.id for x in jax.tree.leaves(engine.params) for d in x.devices()})
+  finally:
+    engine.close()
+  return {"summary": summary, "rows": engine.rows, "params": params,
           "param_devices": devices}
 
 

@@ -217,14 +217,25 @@ def test_palsgd_inner_with_p_zero_is_the_plain_step_and_pulls_toward_the_anchor(
 
 
 def test_every_runtime_implements_the_protocol():
-  loop = hj.make_engine(_loss, _params(), [Stream(0)], "mla", speeds=[1.0],
-                        budget_steps=10).runtime
-  assert isinstance(loop, simulated.SimulatedRuntime) and isinstance(loop, base.Runtime)
+  engine = hj.make_engine(_loss, _params(), [Stream(0)], method="mla", inner_steps=4,
+                          speeds=[1.0], budget_steps=12)
+  runtime = engine.runtime
+  assert isinstance(runtime, base.Runtime)
+  assert isinstance(runtime.executor, simulated.LocalExecutor)
+  assert isinstance(runtime.executor, base.RoundExecutor)  # runs every synchrony
+  assert runtime.executor.synchronies == base.SYNCHRONIES
+  assert isinstance(engine.clock, base.SimulatedClock)
   from heloco_jax.runtime import devices, ray  # pylint: disable=g-import-not-at-top
-  for cls in (devices.DeviceRuntime, ray.RayRuntime):
-    missing = [name for name in dir(base.Runtime)
-               if not name.startswith("_") and not hasattr(cls, name)]
-    assert not missing, (cls, missing)
+  # The executors' classes define the protocol's methods (their attributes are set per run).
+  for cls, protocol in ((simulated.LocalExecutor, base.RoundExecutor),
+                        (devices.DeviceExecutor, base.RoundExecutor),
+                        (ray.RayExecutor, base.Executor)):
+    methods_ = {name for klass in protocol.__mro__ if klass.__module__ == base.__name__
+                for name, value in vars(klass).items()
+                if callable(value) and not name.startswith("_")}
+    missing = [name for name in sorted(methods_) if not hasattr(cls, name)]
+    assert methods_ and not missing, (cls, missing)
+  assert ray.RayExecutor.synchronies == frozenset({"async"})
 
 
 DEVICES_SCRIPT = """
@@ -283,7 +294,7 @@ def test_inside_an_event_loop_simulate_says_to_await_the_engine():
     asyncio.run(inside())
 
   async def awaited():
-    engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], "mla",
+    engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], method="mla",
                             inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
                             budget_steps=120, eval_fn=_eval)
     return await engine.run(), engine.params
@@ -310,7 +321,7 @@ def test_a_workdir_holding_another_run_is_refused_naming_the_keys(tmp_path):
 
 
 def test_a_requested_stop_ends_the_run_at_the_next_boundary():
-  engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], "heloco",
+  engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], method="heloco",
                           inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
                           budget_steps=120)
   from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top

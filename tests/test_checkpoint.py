@@ -1,5 +1,6 @@
 """Checkpoints: packing, orbax round trips, fallback past corrupt steps, failed writes, and
-exact resume of every method from a mid-run checkpoint (in-process)."""
+exact resume of every method from a mid-run checkpoint (in-process: the checkpoints of a
+workdir run, restored into the CLI's engine, ``harness.make_engine``)."""
 
 import asyncio
 import errno
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from heloco_jax import checkpoint, harness as scheduler, inner
+import heloco_jax as hj
+from heloco_jax import checkpoint, harness, inner
 
 import tiny
 
@@ -152,22 +154,42 @@ def _config(method, **overrides):
                                 **overrides})
 
 
-def _run(config, ckpt, restore_step=None):
-  """(summary without wall-clock fields, rows, {step: rows emitted by then})."""
-  simulation = scheduler.Simulation(config, _dataset(config.num_workers))
-  if restore_step is not None:
-    _, arrays, meta = ckpt.restore(simulation.state_template, step=restore_step)
-    simulation.load_state(arrays, meta)
-  rows_at = {}
+def _engine(config, workdir=None):
+  """The CLI's engine of ``config`` (``harness.make_engine``) on the tiny data."""
+  return harness.make_engine(config, _dataset(config.num_workers), workdir=workdir)[0]
 
-  def on_checkpoint(sim):
-    arrays, meta = sim.checkpoint_state()
-    rows_at[sim.version] = len(sim.rows)
-    ckpt.save(sim.version, arrays, meta)
-  summary = asyncio.run(simulation.run(on_checkpoint=on_checkpoint))
+
+def _checkpoints(workdir):
+  return checkpoint.Checkpointer(str(workdir / "checkpoints"), keep=100)
+
+
+def _finish(engine):
+  """(summary without wall-clock fields, rows) of running ``engine`` to its end."""
+  try:
+    summary = asyncio.run(engine.run())
+  finally:
+    engine.close()
   for key in ("wall_seconds", "tokens_per_second"):
     summary.pop(key)
-  return summary, simulation.rows, rows_at
+  return summary, engine.rows
+
+
+def _run(config, workdir):
+  """The uninterrupted run, checkpointing every 2 outer updates to ``workdir`` (all kept)."""
+  return _finish(_engine(config, hj.Workdir(str(workdir), keep_checkpoints=100)))
+
+
+def _resume(config, workdir, step):
+  """(summary, rows emitted after the checkpoint, its meta) of a run restored in-process from
+  ``workdir``'s checkpoint ``step`` (an engine without a workdir: the rows are this part's)."""
+  engine = _engine(config)
+  ckpt = _checkpoints(workdir)
+  try:
+    _, arrays, meta = ckpt.restore(engine.state_template, step=step)
+  finally:
+    ckpt.close()
+  engine.load_state(arrays, meta)
+  return (*_finish(engine), meta)
 
 
 @pytest.mark.parametrize("method,overrides", [
@@ -184,46 +206,46 @@ def _run(config, ckpt, restore_step=None):
 def test_resuming_any_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(
     tmp_path, method, overrides):
   config = _config(method, **overrides)
-  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), keep=100)
-  summary, rows, rows_at = _run(config, ckpt)
+  summary, rows = _run(config, tmp_path)
+  ckpt = _checkpoints(tmp_path)
   steps = ckpt.steps()
+  ckpt.close()
   assert len(steps) >= 4, steps
   # One half way (for PALSGD also the first, in the warm-up, to cover both phases).
   phases = set()
   for step in ([steps[0]] if method == "palsgd" else []) + [steps[len(steps) // 2]]:
-    resumed = scheduler.Simulation(config, _dataset(config.num_workers))
-    _, arrays, meta = ckpt.restore(resumed.state_template, step=step)
+    resumed_summary, resumed_rows, meta = _resume(config, tmp_path, step)
     phases.add(meta["phase"])
-    resumed_summary, resumed_rows, _ = _run(config, ckpt, restore_step=step)
     assert resumed_summary == summary
-    assert resumed_rows == rows[rows_at[step]:]
+    assert resumed_rows == rows[meta["metrics"]["rows"]:]
   if method == "palsgd":
     assert phases == {"ddp", "rounds"}
 
 
 def test_a_checkpoint_from_another_model_is_refused(tmp_path):
-  config = _config("mla")
-  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), keep=100)
-  _run(config, ckpt)
-  bigger = scheduler.Simulation(_config("mla", **{"model.d_model": 64}), _dataset(3))
+  _run(_config("mla"), tmp_path)
+  bigger = _engine(_config("mla", **{"model.d_model": 64}))
+  ckpt = _checkpoints(tmp_path)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     with pytest.raises(checkpoint.CheckpointError, match="other shapes than this run's"):
       ckpt.restore(bigger.state_template)
+  ckpt.close()
 
 
 def test_a_checkpoint_from_before_train_losses_were_kept_still_resumes(tmp_path):
   config = _config("heloco")
-  ckpt = checkpoint.Checkpointer(str(tmp_path / "c"), keep=100)
-  _, rows, rows_at = _run(config, ckpt)
+  _, rows = _run(config, tmp_path)
+  ckpt = _checkpoints(tmp_path)
   step = ckpt.steps()[len(ckpt.steps()) // 2]
-  resumed = scheduler.Simulation(config, _dataset(config.num_workers))
+  resumed = _engine(config)
   _, arrays, meta = ckpt.restore(resumed.state_template, step=step)
+  ckpt.close()
   assert all(isinstance(entry[4], float) for entry in meta["jobs"])
   meta["jobs"] = [entry[:4] for entry in meta["jobs"]]  # the layout before train losses
   resumed.load_state(arrays, meta)
-  asyncio.run(resumed.run())
+  _, resumed_rows = _finish(resumed)
   without_loss = lambda rs: [{k: v for k, v in r.items() if k != "train_loss"} for r in rs]
-  assert without_loss(resumed.rows) == without_loss(rows[rows_at[step]:])
-  missing = [r for r in resumed.rows if r["event"] == "arrival" and "train_loss" not in r]
+  assert without_loss(resumed_rows) == without_loss(rows[meta["metrics"]["rows"]:])
+  missing = [r for r in resumed_rows if r["event"] == "arrival" and "train_loss" not in r]
   assert 0 < len(missing) <= len(meta["jobs"])  # only the jobs in flight at the checkpoint

@@ -1,18 +1,11 @@
-"""`heloco-jax train --help`: every config key with its default and allowed values.
-
-``heloco_jax.configs.help.describe`` lists the keys; the allowed values come
-from ``heloco_jax.configs.validation`` (``CHOICES`` are the tuples its checks
-use, ``ALLOWED`` the words), and the probes below check that the words say
-what ``validate`` enforces.
-"""
+"""The config's one table (``heloco_jax/configs/schema.py``): `--help`, the defaults and the
+checks all come from it, and a value its rule refuses fails validation in its words."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from heloco_jax.configs import default, help as config_help, validation
+from heloco_jax.configs import default, help as config_help, schema, validation
 from heloco_jax.methods import METHODS
 
 DEFAULT = default.get_config()
@@ -39,7 +32,10 @@ def _set(config, key, value):
   config[last] = value
 
 
-def test_the_default_config_has_the_keys_the_contract_names():
+def test_the_default_config_is_the_table_and_has_the_keys_the_contract_names():
+  assert KEYS == sorted(key.name for key in schema.KEYS) == sorted(schema.BY_NAME)
+  for key in schema.KEYS:
+    assert _get(DEFAULT, key.name) == key.default, key.name
   # docs/DESIGN.md, "Command line": keys that must exist.
   for key in ["method", "seed", "num_workers", "inner_steps", "speeds", "data.source",
               "data.partition", "budget.tokens", "budget.sim_seconds", "eval_every_tokens",
@@ -48,15 +44,39 @@ def test_the_default_config_has_the_keys_the_contract_names():
     assert key in KEYS, key
 
 
+def test_the_default_config_is_valid():
+  validation.validate(default.get_config())
+
+
 @pytest.mark.parametrize("key", KEYS)
 def test_every_key_is_listed_with_its_default_allowed_values_and_meaning(key):
   line = _line(key)
   shown = config_help._show(_get(DEFAULT, key))  # pylint: disable=protected-access
   assert line.split()[1] == shown.split()[0], line
-  assert key in validation.ALLOWED, f"add config.{key} to validation.ALLOWED"
-  assert validation.ALLOWED[key] in line
-  assert key in config_help.MEANINGS, f"add config.{key} to help.MEANINGS"
-  assert config_help.MEANINGS[key] in TEXT
+  assert schema.BY_NAME[key].check.allowed in line
+  assert schema.BY_NAME[key].meaning in TEXT
+
+
+def test_defaults_that_defer_to_a_method_or_other_keys_are_placeholders_not_codes():
+  deferred = ["lookahead_dispatch", "deterministic", "inner.reset_optimizer",
+              "outer.learning_rate", "outer.buffer_size", "palsgd_warmup_steps",
+              "rejection_limit", "ray.num_cpus", "ray.cpus_per_worker", "comm.bandwidth"]
+  for name in deferred:
+    assert _get(DEFAULT, name) is None and schema.BY_NAME[name].type is not None, name
+    assert "unset" in _line(name)
+  for key in schema.KEYS:
+    assert key.default != -1, key.name
+    assert "-1:" not in key.meaning and "= the method's default" not in key.meaning
+
+
+def test_a_placeholder_takes_a_value_of_its_type_on_the_command_line():
+  config = default.get_config()
+  config.lookahead_dispatch = True
+  config.outer.learning_rate = 0.5
+  config.method = "mla"
+  validation.validate(config)
+  with pytest.raises(TypeError):
+    config.inner.reset_optimizer = 0  # not a bool: no -1/0/1 codes
 
 
 def test_allowed_methods_and_presets_are_listed():
@@ -73,7 +93,7 @@ def test_allowed_methods_and_presets_are_listed():
 def test_sections_group_the_keys():
   titles = [line for line in TEXT.splitlines() if line and not line.startswith(" ")]
   assert [t.split(":")[0] for t in titles] == ["run", "budget", "model", "data", "inner",
-                                               "outer", "fault", "devices", "distributed",
+                                               "outer", "devices", "distributed",
                                                "ray", "comm"]
   assert TEXT.index("\n  outer.keep_threshold ") > TEXT.index("\nouter:")
 
@@ -84,52 +104,37 @@ def test_unknown_keys_are_listed_with_their_type():
   assert "True or False" in config_help.describe(config).split("extra_flag", 1)[1]
 
 
-# Probes: a value that breaks the stated rule must fail validation naming the key
-# and saying the same thing.
+# Probes: for each key, a value of its type that its rule refuses must fail validation naming
+# the key and saying what the table says.
 
-_CONTEXT = {  # keys that are only checked in some settings
-    "distributed.num_processes": {"method": "diloco", "runtime": "devices",
-                                  "checkpoint_every": 0,
-                                  "distributed.coordinator": "127.0.0.1:12355"},
-}
+_CANDIDATES = (-1, -1.5, 2**40, 1.5, "not-a-choice")
 
 
-def _probe(key: str):
-  """A value violating ``ALLOWED[key]``, and the words the error must contain."""
-  words = re.split(r" \(|; ", validation.ALLOWED[key])[0]
-  if key in validation.CHOICES:
-    return ("not-a-choice" if isinstance(validation.CHOICES[key][0], str) else 7), None
-  match = (re.fullmatch(r"an integer >= (-?\d+)", words)
-           or re.fullmatch(r"a number >=? (-?[\d.]+)", words)
-           or re.fullmatch(r"a number in [\[(](-?[\d.]+), .*[\])]", words))
-  if not match:
-    return None, None
-  below = float(match.group(1)) - 1  # just outside the lower bound
-  return (int(below) if isinstance(_get(DEFAULT, key), int) else below), words
+def _probe(key: schema.Key):
+  for value in _CANDIDATES:
+    config = default.get_config()
+    try:
+      _set(config, key.name, value)
+    except (TypeError, ValueError):
+      continue  # not of the key's type
+    if not key.check(_get(config, key.name)):
+      return value
+  return None
 
 
-_PROBED = [key for key in KEYS if _probe(key)[0] is not None]
+_PROBED = [key for key in schema.KEYS if _probe(key) is not None]
 
 
 def test_most_keys_are_probed():
-  assert len(_PROBED) >= 50, _PROBED
+  assert len(_PROBED) >= 50, [key.name for key in _PROBED]
 
 
-@pytest.mark.parametrize("key", _PROBED)
-def test_allowed_text_matches_validate(key):
-  value, words = _probe(key)
+@pytest.mark.parametrize("key", _PROBED, ids=[key.name for key in _PROBED])
+def test_validate_refuses_what_the_table_refuses_in_its_words(key):
   config = default.get_config()
-  for context_key, context_value in _CONTEXT.get(key, {}).items():
-    _set(config, context_key, context_value)
-  if key.startswith("ray."):
-    config.runtime = "ray"
-  _set(config, key, value)
+  _set(config, key.name, _probe(key))
   with pytest.raises(validation.ConfigError) as error:
     validation.validate(config)
   message = str(error.value)
-  assert message.startswith(f"config.{key}="), message
-  if words:
-    assert f"allowed: {words}" in message, message
-  else:  # a choice: every allowed value is named
-    for choice in validation.CHOICES[key]:
-      assert str(choice) in message, message
+  assert message.startswith(f"config.{key.name}="), message
+  assert f"allowed: {key.check.allowed}" in message, message

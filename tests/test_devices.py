@@ -61,7 +61,8 @@ def test_config_validation_checks_the_devices_of_this_process():
     validation.validate(tiny.config("heloco", 3, runtime="devices", **{"budget.tokens": 100}))
   if jax.device_count() == 1:
     validation.validate(tiny.config("heloco", 1, runtime="devices", **{"budget.tokens": 100}))
-  with pytest.raises(validation.ConfigError, match="'simulated', 'devices' or 'ray'"):
+  with pytest.raises(validation.ConfigError, match="config.runtime='tpu' is not allowed; "
+                                                   "allowed: one of: simulated, devices, ray"):
     validation.validate(tiny.config("heloco", 1, runtime="tpu", **{"budget.tokens": 100}))
 
 

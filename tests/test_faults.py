@@ -1,16 +1,16 @@
 """Faults: a pseudo-gradient with a NaN or Inf is rejected before the outer rule.
 
-The scheduler's ``fault`` switch poisons one element of a worker's n-th
-pseudo-gradient (async) or of its end params in its n-th round (sync). The
-server must emit a ``rejected`` row, leave θ and the outer state untouched,
-not count an outer update or a staleness, re-dispatch the worker with fresh
-AdamW moments (its step count kept), still count the tokens, and keep
-training. Runs use the small model of ``test_scheduler``.
+``faulty`` (tests/faults.py: a runtime whose executor the tests wrap) puts a
+NaN or Inf into one element of a worker's n-th pseudo-gradient (async) or of
+its end params in its n-th round (sync). The server must emit a ``rejected``
+row, leave θ and the outer state untouched, not count an outer update or a
+staleness, re-dispatch the worker with fresh AdamW moments (its step count
+kept), still count the tokens, and keep training. Runs use the small model of
+``tiny``, on the CLI's engine (``harness.make_engine``).
 """
 
 import asyncio
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,11 @@ import numpy as np
 import optax
 import pytest
 
-from heloco_jax import harness as scheduler, rejection
-from heloco_jax.configs.validation import ConfigError, validate
+from heloco_jax import harness, rejection
+from heloco_jax.configs.validation import validate
 
 import tiny
+from faults import faulty
 
 H, BATCH, CONTEXT = tiny.H, tiny.BATCH, tiny.CONTEXT
 DISPATCH_TOKENS = H * BATCH * CONTEXT  # one worker's H inner steps
@@ -72,12 +73,17 @@ def _all_finite(tree) -> bool:
 
 
 class _Traced:
-  """A run whose rows each come with a snapshot of θ, the outer state and the workers."""
+  """A run whose rows each come with a snapshot of θ, the outer state and the workers.
 
-  def __init__(self, config, dataset=None):
+  ``fault``: ``faulty``'s arguments (worker, arrival, value), or None for a clean run.
+  """
+
+  def __init__(self, config, dataset=None, fault=None):
     config.metrics_fetch_every = 1  # each row is handed on as it happens, with its snapshot
     validate(config)
-    self.sim = scheduler.Simulation(config, dataset or _dataset(config.num_workers))
+    overrides = {} if fault is None else {"runtime": faulty(**fault)}
+    self.sim, _ = harness.make_engine(config, dataset or _dataset(config.num_workers),
+                                      **overrides)
     self.snapshots = []
 
     def on_row(row):
@@ -88,7 +94,10 @@ class _Traced:
       self.snapshots.append({"params": _copy(sim.params), "outer_state": _copy(sim.outer_state),
                              "workers": _copy(workers)})
 
-    self.summary = asyncio.run(self.sim.run(on_row))
+    try:
+      self.summary = asyncio.run(self.sim.run(on_row))
+    finally:
+      self.sim.close()
     self.rows = self.sim.rows
     assert len(self.rows) == len(self.snapshots)
 
@@ -109,9 +118,9 @@ ASYNC_EVENTS = 18  # arrivals processed (applied or rejected) within the token b
 @functools.lru_cache(maxsize=None)
 def _heloco_nan():
   # Worker 1 arrives at t = 3, 6, 9, ...; its 2nd arrival (t = 6) is poisoned.
-  return _Traced(_config("heloco", 3, speeds=SPEEDS, **{
-      "budget.tokens": ASYNC_EVENTS * DISPATCH_TOKENS,
-      "fault.worker": 1, "fault.arrival": 2, "fault.value": "nan"}))
+  return _Traced(_config("heloco", 3, speeds=SPEEDS,
+                        **{"budget.tokens": ASYNC_EVENTS * DISPATCH_TOKENS}),
+                 fault=dict(worker=1, arrival=2, value="nan"))
 
 
 def _check_async_rejection(run, reason):
@@ -168,8 +177,8 @@ def test_heloco_rejects_a_nan_pseudo_gradient_and_keeps_learning():
 def test_async_nesterov_rejects_inf_and_resets_the_workers_adam_moments():
   # reset_optimizer=0 keeps AdamW moments across dispatches, so a reset is visible.
   run = _Traced(_config("async_nesterov", 3, speeds=SPEEDS, **{
-      "budget.tokens": ASYNC_EVENTS * DISPATCH_TOKENS, "inner.reset_optimizer": 0,
-      "fault.worker": 1, "fault.arrival": 2, "fault.value": "inf"}))
+      "budget.tokens": ASYNC_EVENTS * DISPATCH_TOKENS, "inner.reset_optimizer": False}),
+                fault=dict(worker=1, arrival=2, value="inf"))
   _check_async_rejection(run, "inf")
   _learned(run.summary, margin=0.3)  # measured: 5.55 → 4.76
 
@@ -185,28 +194,29 @@ def test_async_nesterov_rejects_inf_and_resets_the_workers_adam_moments():
 
 
 def test_rows_before_the_fault_equal_those_of_a_clean_run():
-  faulty = _heloco_nan()
-  r = faulty.index("rejected")[0]
+  poisoned = _heloco_nan()
+  r = poisoned.index("rejected")[0]
   # A clean run of the same config; a shorter budget only cuts what follows the fault.
   clean = _Traced(_config("heloco", 3, speeds=SPEEDS, **{
       "budget.tokens": (r + 2) * DISPATCH_TOKENS}))
   assert clean.index("rejected") == []
-  assert clean.rows[:r] == faulty.rows[:r]
+  assert clean.rows[:r] == poisoned.rows[:r]
   for i in range(r):
-    assert _identical(clean.snapshots[i]["params"], faulty.snapshots[i]["params"])
-    assert _identical(clean.snapshots[i]["outer_state"], faulty.snapshots[i]["outer_state"])
-  # Where the faulty run rejected, the clean run applied that same arrival.
+    assert _identical(clean.snapshots[i]["params"], poisoned.snapshots[i]["params"])
+    assert _identical(clean.snapshots[i]["outer_state"], poisoned.snapshots[i]["outer_state"])
+  # Where the poisoned run rejected, the clean run applied that same arrival.
   twin = clean.rows[r]
   assert twin["event"] == "arrival" and twin["worker"] == 1
-  assert twin["sim_time"] == faulty.rows[r]["sim_time"]
-  assert twin["staleness"] == faulty.rows[r]["staleness"]
-  assert twin["outer_updates"] == faulty.rows[r]["outer_updates"] + 1
+  assert twin["sim_time"] == poisoned.rows[r]["sim_time"]
+  assert twin["staleness"] == poisoned.rows[r]["staleness"]
+  assert twin["outer_updates"] == poisoned.rows[r]["outer_updates"] + 1
 
 
 def test_grace_window_applies_the_others_when_one_arrival_is_rejected():
   # All three arrive at t = 2 and form one group; worker 1's pseudo-gradient is bad.
-  run = _Traced(_config("heloco", 3, speeds=[1.0, 1.0, 1.0], grace_window=0.5, **{
-      "budget.sim_seconds": 2.0, "fault.worker": 1, "fault.arrival": 1, "fault.value": "nan"}))
+  run = _Traced(_config("heloco", 3, speeds=[1.0, 1.0, 1.0], grace_window=0.5,
+                        **{"budget.sim_seconds": 2.0}),
+                fault=dict(worker=1, arrival=1, value="nan"))
   events = [(row["event"], row.get("worker"), row["outer_updates"]) for row in run.rows]
   assert events[1:-1] == [("rejected", 1, 0), ("arrival", 0, 1), ("arrival", 2, 1)]
   assert run.summary["outer_updates"] == 1
@@ -222,9 +232,9 @@ ROUND_TOKENS = 3 * DISPATCH_TOKENS  # three workers' H steps
 
 def test_diloco_round_applies_the_other_workers_mean():
   rounds = 4
-  run = _Traced(_config("diloco", 3, eval_every_tokens=ROUND_TOKENS, **{
-      "budget.tokens": rounds * ROUND_TOKENS,
-      "fault.worker": 2, "fault.arrival": 3, "fault.value": "nan"}))
+  run = _Traced(_config("diloco", 3, eval_every_tokens=ROUND_TOKENS,
+                        **{"budget.tokens": rounds * ROUND_TOKENS}),
+                fault=dict(worker=2, arrival=3, value="nan"))
   rows, summary = run.rows, run.summary
   rejected = run.index("rejected")
   assert len(rejected) == 1
@@ -254,9 +264,9 @@ def test_diloco_round_applies_the_other_workers_mean():
 
 
 def test_local_sgd_round_is_the_mean_of_the_accepted_workers_only():
-  run = _Traced(_config("local_sgd", 3, eval_every_tokens=ROUND_TOKENS, **{
-      "budget.tokens": 2 * ROUND_TOKENS,
-      "fault.worker": 1, "fault.arrival": 2, "fault.value": "inf"}))
+  run = _Traced(_config("local_sgd", 3, eval_every_tokens=ROUND_TOKENS,
+                        **{"budget.tokens": 2 * ROUND_TOKENS}),
+                fault=dict(worker=1, arrival=2, value="inf"))
   r = run.index("rejected")[0]
   assert (run.rows[r]["worker"], run.rows[r]["reason"], run.rows[r]["outer_updates"]) == (
       1, "inf", 1)
@@ -279,10 +289,10 @@ def test_local_sgd_round_is_the_mean_of_the_accepted_workers_only():
 
 def test_single_worker_diloco_skips_the_update_of_a_rejected_round():
   rounds = 4
-  run = _Traced(_config("diloco", 1, eval_every_tokens=DISPATCH_TOKENS, **{
-      "budget.tokens": rounds * DISPATCH_TOKENS,
-      "fault.worker": 0, "fault.arrival": 2, "fault.value": "nan"}),
-      dataset=_dataset(3))  # worker 0's shard; shares the evaluator's program with the others
+  run = _Traced(_config("diloco", 1, eval_every_tokens=DISPATCH_TOKENS,
+                        **{"budget.tokens": rounds * DISPATCH_TOKENS}),
+                # worker 0's shard; shares the evaluator's program with the others
+                dataset=_dataset(3), fault=dict(worker=0, arrival=2, value="nan"))
   rows = run.rows
   r = run.index("rejected")[0]
   assert (rows[r]["worker"], rows[r]["reason"], rows[r]["staleness"],
@@ -305,9 +315,9 @@ def test_single_worker_diloco_skips_the_update_of_a_rejected_round():
 
 def test_palsgd_rejects_a_fault_after_its_ddp_warmup():
   # An eval row after every round (PALSGD rounds read fewer tokens than H steps).
-  run = _Traced(_config("palsgd", 3, eval_every_tokens=1, **{
-      "budget.tokens": 5 * ROUND_TOKENS,
-      "fault.worker": 0, "fault.arrival": 1, "fault.value": "nan"}))
+  run = _Traced(_config("palsgd", 3, eval_every_tokens=1,
+                        **{"budget.tokens": 5 * ROUND_TOKENS}),
+                fault=dict(worker=0, arrival=1, value="nan"))
   rows = run.rows
   rejected = run.index("rejected")
   assert len(rejected) == 1
@@ -375,32 +385,3 @@ def test_poison_changes_one_element_of_one_slice():
   assert np.isposinf(np.asarray(single["a"])[0, 0])
   assert np.isfinite(np.asarray(single["a"])).sum() == 5
   np.testing.assert_array_equal(single["b"], _tree()["b"])
-
-
-# --------------------------------------------------------------- validation
-
-def _valid(method="diloco", **overrides):
-  return _config(method, 3, **{"budget.tokens": 1000, **overrides})
-
-
-def test_valid_fault_settings_pass():
-  validate(_valid())
-  validate(_valid(**{"fault.worker": 2, "fault.arrival": 5, "fault.value": "inf"}))
-  validate(_valid("heloco", **{"fault.worker": 0}))
-  validate(_valid("ddp"))  # DDP with the switch off
-
-
-@pytest.mark.parametrize("key, value", [
-    ("fault.worker", 3), ("fault.worker", 7), ("fault.worker", -2),
-    ("fault.arrival", 0), ("fault.arrival", -1),
-    ("fault.value", "zero"), ("fault.value", "NaN"),
-])
-def test_bad_fault_values_are_refused(key, value):
-  with pytest.raises(ConfigError, match=re.escape(f"config.{key}={value!r}")):
-    validate(_valid(**{key: value}))
-
-
-def test_ddp_refuses_a_fault():
-  with pytest.raises(ConfigError, match=re.escape("config.fault.worker=0")) as error:
-    validate(_valid("ddp", **{"fault.worker": 0}))
-  assert "DDP" in str(error.value) and "pseudo-gradient" in str(error.value)

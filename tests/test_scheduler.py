@@ -1,4 +1,7 @@
-"""The simulated scheduler: exact schedules, sync rounds, identities, budgets, determinism."""
+"""The simulated engine: exact schedules, sync rounds, identities, budgets, determinism.
+
+Runs go through the engine the CLI builds (``harness.make_engine``, ``tiny.simulate``).
+"""
 
 
 import asyncio
@@ -11,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from heloco_jax import harness as scheduler, server
+from heloco_jax import harness, server
 from heloco_jax.runtime import simulated
 
 import tiny
@@ -21,7 +24,7 @@ _dataset, _config = tiny.dataset, tiny.config
 
 
 def _run(config, partition="non_iid"):
-  return scheduler.simulate(config, _dataset(config.num_workers, partition))
+  return tiny.simulate(config, _dataset(config.num_workers, partition))
 
 
 def test_hand_built_three_worker_schedule():
@@ -58,7 +61,7 @@ def test_sync_round_lasts_as_long_as_the_slowest_worker_plus_allreduce():
                                                           "comm.bandwidth": 1e6})
   config.budget.tokens = 3 * (3 * 2 * 4 * 16)  # three rounds
   summary, _ = _run(config)
-  num_bytes = sum(x.nbytes for x in jax.tree.leaves(scheduler.Simulation(
+  num_bytes = sum(x.nbytes for x in jax.tree.leaves(harness.default_problem(
       config, _dataset(3)).params))
   allreduce = 0.5 + 2 * 2 / 3 * num_bytes / 1e6
   assert summary["outer_updates"] == 3
@@ -75,7 +78,7 @@ def test_local_sgd_equals_diloco_with_unit_rate_and_no_momentum():
 
 
 def test_palsgd_with_p_zero_equals_diloco():
-  common = {"budget.tokens": 4 * 3 * 2 * 4 * 16, "inner.reset_optimizer": 0}
+  common = {"budget.tokens": 4 * 3 * 2 * 4 * 16, "inner.reset_optimizer": False}
   palsgd, _ = _run(_config("palsgd", palsgd_warmup_steps=0, **common,
                            **{"inner.pseudo_sync_prob": 0.0}))
   diloco, _ = _run(_config("diloco", **common))
@@ -95,13 +98,13 @@ def test_palsgd_pseudo_sync_steps_read_no_tokens():
 def test_palsgd_coins_shared_means_every_worker_pseudo_syncs_on_the_same_steps(
     coins, monkeypatch):
   patterns = []
-  run_round = simulated.SimulatedRuntime.run_round
+  run_round = simulated.LocalExecutor.run_round
 
   def recording(self, *args):
     states, metrics = run_round(self, *args)
     patterns.append(np.asarray(metrics.pseudo_sync))  # (K, H)
     return states, metrics
-  monkeypatch.setattr(simulated.SimulatedRuntime, "run_round", recording)
+  monkeypatch.setattr(simulated.LocalExecutor, "run_round", recording)
   summary, _ = _run(_config("palsgd", palsgd_warmup_steps=0, inner_steps=8,
                             speeds="homogeneous", **{"budget.sim_seconds": 40.0,
                                                      "inner.pseudo_sync_prob": 0.4,
@@ -166,7 +169,7 @@ def test_rows_fetched_in_batches_equal_rows_fetched_one_by_one():
   config = _config("heloco", speeds="mixed", num_workers=4, **{"budget.tokens": 9 * 2 * 4 * 16})
   config.metrics_fetch_every = 4
   handed_on = []
-  summary, batched = scheduler.simulate(config, _dataset(4), on_row=handed_on.append)
+  summary, batched = tiny.simulate(config, _dataset(4), on_row=handed_on.append)
   config.metrics_fetch_every = 1
   _, one_by_one = _run(config)
   assert summary["outer_updates"] == 9 and batched == one_by_one == handed_on
@@ -180,12 +183,12 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   config = _config("heloco", speeds="severe", num_workers=8, jitter=0.2,
                    **{"budget.tokens": 6 * 2 * 4 * 16})
   runs = []
-  real_run_worker = simulated.SimulatedRuntime.run_worker
+  real_run_worker = simulated.LocalExecutor.run_worker
 
   def counting_run_worker(self, *args, **kwargs):
     runs.append(args[0])
     return real_run_worker(self, *args, **kwargs)
-  monkeypatch.setattr(simulated.SimulatedRuntime, "run_worker", counting_run_worker)
+  monkeypatch.setattr(simulated.LocalExecutor, "run_worker", counting_run_worker)
   summary, lazy_rows = _run(config)
   arrivals = sum(r["event"] == "arrival" for r in lazy_rows)
   assert arrivals == 6 and summary["outer_updates"] == 6
@@ -193,15 +196,16 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   # which the budget discards (the next arrival runs ahead only within the budget).
   assert len(runs) == arrivals < 8 + arrivals
 
-  # Eager: state() at every row computes all work in flight, as computing at dispatch does.
+  # Eager: checkpoint_state() at every row computes all work in flight, as computing at
+  # dispatch does.
   runs.clear()
-  simulation = scheduler.Simulation(config, _dataset(config.num_workers))
+  engine, _ = harness.make_engine(config, _dataset(config.num_workers))
   def force(row):
-    if simulation.state.workers is not None:
-      simulation.checkpoint_state()
-  asyncio.run(simulation.run(force))
+    if engine.state.workers is not None:
+      engine.checkpoint_state()
+  asyncio.run(engine.run(force))
   assert len(runs) == 8 + arrivals
-  assert simulation.rows == lazy_rows
+  assert engine.rows == lazy_rows
 
 
 TWO_DEVICES = """
@@ -211,13 +215,14 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, {tests!r})
 import asyncio, jax, numpy as np, tiny
 from heloco_jax import harness
-from heloco_jax.runtime import simulated
 config = tiny.config("heloco", 3, jitter=0.2, **{{"budget.tokens": 3000, "eval_every_tokens": 1000}})
-sim = harness.Simulation(config, tiny.dataset(3))
-asyncio.run(sim.run())
-where = sorted({{d.id for w in sim.state.workers for x in jax.tree.leaves(w) for d in x.devices()}})
-print(json.dumps({{"rows": sim.rows, "where": where, "concurrency": sim.runtime.concurrency,
-                  "params": [np.asarray(x).tolist() for x in jax.tree.leaves(sim.params)]}}))
+engine, _ = harness.make_engine(config, tiny.dataset(3))
+asyncio.run(engine.run())
+where = sorted({{d.id for w in engine.state.workers for x in jax.tree.leaves(w)
+                 for d in x.devices()}})
+print(json.dumps({{"rows": engine.rows, "where": where,
+                  "concurrency": engine.runtime.executor.concurrency,
+                  "params": [np.asarray(x).tolist() for x in jax.tree.leaves(engine.params)]}}))
 """
 
 
@@ -245,13 +250,6 @@ def test_every_method_learns_on_a_tiny_run(method):
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5, summary
   assert np.isfinite(summary["final_val_loss"])
   assert rows[0]["event"] == "eval" and rows[-1]["event"] == "eval"
-
-
-def test_simulate_inside_a_running_event_loop_says_what_to_do_instead():
-  async def inside():
-    scheduler.simulate(_config())
-  with pytest.raises(RuntimeError, match="await simulation.run"):
-    asyncio.run(inside())
 
 
 def test_alignment_is_the_mean_over_leaves_of_the_cosine_with_the_momentum():

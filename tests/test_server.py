@@ -8,7 +8,7 @@ import pytest
 
 import heloco_jax as hj
 import tiny
-from heloco_jax import methods, outer, server
+from heloco_jax import harness, methods, outer, rejection, server
 
 
 def _tree(seed, scale=1.0):
@@ -27,12 +27,16 @@ def _by_hand(tx, params, deltas_and_taus):
 
 
 def _server(config, params):
-  """The server the harness builds for ``config``'s method (through the registry)."""
+  """A server of ``config``'s method's own rule (the registry's, with the config's options);
+  ρ for a grace window comes from the rule's state."""
   method = methods.get(config.method)
   return server.OuterServer(
-      method.make_outer(config.num_workers, config.outer), params,
-      lookahead=method.lookahead_dispatch(None),
-      arrival_weight=method.arrival_weight(config.num_workers, config.outer.weighting))
+      method.make_outer(config.num_workers, harness.outer_options(config)), params,
+      lookahead=method.lookahead_dispatch(None))
+
+
+def _poisoned(tree, value):
+  return rejection.poison(tree, value) if value else tree
 
 
 def _close(a, b):
@@ -45,7 +49,7 @@ def test_single_arrivals_apply_the_rule_and_log_the_cosine_with_the_momentum_the
   params = _tree(0)
   srv = _server(config, params)
   deltas = [(_tree(1, 0.1), 0), (_tree(2, 0.1), 1)]
-  rows = [srv.update([tau], [None], delta) for delta, tau in deltas]
+  rows = [srv.update([tau], delta) for delta, tau in deltas]
   expected, state = _by_hand(hj.mla(0.7, 0.9, num_workers=3), params, deltas)
   _close(srv.params, expected)
   assert rows[0] == [{"reason": None, "cosine_mean": 0.0}]  # m = 0 at the first arrival
@@ -68,7 +72,7 @@ def test_a_grace_group_is_one_update_with_the_weighted_mean_pseudo_gradient():
   assert rho[0] != rho[1]
   # ρ(τ_max)·Δ must equal mean_j ρ_j·Δ_j (scheduler docstring, "async")
   combined = jax.tree.map(lambda a, b: (rho[0] * a + rho[1] * b) / (2 * rho[1]), *deltas)
-  rows = srv.update(taus, [None, None], *deltas)
+  rows = srv.update(taus, *deltas)
   expected, _ = _by_hand(hj.mla(0.7, 0.9, num_workers=3, weighting="polynomial"), params,
                          [(combined, 3)])
   _close(srv.params, expected)
@@ -80,17 +84,17 @@ def test_non_finite_pseudo_gradients_are_rejected_and_never_touch_theta():
   params = _tree(0)
   srv = _server(config, params)
   before = jax.device_get((srv.params, srv.outer_state))
-  rows = srv.update([0, 0], ["nan", "inf"], _tree(1, 0.1), _tree(2, 0.1))
+  rows = srv.update([0, 0], _poisoned(_tree(1, 0.1), "nan"), _poisoned(_tree(2, 0.1), "inf"))
   assert [r["reason"] for r in rows] == ["nan", "inf"] and all(len(r) == 1 for r in rows)
   after = jax.device_get((srv.params, srv.outer_state))
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
                                                    jax.tree.leaves(after)))
   # One bad and one good arrival: only the good one is applied, as a single update.
-  rows = srv.update([0, 0], [None, "nan"], _tree(1, 0.1), _tree(2, 0.1))
+  rows = srv.update([0, 0], _tree(1, 0.1), _poisoned(_tree(2, 0.1), "nan"))
   assert rows[0]["reason"] is None and rows[1] == {"reason": "nan"}
   assert "branch_count/keep" in rows[0]
   alone = _server(config, params)
-  alone.update([0], [None], _tree(1, 0.1))
+  alone.update([0], _tree(1, 0.1))
   _close(srv.params, alone.params)
 
 

@@ -1,12 +1,15 @@
-"""The small model and data the scheduler-level tests share, and a warning filter two checkpoint
-tests share (imported by the test modules)."""
+"""The small model and data the engine-level tests share, how they run it (``simulate``: the
+CLI's engine, ``harness.make_engine``), and a warning filter two checkpoint tests share
+(imported by the test modules)."""
 
+import asyncio
 import functools
+from typing import Optional
 
 import ml_collections
 import pytest
 
-from heloco_jax import data
+from heloco_jax import data, harness
 from heloco_jax.configs import default
 
 H, BATCH, CONTEXT = 2, 4, 16
@@ -47,3 +50,16 @@ def config(method: str = "mla", num_workers: int = 3, **overrides) -> ml_collect
       node = node[parent]
     node[leaf] = value
   return c
+
+
+def simulate(config: ml_collections.ConfigDict, shards: Optional[data.Data] = None,
+             on_row=None, **overrides) -> tuple[dict, list[dict]]:
+  """(summary, rows) of ``config``'s run on the engine the CLI builds (``harness.make_engine``),
+  on ``shards`` (default: ``dataset(config.num_workers)``); ``overrides`` replace
+  ``hj.make_engine`` keywords (e.g. ``runtime=`` a fault-injecting runtime of tests/faults.py)."""
+  engine, _ = harness.make_engine(config, shards or dataset(config.num_workers), **overrides)
+  try:
+    summary = asyncio.run(engine.run(on_row))
+  finally:
+    engine.close()
+  return summary, engine.rows

@@ -31,10 +31,12 @@ class DelayedNesterovState(NamedTuple):
     momentum: m, in ``accumulator_dtype`` (float32 by default).
     buffer: D, the sum of the weighted arrivals since the last momentum
       update, in ``accumulator_dtype`` (float32 by default).
+    rho: the arrival weight ρ(τ) it applies (static: no array).
   """
   count: jax.Array
   momentum: Any
   buffer: Any
+  rho: weighting_lib.ArrivalWeighting
 
 
 def delayed_nesterov(
@@ -115,7 +117,8 @@ def delayed_nesterov(
     # Two distinct trees: the state must be donatable (no aliased buffers).
     return DelayedNesterovState(count=jnp.zeros((), jnp.int32),
                                 momentum=zeros_momentum(params, accumulator_dtype),
-                                buffer=zeros_momentum(params, accumulator_dtype))
+                                buffer=zeros_momentum(params, accumulator_dtype),
+                                rho=weighting_lib.ArrivalWeighting(num_workers, weighting))
 
   def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
     del params, extra_args
@@ -134,6 +137,6 @@ def delayed_nesterov(
     updates = jax.tree.map(
         lambda m, x: -learning_rate * (coefficient * m + x / buffer_size), new_momentum, g)
     buffer = jax.tree.map(lambda d: jnp.where(flush, jnp.zeros_like(d), d), buffer)
-    return updates, DelayedNesterovState(count, new_momentum, buffer)
+    return updates, DelayedNesterovState(count, new_momentum, buffer, state.rho)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -42,6 +42,7 @@ class HeLoCoState(NamedTuple):
     staleness: τ of the last arrival (int32; 0 when not given).
     weight: ρ of the last arrival (float32).
     info: ``CorrectionInfo`` of the last arrival.
+    rho: the arrival weight ρ(τ) it applies (static: no array).
   """
   count: jax.Array
   momentum: Any
@@ -50,6 +51,7 @@ class HeLoCoState(NamedTuple):
   staleness: jax.Array
   weight: jax.Array
   info: CorrectionInfo
+  rho: weighting_lib.ArrivalWeighting
 
 
 def heloco(
@@ -146,7 +148,8 @@ def heloco(
     return HeLoCoState(
         count=jnp.zeros((), jnp.int32), momentum=m,
         **hyperparams_fields(learning_rate, momentum),
-        staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32), info=info)
+        staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32), info=info,
+        rho=weighting_lib.ArrivalWeighting(num_workers, weighting))
 
   def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
     del params, extra_args

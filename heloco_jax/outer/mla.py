@@ -30,11 +30,13 @@ class MLAState(NamedTuple):
     learning_rate: η (float32 scalar), kept so the look-ahead point can be
       formed from the state alone.
     decay: μ (float32 scalar).
+    rho: the arrival weight ρ(τ) it applies (static: no array).
   """
   count: jax.Array
   momentum: Any
   learning_rate: jax.Array
   decay: jax.Array
+  rho: weighting_lib.ArrivalWeighting
 
 
 def momentum_dtype(accumulator_dtype: Optional[Any]) -> Any:
@@ -158,7 +160,8 @@ def mla(
   def init_fn(params):
     return MLAState(count=jnp.zeros((), jnp.int32),
                     momentum=zeros_momentum(params, accumulator_dtype),
-                    **hyperparams_fields(learning_rate, momentum))
+                    **hyperparams_fields(learning_rate, momentum),
+                    rho=weighting_lib.ArrivalWeighting(num_workers, weighting))
 
   def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
     del params, extra_args

@@ -10,8 +10,9 @@ With ``num_workers=None`` the weight is 1 whatever ``weighting`` says
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import Any, Literal, NamedTuple, Optional, get_args
+from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import jax
 import jax.numpy as jnp
@@ -100,10 +101,63 @@ def staleness_array(staleness: Any) -> jax.Array:
   return jnp.asarray(0 if staleness is None else staleness, jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArrivalWeighting:
+  """ρ(τ) of a rule, as static data (no arrays): what the rule applies to each arrival.
+
+  Every state of a rule that weighs arrivals (``scale_by_arrival_weight``,
+  ``mla``, ``heloco``, ``delayed_nesterov`` and so ``async_nesterov``) carries
+  its ``ArrivalWeighting``, registered with JAX as static (a pytree node with
+  no leaves: it costs nothing under ``jit`` and is not checkpointed), so that
+  whoever holds the state (the engine's grace window) reads ρ from the one
+  place that defines it (``arrival_weighting``).
+
+  Attributes:
+    num_workers: K, or None for ρ = 1.
+    weighting: "constant", "polynomial" or "none".
+  """
+  num_workers: Optional[int]
+  weighting: Weighting
+
+  def __call__(self, staleness: Any) -> jax.Array:
+    return arrival_weight(staleness, num_workers=self.num_workers, weighting=self.weighting)
+
+
+jax.tree_util.register_static(ArrivalWeighting)
+
+
+def arrival_weighting(state: Any) -> Callable[[Any], float]:
+  """ρ(τ) of the rule whose (possibly chained) state is ``state``: the product of the
+  ``ArrivalWeighting``s it holds (1 when it holds none), as a host function of τ.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import heloco_jax as hj
+    >>> from heloco_jax.outer.weighting import arrival_weighting
+    >>> tx = hj.mla(0.7, 0.9, num_workers=4, weighting="polynomial")
+    >>> rho = arrival_weighting(tx.init({"w": jnp.zeros(2)}))
+    >>> rho(0), rho(3)
+    (0.5, 0.25)
+    >>> arrival_weighting(optax.sgd(0.1).init({"w": jnp.zeros(2)}))(3)
+    1.0
+  """
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ArrivalWeighting))
+           if isinstance(x, ArrivalWeighting)]
+  def rho(staleness: Any) -> float:
+    value = 1.0
+    for weighting in found:
+      value *= float(weighting(staleness))
+    return value
+  rho.weightings = tuple(found)  # type: ignore[attr-defined]
+  return rho
+
+
 class ScaleByArrivalWeightState(NamedTuple):
-  """ρ and τ of the last arrival, kept for logging (no host sync)."""
+  """ρ and τ of the last arrival, kept for logging (no host sync), and ρ's definition."""
   staleness: jax.Array
   weight: jax.Array
+  rho: ArrivalWeighting
 
 
 def scale_by_arrival_weight(
@@ -141,12 +195,13 @@ def scale_by_arrival_weight(
   def init_fn(params):
     del params
     return ScaleByArrivalWeightState(
-        staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32))
+        staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32),
+        rho=ArrivalWeighting(num_workers, weighting))
 
   def update_fn(updates, state, params=None, *, staleness=None, **extra_args):
-    del params, extra_args, state
+    del params, extra_args
     updates, weight = apply_arrival_weight(
         updates, staleness, num_workers=num_workers, weighting=weighting)
-    return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight)
+    return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight, state.rho)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,16 +1,23 @@
 """Runtimes: where a run's work happens, and the engine that drives them.
 
-``Runtime`` (``base``) is the protocol; ``SimulatedRuntime`` (one device,
-simulated clock), ``DeviceRuntime`` (groups of real devices) and
-``RayRuntime`` (actors) implement it. ``engine.Engine`` runs any method of
-the registry on any of them. The Ray module is imported only when used.
+A ``Runtime`` (``base``) composes an executor (``simulated.LocalExecutor``,
+``devices.DeviceExecutor``, ``ray.RayExecutor``), a clock (``SimulatedClock``,
+``RealClock``) and an arrival queue; ``factories`` builds the usual ones
+(``hj.simulated_runtime``, ``hj.devices_runtime``, ``hj.ray_runtime``).
+``engine.Engine`` runs any method of the registry on any of them. The Ray
+module is imported only when used.
 """
 
-from heloco_jax.runtime.base import Clock, RealClock, Runtime, SimulatedClock
+from heloco_jax.runtime.base import (Clock, Executor, RealClock, RoundExecutor, Runtime,
+                                     SimulatedClock)
 from heloco_jax.runtime.engine import Engine
-from heloco_jax.runtime.state import Budget, Fault, RunSpec, RunState
+from heloco_jax.runtime.factories import (RuntimeFactory, devices_runtime, ray_runtime,
+                                          simulated_runtime)
+from heloco_jax.runtime.state import Budget, Run, RunSpec, RunState
 from heloco_jax.rejection import DivergenceError
-from heloco_jax.runtime.simulated import SimulatedRuntime
+from heloco_jax.runtime.simulated import LocalExecutor
 
-__all__ = ["Budget", "Clock", "DivergenceError", "Engine", "Fault", "RealClock", "RunSpec",
-           "RunState", "Runtime", "SimulatedClock", "SimulatedRuntime"]
+__all__ = ["Budget", "Clock", "DivergenceError", "Engine", "Executor", "LocalExecutor",
+           "RealClock", "RoundExecutor", "Run", "RunSpec", "RunState", "Runtime",
+           "RuntimeFactory", "SimulatedClock", "devices_runtime", "ray_runtime",
+           "simulated_runtime"]

@@ -1,15 +1,25 @@
-"""What every runtime provides: the ``Runtime`` protocol and the two clocks.
+"""What a runtime is made of: where work runs, what time is, how arrivals are queued.
 
-A runtime decides *where* work runs (docs/DESIGN.md, "Runtimes"): the
-simulated runtime on one device, ``devices`` on groups of real devices, ``ray``
-on actors. The engine (``heloco_jax.runtime.engine``) drives all of them
-through ``Runtime`` and reads time from the runtime's clock:
-``SimulatedClock`` (deterministic simulated seconds, lazy work) or
-``RealClock`` (seconds since the run began, work started at dispatch).
+A ``Runtime`` (docs/DESIGN.md, "Runtimes") is a composition of three parts,
+not a kind to branch on:
+
+  * an ``Executor``: where work runs (this process's devices, groups of real
+    devices, Ray actors). It declares the synchronies it can run
+    (``synchronies``) and how many workers' steps run at once
+    (``concurrency``).
+  * a clock: ``SimulatedClock`` (deterministic simulated seconds; a
+    dispatch's work is computed lazily) or ``RealClock`` (seconds since the
+    run began; work starts at dispatch).
+  * an arrival queue: ``SimulatedArrivals`` (by simulated finish time) or
+    the devices' and Ray's queues (in the order the work finishes).
+
+``hj.simulated_runtime()``, ``hj.devices_runtime(...)`` and
+``hj.ray_runtime(...)`` (``heloco_jax.runtime.factories``) compose them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
@@ -19,45 +29,72 @@ import numpy as np
 from heloco_jax import clock as clock_lib, inner as inner_lib
 
 Row = dict[str, Any]
+SYNCHRONIES = frozenset({"step", "round", "async"})
 
 
 class Arrivals(Protocol):
-  """Jobs in flight, taken in arrival order (with a grace window, in groups).
-
-  Those of a lazy clock (``SimulatedArrivals``) also give ``heads(n)``, the
-  workers of the next n arrivals, whose work the engine starts ahead.
-  """
+  """Jobs in flight, taken in arrival order (with a grace window, in groups)."""
 
   def __len__(self) -> int: ...
   def push(self, worker: int, job: Any) -> None: ...
   async def pop(self, grace_window: float) -> tuple[float, list[int]]: ...
+
+  def heads(self, n: int) -> list[int]:
+    """The workers of the next ``n`` arrivals, whose work a lazy clock starts ahead (a
+    queue that learns the order only as work finishes returns [])."""
+
   def close(self) -> None: ...
 
 
 @runtime_checkable
-class Runtime(Protocol):
-  """Where a run's work happens; implemented by the simulated, devices and Ray runtimes.
+class Executor(Protocol):
+  """Where a run's asynchronous work happens.
 
   Trees of worker states and pseudo-gradients handed back by ``run_worker``
   may be handles (Ray); ``fetch`` turns them into values.
+
+  Attributes:
+    inner: the workers' compiled inner loop.
+    synchronies: what the executor runs: "async" always; "round" and "step"
+      (synchronous methods) for a ``RoundExecutor``.
+    concurrency: how many workers' steps can run at once.
   """
 
   inner: inner_lib.InnerLoop
-
-  def make_clock(self, seconds_per_step: np.ndarray, jitter: float, seed: int,
-                 comm: clock_lib.CommModel, model_bytes: int) -> "Clock":
-    """The run's clock (simulated, or real for real hardware)."""
+  synchronies: frozenset[str]
+  concurrency: int
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> Any:
     """θ, the outer state and the jitted outer rule (``heloco_jax.server.OuterServer``)."""
-
-  def arrivals(self, clock: "Clock", emit: Callable[[Row], None]) -> Arrivals:
-    """The queue of asynchronous work in flight, read on ``clock``."""
 
   def run_worker(self, worker: int, previous: Any, start: Any, batches: Any,
                  key: jax.Array) -> tuple[Any, Any, Any]:
     """Worker ``worker``'s inner steps from ``start``: (end state, Δ = start − end, the mean
     training loss of its steps)."""
+
+  def fresh_moments(self, state: Any) -> Any:
+    """``state`` with a fresh inner optimizer state (its step count kept)."""
+
+  def fetch(self, tree: Any, what: str) -> Any:
+    """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
+    (``"train_loss"``) as values."""
+
+  def to_server(self, tree: Any) -> Any: ...
+  def to_host(self, x: Any) -> np.ndarray: ...
+
+  def agree(self, value: float) -> float:
+    """``value`` as every process sees it (process 0's)."""
+
+  def describe(self) -> str:
+    """Where the workers run, in words (the CLI's start line)."""
+
+  def close(self) -> None:
+    """Releases the executor's resources."""
+
+
+@runtime_checkable
+class RoundExecutor(Executor, Protocol):
+  """An executor that also runs synchronous methods (rounds and DDP steps)."""
 
   def run_round(self, states: Any, batches: Any, keys: jax.Array,
                 anchor: Any) -> tuple[Any, inner_lib.InnerMetrics]:
@@ -69,35 +106,14 @@ class Runtime(Protocol):
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     """θ − the mean end parameters of the accepted workers, on the server."""
 
-  def fresh_moments(self, state: Any) -> Any:
-    """``state`` with a fresh inner optimizer state (its step count kept)."""
-
-  def fetch(self, tree: Any, what: str) -> Any:
-    """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
-    (``"train_loss"``) as values."""
-
-  def to_server(self, tree: Any) -> Any: ...
   def to_rounds(self, tree: Any) -> Any: ...
-  def to_host(self, x: Any) -> np.ndarray: ...
-  def agree(self, value: float) -> float:
-    """``value`` as every process sees it (process 0's)."""
-
-  def kill_worker(self, worker: int) -> None:
-    """Kills worker ``worker`` (fault tests; Ray only)."""
-
-  def describe(self) -> str:
-    """Where the workers run, in words (the CLI's start line)."""
-
-  def close(self) -> None:
-    """Releases the runtime's resources."""
 
 
 class OneProcess:
-  """The transfers of a runtime whose arrays all live in the engine's one process.
+  """The transfers of an executor whose arrays all live in the engine's one process.
 
   θ needs no placing for the server or for a round, values are read as they
-  are, and every process agrees with itself. ``DeviceRuntime`` overrides
-  these for device meshes and ``jax.distributed``.
+  are, and every process agrees with itself.
   """
 
   def to_server(self, tree: Any) -> Any:
@@ -112,11 +128,21 @@ class OneProcess:
   def agree(self, value: float) -> float:
     return value
 
+  def fetch(self, tree: Any, what: str) -> Any:
+    del what
+    return tree
+
 
 class Clock(Protocol):
-  """Time as the engine sees it; ``SimulatedClock`` and ``RealClock`` implement it."""
+  """Time as the engine sees it; ``SimulatedClock`` and ``RealClock`` implement it.
 
-  eager: bool  # start a dispatch's work at once (real hardware) or when it is needed
+  Attributes:
+    eager: start a dispatch's work at once (real hardware) or when it is needed.
+    simulated: time is simulated (runs replay bit for bit) rather than real.
+  """
+
+  eager: bool
+  simulated: bool
 
   def start(self, elapsed: float) -> None: ...
   def finish(self, worker: int, steps: int, now: float) -> float: ...
@@ -125,6 +151,16 @@ class Clock(Protocol):
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float: ...
   def get_state(self) -> Any: ...
   def set_state(self, state: Any) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockSettings:
+  """What a clock is built from: the run's speeds, jitter, seed and costs."""
+  seconds_per_step: np.ndarray
+  jitter: float
+  seed: int
+  comm: clock_lib.CommModel
+  model_bytes: int
 
 
 class SimulatedClock:
@@ -136,14 +172,15 @@ class SimulatedClock:
   """
 
   eager = False
+  simulated = True
 
-  def __init__(self, seconds_per_step: np.ndarray, jitter: float, seed: int,
-               comm: clock_lib.CommModel, model_bytes: int):
-    self.steps = clock_lib.StepClock(seconds_per_step, jitter, seed)
-    self.num_workers = len(seconds_per_step)
-    self.message = comm.message_seconds(model_bytes)
-    self.allreduce = comm.allreduce_seconds(model_bytes, self.num_workers)
-    self.comm = comm
+  def __init__(self, settings: ClockSettings, executor: Executor):
+    del executor
+    self.steps = clock_lib.StepClock(settings.seconds_per_step, settings.jitter, settings.seed)
+    self.num_workers = len(settings.seconds_per_step)
+    self.message = settings.comm.message_seconds(settings.model_bytes)
+    self.allreduce = settings.comm.allreduce_seconds(settings.model_bytes, self.num_workers)
+    self.comm = settings.comm
 
   def start(self, elapsed: float) -> None:
     del elapsed
@@ -185,9 +222,11 @@ class RealClock:
   """
 
   eager = True
+  simulated = False
 
-  def __init__(self, agree: Callable[[float], float]):
-    self._agree = agree
+  def __init__(self, settings: ClockSettings, executor: Executor):
+    del settings  # real devices take real time
+    self._agree = executor.agree
     self._start = time.perf_counter()
 
   def start(self, elapsed: float) -> None:
@@ -218,3 +257,28 @@ class RealClock:
 
   def set_state(self, state: Any) -> None:
     del state
+
+
+ClockFactory = Callable[[ClockSettings, Executor], Clock]
+# (the run's clock, the executor, the row emitter) -> the queue of work in flight
+ArrivalsFactory = Callable[[Clock, Executor, Callable[[Row], None]], Arrivals]
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+  """Where work runs × what time is × how arrivals are queued.
+
+  Attributes:
+    executor: where work runs (its ``synchronies`` say which methods it can run).
+    clock: builds the run's clock from its ``ClockSettings`` and the executor.
+    arrivals: builds the queue of asynchronous work in flight.
+  """
+  executor: Executor
+  clock: ClockFactory
+  arrivals: ArrivalsFactory
+
+  def describe(self) -> str:
+    return self.executor.describe()
+
+  def close(self) -> None:
+    self.executor.close()

@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from heloco_jax import inner as inner_lib
+from heloco_jax import inner as inner_lib, server as server_lib
 from heloco_jax.runtime import base, simulated
 
 
@@ -141,11 +141,11 @@ def initialize_distributed(config: Any) -> None:
                                process_id=dist.process_id)
 
 
-class DeviceRuntime(simulated.SimulatedRuntime):
-  """``runtime=devices``: each worker on its own device group, the server on one device.
+class DeviceExecutor(base.OneProcess):
+  """Each worker on its own device group, the server on one device (``runtime=devices``).
 
-  Reuses the simulated runtime's computations on inputs placed on the
-  worker's (or all workers') devices; time is the real clock.
+  Runs the same computations as ``simulated.LocalExecutor`` on inputs placed
+  on the worker's (or all workers') devices.
 
   Args:
     inner: the workers' compiled inner loop.
@@ -153,8 +153,9 @@ class DeviceRuntime(simulated.SimulatedRuntime):
   """
 
   def __init__(self, inner: inner_lib.InnerLoop, groups: DeviceGroups):
-    super().__init__(inner)
+    self.inner = inner
     self.groups = groups
+    self.concurrency = len(groups.groups)
     meshes = [Mesh(np.array(group), ("data",)) for group in groups.groups]
     self._replicated = [NamedSharding(mesh, P()) for mesh in meshes]
     self._split = [NamedSharding(mesh, P(None, "data")) for mesh in meshes]  # (H, B, T)
@@ -162,8 +163,11 @@ class DeviceRuntime(simulated.SimulatedRuntime):
     self._round_mesh = None
     if len(sizes) == 1:  # synchronous methods: one program on a workers × data mesh
       self._round_mesh = Mesh(np.array(groups.groups), ("workers", "data"))
+    # Unequal groups run asynchronous methods only (the replicas cannot be stacked).
+    self.synchronies = base.SYNCHRONIES if self._round_mesh is not None else frozenset({"async"})
     self.process_count = jax.process_count()
     self.multiprocess = self.process_count > 1
+    self._round_delta = jax.jit(simulated.round_delta)
     if self.multiprocess:
       # jax.distributed (synchronous methods): everything lives on the one workers × data
       # mesh, θ replicated and the outer step SPMD, so that no array ever moves between
@@ -178,14 +182,14 @@ class DeviceRuntime(simulated.SimulatedRuntime):
       everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
       self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
 
-  def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.RealClock:
-    del seconds_per_step, jitter, seed, comm, model_bytes  # real devices take real time
-    return base.RealClock(self.agree)
+  def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
+    return server_lib.OuterServer(outer_tx, params, place=self.to_server, **options)
 
-  def arrivals(self, clock: base.RealClock, emit: Callable[[dict], None]) -> "DeviceArrivals":
-    """The queue of asynchronous results in flight, taken as the devices finish them."""
-    del emit
-    return DeviceArrivals(clock.now, self.groups.slowdown)
+  def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
+    return self.inner.fresh_moments(state)
+
+  def close(self) -> None:
+    pass
 
   def describe(self) -> str:
     groups = self.groups
@@ -229,19 +233,19 @@ class DeviceRuntime(simulated.SimulatedRuntime):
       return value
     return float(multihost_utils.broadcast_one_to_all(np.float32(value)))
 
-  # Each runs the host version on inputs placed on the worker's (or all workers') devices.
+  # Each runs the local computation on inputs placed on the worker's (or all workers') devices.
 
   def run_worker(self, worker, previous, start, batches, key):
     replicated = self._replicated[worker]
-    state, delta, loss = super().run_worker(
-        worker, self._put(previous, replicated), self._put(start, replicated),
+    state, delta, loss = simulated.compute_worker(
+        self.inner, self._put(previous, replicated), self._put(start, replicated),
         self._put(batches, self._split[worker]), self._put(key, replicated))
     return state, self.to_server(delta), loss
 
   def run_round(self, states, batches, keys, anchor):
     self.require_round_mesh()
     by_worker = NamedSharding(self._round_mesh, P("workers"))
-    return super().run_round(
+    return self.inner.run_many(
         self._put(states, by_worker),
         self._put(batches, NamedSharding(self._round_mesh, P("workers", None, "data"))),
         self._put(keys, by_worker),
@@ -249,8 +253,20 @@ class DeviceRuntime(simulated.SimulatedRuntime):
 
   def run_ddp(self, state, batches, key):
     replicated, split = self._ddp
-    return super().run_ddp(self._put(state, replicated), self._put(batches, split),
-                           self._put(key, replicated))
+    state, metrics = self.inner.run_jit(self._put(state, replicated), self._put(batches, split),
+                                        self._put(key, replicated))
+    return state, inner_lib.train_loss(metrics)
+
+  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
+    return self.to_server(
+        self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
+
+
+def device_arrivals(clock: base.RealClock, executor: DeviceExecutor,
+                    emit: Callable[[dict], None]) -> "DeviceArrivals":
+  """The queue of asynchronous results in flight, taken as the devices finish them."""
+  del emit
+  return DeviceArrivals(clock.now, executor.groups.slowdown)
 
 
 class DeviceArrivals:
@@ -289,8 +305,12 @@ class DeviceArrivals:
       await asyncio.sleep((self._slowdown[worker] - 1.0) * compute)
     return self._clock()
 
+  def heads(self, n: int) -> list[int]:
+    del n
+    return []  # work starts at dispatch: nothing to launch ahead
+
   def push(self, worker: int, job: Any) -> None:
-    """Waits for ``job.delta`` (an ``engine.Job``) of ``worker``."""
+    """Waits for ``job.delta`` (a ``state.Job``) of ``worker``."""
     self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
 
   async def pop(self, grace_window: float) -> tuple[float, list[int]]:

@@ -28,16 +28,20 @@ with a ``DivergenceError`` naming the workers and the cause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import signal
+import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 
-from heloco_jax import rejection
+from heloco_jax import problem, rejection
 from heloco_jax.runtime import base, loops
-from heloco_jax.runtime.state import Recorder, RunSpec, RunState, WorkerStream
+from heloco_jax.runtime import state as state_lib
+from heloco_jax.runtime.state import Recorder, Run, RunSpec, RunState, WorkerStream
 
 Row = dict[str, Any]
 
@@ -59,80 +63,103 @@ class BudgetError(ValueError):
   """The budget ended before any work reached the server."""
 
 
-def eval_metrics(value: Any) -> dict[str, float]:
-  """An ``eval_fn``'s result as ``{"val_loss": ..., ...}`` of Python floats."""
-  value = jax.device_get(value)
-  if not isinstance(value, dict):
-    return {"val_loss": float(value)}
-  if "val_loss" not in value:
-    raise ValueError(f"eval_fn returned a dict with keys {sorted(value)}; allowed: a scalar "
-                     "loss, or a dict holding it as 'val_loss' (and any other scalars)")
-  return {key: float(v) for key, v in value.items()}
+eval_metrics = problem.eval_metrics
 
 
 class Engine:
-  """One run of ``spec`` on ``runtime``.
+  """One run of ``spec`` on ``runtime``; built by ``hj.make_engine``.
 
   Args:
     spec: the ``RunSpec``.
-    runtime: where work runs (a ``Runtime``: ``SimulatedRuntime``, ``DeviceRuntime``,
-      ``RayRuntime``).
+    runtime: where work runs, what time is, how arrivals queue (``base.Runtime``).
     params: the initial θ (any pytree).
-    data: K per-worker iterables of batches (pytrees of arrays).
+    data: K per-worker iterables of batches (pytrees of arrays), or their
+      ``WorkerStream``s.
     outer_tx: the outer rule (None for DDP).
     eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}``; None: no evaluations.
     lookahead: dispatch from θ − η·μ·m.
-    arrival_weight: ρ(τ), for combining a grace window's arrivals.
   """
 
   def __init__(self, spec: RunSpec, runtime: base.Runtime, params: Any,
                data: Sequence[Iterable[Any]], outer_tx: Any = None,
-               eval_fn: Optional[Callable[[Any], Any]] = None, lookahead: bool = False,
-               arrival_weight: Optional[Callable[[int], float]] = None):
+               eval_fn: Optional[Callable[[Any], Any]] = None, lookahead: bool = False):
     if len(data) != spec.num_workers:
       raise ValueError(f"data holds {len(data)} worker streams; allowed: one per worker "
                        f"(num_workers={spec.num_workers})")
     if spec.method.outer is not None and outer_tx is None:
       raise ValueError(f"method={spec.method.name!r} needs an outer rule (outer_tx)")
+    executor = runtime.executor
+    streams = [source if isinstance(source, WorkerStream) else WorkerStream(source, worker=i)
+               for i, source in enumerate(data)]
+    state_lib.share_first_batch(streams)
+    if spec.method.synchrony not in executor.synchronies:
+      raise ValueError(
+          f"method={spec.method.name!r} is not allowed on {executor.describe()}; allowed: "
+          f"methods whose synchrony is one of {sorted(executor.synchronies)} (this one's is "
+          f"{spec.method.synchrony!r})")
     self.spec = spec
     self.method = spec.method
+    if 0 < spec.budget.units < self._smallest_work(spec):
+      self._no_work()  # before any work: no batch read, nothing compiled
     self.runtime = runtime
-    self.inner = runtime.inner
     self.num_params = int(sum(np.size(x) for x in jax.tree.leaves(params)))
-    self.model_bytes = sum(int(np.size(x)) * np.dtype(x.dtype).itemsize  # no copy of θ
-                           for x in jax.tree.leaves(params))
-    self.streams = [WorkerStream(source) for source in data]
+    model_bytes = sum(int(np.size(x)) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(params))
     self.eval_fn = eval_fn
-    self.server = runtime.make_server(outer_tx, params, lookahead=lookahead,
-                                      arrival_weight=arrival_weight)
-    self.clock = runtime.make_clock(np.asarray(spec.seconds_per_step, float), spec.jitter,
-                                    spec.seed, spec.comm, self.model_bytes)
-    self.recorder = Recorder(spec.metrics_fetch_every)
-    self.key = jax.random.key(spec.seed)
-    self.state = RunState(arrivals=[0] * spec.num_workers,
-                          next_checkpoint=spec.checkpoint_every)
-    self.streak = rejection.RejectionStreak(spec.num_workers, spec.rejection_limit)
+    server = executor.make_server(outer_tx, params, lookahead=lookahead)
+    clock = runtime.clock(base.ClockSettings(np.asarray(spec.seconds_per_step, float),
+                                             spec.jitter, spec.seed, spec.comm, model_bytes),
+                          executor)
+    recorder = Recorder(spec.metrics_fetch_every)
+    self._run = Run(
+        spec=spec, executor=executor, clock=clock, server=server,
+        arrivals=lambda: runtime.arrivals(clock, executor, recorder.emit),
+        streams=streams, recorder=recorder,
+        state=RunState(next_checkpoint=spec.checkpoint_every),
+        streak=rejection.RejectionStreak(spec.num_workers, spec.rejection_limit),
+        key=jax.random.key(spec.seed))
     self._on_checkpoint: Optional[Callable[[Engine], None]] = None
     self.stop_requested: Optional[str] = None
     self._wall_start = time.perf_counter()
+    self.directory: Any = None  # a workdir's RunDirectory (``attach``)
+    self.resumed_from: Optional[int] = None
+    self.workdir_notes: list[str] = []
+
+  def attach(self, directory: Any) -> None:
+    """Writes the run to ``directory`` (a ``workdir.RunDirectory``) and resumes its run.
+
+    ``rows`` then holds the rows of the earlier parts too (``metrics.jsonl``
+    up to the restored checkpoint), so that they are the whole run's.
+    """
+    self.directory = directory
+    self.resumed_from, self.workdir_notes = directory.restore(self)
+    self._run.recorder.rows[:0] = directory.rows_so_far()
 
   # θ and the outer state live on the server (``heloco_jax.server``).
 
   @property
   def params(self) -> Any:
-    return self.server.params
-
-  @params.setter
-  def params(self, value: Any) -> None:
-    self.server.params = value
+    return self._run.server.params
 
   @property
   def outer_state(self) -> Any:
-    return self.server.outer_state
+    return self._run.server.outer_state
+
+  @property
+  def server(self) -> Any:
+    return self._run.server
+
+  @property
+  def clock(self) -> Any:
+    return self._run.clock
+
+  @property
+  def state(self) -> RunState:
+    return self._run.state
 
   @property
   def rows(self) -> list[Row]:
-    return self.recorder.rows
+    return self._run.recorder.rows
 
   @property
   def units(self) -> int:
@@ -150,13 +177,13 @@ class Engine:
 
   def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole run state at a loop boundary: (arrays, JSON-serialisable meta)."""
-    s = self.state
+    run, s = self._run, self.state
     for worker in s.jobs:
-      self.compute(worker)
-    params, outer_state = self.server.get()
-    fetch = self.runtime.fetch  # Ray: waits for work still in flight
+      run.compute(worker)
+    params, outer_state = run.server.get()
+    fetch = run.executor.fetch  # Ray: waits for work still in flight
     arrays = {"params": params, "outer_state": outer_state,
-              "key": jax.random.key_data(self.key),
+              "key": jax.random.key_data(run.key),
               "workers": fetch(s.workers, "state"),
               "pending": [fetch(s.jobs[w].delta, "delta") for w in sorted(s.jobs)]}
     meta = s.meta()
@@ -164,31 +191,32 @@ class Engine:
       loss = fetch(s.jobs[w].train_loss, "train_loss")
       entry.append(None if loss is None else float(loss))
     meta["wall_before"] = s.wall_before + time.perf_counter() - self._wall_start
-    meta["clock"] = self.clock.get_state()
-    meta["streams"] = [stream.get_state() for stream in self.streams]
+    meta["clock"] = run.clock.get_state()
+    meta["streams"] = [stream.get_state() for stream in run.streams]
     return arrays, meta
 
   def state_template(self, meta: dict[str, Any]) -> dict[str, Any]:
     """The abstract arrays of a ``checkpoint_state()`` with this ``meta`` (for restoring)."""
-    worker = jax.eval_shape(self.inner.start, self.params)
+    worker = jax.eval_shape(self._run.executor.inner.start, self.params)
     k = self.spec.num_workers
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), worker)
     workers = {None: None, "ddp": worker, "rounds": stacked, "async": [worker] * k}[meta["phase"]]
     return {"params": self.params, "outer_state": self.outer_state,
-            "key": jax.random.key_data(self.key), "workers": workers,
+            "key": jax.random.key_data(self._run.key), "workers": workers,
             "pending": [self.params] * len(meta["jobs"])}
 
   def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Continues from a ``checkpoint_state()`` of a run with the same spec."""
-    self.server.set(arrays["params"], arrays["outer_state"])
-    self.key = jax.random.wrap_key_data(arrays["key"])
-    self.state.load(meta, arrays["pending"], arrays["workers"])
-    self.streak.set_state(self.state.rejected_in_a_row)
-    self.clock.set_state(meta["clock"])
-    for stream, position in zip(self.streams, meta["streams"], strict=True):
+    run = self._run
+    run.server.set(arrays["params"], arrays["outer_state"])
+    run.key = jax.random.wrap_key_data(arrays["key"])
+    run.state.load(meta, arrays["pending"], arrays["workers"])
+    run.streak.set_state(run.state.rejected_in_a_row)
+    run.clock.set_state(meta["clock"])
+    for stream, position in zip(run.streams, meta["streams"], strict=True):
       stream.set_state(position)
 
-  def request_stop(self, reason: str) -> None:
+  def request_stop(self, reason: str = "request_stop()") -> None:
     """Asks the run to stop at its next loop boundary, after a checkpoint (preemption).
 
     Safe to call from a signal handler: it only sets a flag. ``run`` then
@@ -197,7 +225,7 @@ class Engine:
     """
     self.stop_requested = reason
 
-  def maybe_checkpoint(self) -> None:
+  def _maybe_checkpoint(self) -> None:
     """At a loop boundary: the checkpoint hook every ``checkpoint_every`` outer updates,
     and before a requested stop (then raises ``Stopped``)."""
     every, s = self.spec.checkpoint_every, self.state
@@ -206,16 +234,14 @@ class Engine:
       return
     if due:
       s.next_checkpoint = (s.version // every + 1) * every
-    self.recorder.flush()  # the checkpoint's rows are all written before it
+    self._run.recorder.flush()  # the checkpoint's rows are all written before it
     if self._on_checkpoint is not None:
-      s.rejected_in_a_row = self.streak.get_state()
+      s.rejected_in_a_row = self._run.streak.get_state()
       self._on_checkpoint(self)
     if self.stop_requested:
       raise Stopped(self.stop_requested, checkpointed=self._on_checkpoint is not None)
 
-  # ------------------------------------------------------------------ helpers
-
-  def evaluate(self, force: bool = False) -> None:
+  def _evaluate(self, force: bool = False) -> None:
     """An eval row when the unit count has passed the next eval point (or forced)."""
     s = self.state
     if self.eval_fn is None or (not force and s.units < s.next_eval):
@@ -234,42 +260,9 @@ class Engine:
     row = {"event": "eval", self.spec.unit: s.units, "sim_time": s.sim_time,
            "outer_updates": s.version, **metrics}
     s.last_eval = row
-    self.recorder.emit(row)
+    self._run.recorder.emit(row)
 
-  def batches(self, worker: int, steps: int) -> Any:
-    """Worker ``worker``'s next ``steps`` batches, stacked on a leading axis."""
-    return self.streams[worker].next(steps)
-
-  def compute(self, worker: int) -> Any:
-    """``worker``'s pending Δ, running its deferred inner steps first if needed."""
-    job = self.state.jobs[worker]
-    if job.work is not None:
-      self.state.workers[worker], job.delta, job.train_loss = job.work()
-      job.work = None
-    return job.delta
-
-  def next_key(self) -> jax.Array:
-    """A fresh PRNG key of the run's key stream."""
-    self.key, key = jax.random.split(self.key)
-    return key
-
-  def faulty(self, worker: int) -> bool:
-    """Counts ``worker``'s arrival; True if the fault switch poisons this one."""
-    self.state.arrivals[worker] += 1
-    fault = self.spec.fault
-    if fault.kill_worker == worker and fault.arrival == self.state.arrivals[worker]:
-      self.runtime.kill_worker(worker)
-    return fault.worker == worker and fault.arrival == self.state.arrivals[worker]
-
-  def reject(self, worker: int, reason: str, staleness: int, units: int) -> None:
-    """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient of ``units`` units."""
-    self.state.rejected += 1
-    self.state.rejected_units += units
-    self.recorder.emit({"event": "rejected", "worker": worker, "reason": reason,
-                        "staleness": staleness, "sim_time": self.state.sim_time,
-                        "outer_updates": self.state.version})
-
-  # ----------------------------------------------------------------- the loops
+  # ----------------------------------------------------------------- the run
 
   async def run(self, on_row: Optional[Callable[[Row], None]] = None,
                 on_checkpoint: Optional[Callable[["Engine"], None]] = None) -> dict[str, Any]:
@@ -289,27 +282,42 @@ class Engine:
         rejected, every one of the run was, or an evaluation is not finite.
       Stopped: ``request_stop`` was called.
     """
+    run, s, directory = self._run, self.state, self.directory
+    if directory is not None:
+      def record(row: Row, on_row=on_row) -> None:
+        directory.write_row(row)
+        if on_row is not None:
+          on_row(row)
+      on_row, on_checkpoint = record, on_checkpoint or directory.on_checkpoint
     if on_row is not None:
-      self.recorder.on_row = on_row
+      run.recorder.on_row = on_row
     self._on_checkpoint = on_checkpoint
     self._wall_start = time.perf_counter()
-    s = self.state
-    self.clock.start(s.sim_time)
+    run.clock.start(s.sim_time)
     if s.phase is None:
-      self.evaluate(force=True)
+      self._evaluate(force=True)
       s.initial_eval = s.last_eval
     try:
-      await loops.LOOPS[self.method.synchrony](self)
-      self.streak.check_end(s.version)
+      async for _ in loops.LOOPS[self.method.synchrony](run):  # after each outer update
+        self._evaluate()
+        self._maybe_checkpoint()
+        await asyncio.sleep(0)
+      run.streak.check_end(s.version)
       if s.version == 0 and s.units == 0:
         self._no_work()
     finally:
-      self.recorder.flush()  # the rows up to a DivergenceError are kept too
+      run.recorder.flush()  # the rows up to a DivergenceError are kept too
     if self.eval_fn is not None and (s.last_eval[self.spec.unit] != s.units
                                      or s.last_eval["sim_time"] != s.sim_time):
-      self.evaluate(force=True)
+      self._evaluate(force=True)
+    summary = self._summary()
+    if directory is not None:
+      directory.finish(summary)
+    return summary
+
+  def _summary(self) -> dict[str, Any]:
+    s, unit = self.state, self.spec.unit
     wall = s.wall_before + time.perf_counter() - self._wall_start
-    unit = self.spec.unit
     summary = {"method": self.method.name, "seed": self.spec.seed, unit: s.units,
                f"applied_{unit}": s.units - s.rejected_units,
                f"rejected_{unit}": s.rejected_units, "rejected": s.rejected,
@@ -323,21 +331,36 @@ class Engine:
         "num_params": self.num_params})
     return summary
 
+  @staticmethod
+  def _smallest_work(spec: RunSpec) -> int:
+    """The units of the smallest work that can reach the server: a DDP step of all workers,
+    a round's, or the shortest dispatch's."""
+    k, u = spec.num_workers, spec.units_per_step
+    if spec.method.inner == "palsgd":  # pseudo-sync steps count no units
+      return u
+    if spec.method.synchrony == "step":
+      return k * u
+    if spec.method.synchrony == "round":
+      return k * spec.inner_steps * u
+    return int(min(loops.steps_per_dispatch(spec))) * u
+
   def _no_work(self) -> None:
-    """Raises ``BudgetError``: the run ended with no work applied and none rejected."""
+    """Raises ``BudgetError``: no work fits the budget (or none reached the server)."""
     spec = self.spec
-    if self.method.synchrony == "step":
-      what, steps = "DDP step of all workers", spec.num_workers
-    else:
-      what, steps = "dispatch", spec.inner_steps
+    what = {"step": "DDP step of all workers", "round": "round of all workers"}.get(
+        spec.method.synchrony, "dispatch")
     raise BudgetError(
         f"the budget ended before any work reached the server (budget: {spec.budget.units} "
         f"{spec.unit} and {spec.budget.sim_seconds} s, 0 = none); allowed: a budget that holds "
-        f"at least one {what}, {steps * spec.units_per_step} {spec.unit}, and its time")
+        f"at least one {what}, {self._smallest_work(spec)} {spec.unit}, and its time")
 
   def close(self) -> None:
-    """Releases the runtime's resources (Ray: its actors); θ is gone after."""
-    self.runtime.close()
+    """Releases the runtime's resources (Ray: its actors) and the workdir; θ is gone after."""
+    try:
+      self.runtime.close()
+    finally:
+      if self.directory is not None:
+        self.directory.close()
 
 
 def require_no_event_loop(call: str, instead: str) -> None:
@@ -351,3 +374,32 @@ def require_no_event_loop(call: str, instead: str) -> None:
     return
   raise RuntimeError(f"{call} cannot run inside a running event loop (e.g. a Jupyter kernel); "
                      f"use {instead} instead.")
+
+
+@contextlib.contextmanager
+def stop_on_signals(engine: Engine) -> Iterator[None]:
+  """SIGTERM (how Cloud TPU and spot VMs announce a preemption) and a first Ctrl-C stop
+  ``engine`` at its next outer update, after a checkpoint: ``run`` raises ``Stopped``. A
+  second Ctrl-C stops at once (``KeyboardInterrupt``). Outside the main thread (where
+  Python runs signal handlers) it does nothing.
+
+  Example::
+
+    engine = hj.make_engine(loss_fn, params, data, workdir="run", budget_steps=10_000)
+    with hj.stop_on_signals(engine):
+      summary = asyncio.run(engine.run())
+  """
+  def stop_at_the_next_boundary(signum, frame):
+    del frame
+    if engine.stop_requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C: at once, from the last checkpoint
+    engine.request_stop(signal.Signals(signum).name)
+  handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    handlers = {signum: signal.signal(signum, stop_at_the_next_boundary)
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for signum, handler in handlers.items():
+      signal.signal(signum, handler)

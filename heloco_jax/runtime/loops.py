@@ -1,5 +1,10 @@
 """The engine's three loops, one per synchrony of the registry (``Method.synchrony``).
 
+Each loop is an asynchronous generator over a ``state.Run`` that yields after
+every outer update (an arrival group, a round, a chunk of DDP steps); the
+engine (``runtime.engine``) evaluates, checkpoints and hands the event loop
+on at each yield, in one place.
+
   * ``run_async``: one outer update per arrival with staleness τ = v − s; the
     worker is re-dispatched at once from the server's dispatch point.
     Arrivals within ``grace_window`` seconds of the first are combined into
@@ -14,15 +19,12 @@
     keep the inner optimizer states; its DDP warm-up comes first.
   * ``run_ddp``: every step averages the K workers' gradients, which is one
     inner step on their K batches together.
-
-Each yields to the asyncio event loop after every event.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +32,7 @@ import numpy as np
 
 from heloco_jax import clock as clock_lib, inner as inner_lib, rejection
 from heloco_jax.runtime import base
-from heloco_jax.runtime.state import Job
-
-if TYPE_CHECKING:
-  from heloco_jax.runtime.engine import Engine
+from heloco_jax.runtime.state import Job, Run
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -42,169 +41,153 @@ def _stack_copies(tree, k: int):
   return jax.tree.map(lambda x: jnp.stack([x] * k), tree)
 
 
-def _train_loss(engine: "Engine", loss) -> dict:
-  """A row's ``train_loss`` field: the mean loss of the inner steps it reports (none for a job
-  restored from a checkpoint written before the loss was kept)."""
-  loss = engine.runtime.fetch(loss, "train_loss")
-  return {} if loss is None else {"train_loss": loss}
-
-
-def _emit_train(engine: "Engine", loss) -> None:
+def _emit_train(run: Run, loss) -> None:
   """The ``train`` row of a round or a DDP chunk: its steps' mean training loss."""
-  s = engine.state
-  engine.recorder.emit({"event": "train", engine.spec.unit: s.units, "sim_time": s.sim_time,
-                        "outer_updates": s.version, **_train_loss(engine, loss)})
+  s = run.state
+  run.emit({"event": "train", run.spec.unit: s.units, "sim_time": s.sim_time,
+            "outer_updates": s.version, **run.train_loss(loss)})
 
 
-def _steps_per_dispatch(engine: "Engine") -> np.ndarray:
+def steps_per_dispatch(spec) -> np.ndarray:
   """H for every worker, or DyLU's H_i = max(1, ⌊v_i/v_ref·H⌋) (ALGORITHMS.md, "DyLU")."""
-  spec = engine.spec
   if spec.dylu:
     return clock_lib.dylu_steps(np.asarray(spec.seconds_per_step, float), spec.inner_steps)
   return np.full(spec.num_workers, spec.inner_steps)
 
 
-async def run_async(engine: "Engine") -> None:
+async def run_async(run: Run) -> AsyncIterator[None]:
   """Asynchronous arrivals until the queue is empty or a budget ends."""
-  s, k, clock = engine.state, engine.spec.num_workers, engine.clock
-  steps = _steps_per_dispatch(engine)
-  queue = engine.runtime.arrivals(clock, engine.recorder.emit)
+  s, spec, clock = run.state, run.spec, run.clock
+  steps = steps_per_dispatch(spec)
+  queue = run.arrivals()
 
   def dispatch(worker: int, now: float) -> None:
     work = functools.partial(
-        engine.runtime.run_worker, worker, s.workers[worker], engine.server.dispatch_point(),
-        engine.batches(worker, int(steps[worker])), engine.next_key())
+        run.executor.run_worker, worker, s.workers[worker], run.server.dispatch_point(),
+        run.batches(worker, int(steps[worker])), run.next_key())
     finish = clock.finish(worker, int(steps[worker]), now)
-    s.jobs[worker] = Job(None, s.version, int(steps[worker]) * engine.spec.units_per_step,
+    s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                          finish, work)
     if clock.eager:
-      engine.compute(worker)
+      run.compute(worker)
     queue.push(worker, s.jobs[worker])
 
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     queue.push(worker, s.jobs[worker])
   if s.phase is None:
-    s.phase, s.workers = "async", [None] * k
-    for worker in range(k):
+    s.phase, s.workers = "async", [None] * spec.num_workers
+    for worker in range(spec.num_workers):
       dispatch(worker, 0.0)
   try:
-    await _take_arrivals(engine, queue, dispatch)
+    while len(queue):
+      now, group = await queue.pop(spec.grace_window)
+      units = s.units + sum(s.jobs[w].units for w in group)
+      if spec.budget.over(units, now):
+        break  # this group and everything still in flight are discarded, never computed
+      _apply_arrivals(run, group, units, now)
+      for w in group:
+        dispatch(w, now)
+      if not clock.eager:  # the next arrivals compute (on D devices, concurrently)
+        _launch_ahead(run, queue)  # while the host goes on
+      yield
   finally:
     queue.close()
 
 
-async def _take_arrivals(engine: "Engine", queue: base.Arrivals,
-                         dispatch: Callable[[int, float], None]) -> None:
-  """Takes arrival groups from ``queue``: at most one outer update each."""
-  s, spec, budget = engine.state, engine.spec, engine.spec.budget
-  while len(queue):
-    now, group = await queue.pop(spec.grace_window)
-    units = s.units + sum(s.jobs[w].units for w in group)
-    if budget.over(units, now):
-      break  # this group and everything still in flight are discarded, never computed
-    for w in group:
-      engine.compute(w)
-    arrived = [s.jobs.pop(w) for w in group]
-    s.units, s.sim_time = units, now
-    taus = [s.version - job.version for job in arrived]
-    poisons = [spec.fault.value if engine.faulty(w) else None for w in group]
-    results = engine.server.update(taus, poisons, *(job.delta for job in arrived), fetch=False)
-    reasons = [result.pop("reason") for result in results]
-    for w, tau, reason, job in zip(group, taus, reasons, arrived):
-      if reason is not None:
-        engine.reject(w, reason, tau, job.units)
-        s.workers[w] = engine.runtime.fresh_moments(s.workers[w])
-    if any(reason is None for reason in reasons):
-      s.version += 1
-    for w, tau, reason, result, job in zip(group, taus, reasons, results, arrived):
-      if reason is None:
-        s.staleness.append(tau)
-        engine.recorder.emit({"event": "arrival", "worker": w, "staleness": tau,
-                              spec.unit: s.units, "sim_time": now, "outer_updates": s.version,
-                              **_train_loss(engine, job.train_loss), **result})
-    engine.streak.update(reasons, group)
-    engine.evaluate()
-    for w in group:
-      dispatch(w, now)
-    if not engine.clock.eager:  # the next arrivals compute (on D devices, concurrently)
-      _launch_ahead(engine, queue)  # while the host goes on
-    engine.maybe_checkpoint()
-    await asyncio.sleep(0)
+def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
+  """One arrival group: at most one outer update, its rows, rejected workers reset."""
+  s, spec = run.state, run.spec
+  for w in group:
+    run.compute(w)
+  arrived = [s.jobs.pop(w) for w in group]
+  s.units, s.sim_time = units, now
+  taus = [s.version - job.version for job in arrived]
+  results = run.server.update(taus, *(job.delta for job in arrived), fetch=False)
+  reasons = [result.pop("reason") for result in results]
+  for w, tau, reason, job in zip(group, taus, reasons, arrived):
+    if reason is not None:
+      run.reject(w, reason, tau, job.units)
+      s.workers[w] = run.executor.fresh_moments(s.workers[w])
+  if any(reason is None for reason in reasons):
+    s.version += 1
+  for w, tau, reason, result, job in zip(group, taus, reasons, results, arrived):
+    if reason is None:
+      s.staleness.append(tau)
+      run.emit({"event": "arrival", "worker": w, "staleness": tau, spec.unit: s.units,
+                "sim_time": now, "outer_updates": s.version,
+                **run.train_loss(job.train_loss), **result})
+  run.streak.update(reasons, group)
 
 
-def _launch_ahead(engine: "Engine", queue: base.Arrivals) -> None:
-  """Starts the work of the next D arrivals (D = the runtime's concurrency), in arrival
+def _launch_ahead(run: Run, queue: base.Arrivals) -> None:
+  """Starts the work of the next D arrivals (D = the executor's concurrency), in arrival
   order, unless the budget will discard it as things stand; JAX runs it asynchronously."""
-  s, budget = engine.state, engine.spec.budget
+  s, budget = run.state, run.spec.budget
   units = s.units
-  for worker in queue.heads(getattr(engine.runtime, "concurrency", 1)):
+  for worker in queue.heads(run.executor.concurrency):
     job = s.jobs[worker]
     units += job.units
     if budget.over(units, job.finish):
       return
-    engine.compute(worker)
+    run.compute(worker)
 
 
-async def run_rounds(engine: "Engine") -> None:
+async def run_rounds(run: Run) -> AsyncIterator[None]:
   """Synchronous rounds until a budget ends (PALSGD: after its DDP warm-up)."""
-  s, spec, k, h = engine.state, engine.spec, engine.spec.num_workers, engine.spec.inner_steps
-  runtime, inner = engine.runtime, engine.runtime.inner
-  palsgd = engine.method.inner == "palsgd"
+  s, spec, k, h = run.state, run.spec, run.spec.num_workers, run.spec.inner_steps
+  executor, inner = run.executor, run.executor.inner
+  palsgd = spec.method.inner == "palsgd"
   if palsgd and s.phase in (None, "ddp"):
-    warmup = h if spec.palsgd_warmup_steps < 0 else spec.palsgd_warmup_steps
+    warmup = h if spec.palsgd_warmup_steps is None else spec.palsgd_warmup_steps
     if warmup:
-      warm = await run_ddp(engine, warmup)
+      async for _ in run_ddp(run, warmup):
+        yield
       if spec.budget.over(s.units, s.sim_time):
         return
       # The first round continues the warm-up's step count and optimizer state.
-      s.workers = _stack_copies(warm, k)
+      s.workers = _stack_copies(s.workers, k)
   s.phase = "rounds"
   while True:
     # Every worker restarts from θ, keeping its own step count (and its optimizer
     # state unless reset_optimizer).
-    theta = runtime.to_rounds(engine.params)
+    theta = executor.to_rounds(run.server.params)
     starts = inner.start_many(theta, s.workers, k)
-    batches = jax.tree.map(lambda *xs: np.stack(xs), *[engine.batches(i, h) for i in range(k)])
+    batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, h) for i in range(k)])
     # The keys draw PALSGD's coins: one per round for all (shared) or one per worker.
-    keys = jnp.stack([engine.next_key()] * k if spec.palsgd_coins == "shared"
-                     else [engine.next_key() for _ in range(k)])
-    states, metrics = runtime.run_round(starts, batches, keys, theta if palsgd else None)
+    keys = jnp.stack([run.next_key()] * k if spec.palsgd_coins == "shared"
+                     else [run.next_key() for _ in range(k)])
+    states, metrics = executor.run_round(starts, batches, keys, theta if palsgd else None)
     # PALSGD: pseudo-sync steps read no data and cost no compute time.
-    real_steps = h - runtime.to_host(metrics.pseudo_sync).sum(axis=1)
+    real_steps = h - executor.to_host(metrics.pseudo_sync).sum(axis=1)
     units = s.units + int(real_steps.sum()) * spec.units_per_step
-    duration = engine.clock.round_seconds(real_steps, s.sim_time)
+    duration = run.clock.round_seconds(real_steps, s.sim_time)
     if spec.budget.over(units, s.sim_time + duration):
       return
     s.units, s.sim_time = units, s.sim_time + duration
-    for i in range(k):
-      if engine.faulty(i):
-        states = states._replace(
-            params=rejection.poison(states.params, spec.fault.value, worker=i))
-    reasons = rejection.reasons(*map(runtime.to_host,
+    reasons = rejection.reasons(*map(executor.to_host,
                                      rejection.nonfinite(states.params, per_worker=True)))
     accepted = np.array([reason is None for reason in reasons])
     for i, reason in enumerate(reasons):
       if reason is not None:
-        engine.reject(i, reason, 0, int(real_steps[i]) * spec.units_per_step)
-    engine.streak.update(reasons)
+        run.reject(i, reason, 0, int(real_steps[i]) * spec.units_per_step)
+    run.streak.update(reasons)
     if not accepted.all():
-      states = inner.reset_moments(states, runtime.to_rounds(~accepted))
+      states = inner.reset_moments(states, executor.to_rounds(~accepted))
     s.workers = states
     if accepted.any():
-      engine.server.apply(runtime.round_delta(engine.params, states.params, accepted), 0)
+      run.server.apply(executor.round_delta(run.server.params, states.params, accepted), 0)
       s.version += 1
-    _emit_train(engine, inner_lib.train_loss(metrics))
-    engine.evaluate()
-    engine.maybe_checkpoint()
-    await asyncio.sleep(0)
+    _emit_train(run, inner_lib.train_loss(metrics))
+    yield
 
 
-async def run_ddp(engine: "Engine", steps: Optional[int] = None) -> inner_lib.InnerState:
-  """DDP steps in chunks of H (all of the budget when ``steps`` is None)."""
-  s, spec, k = engine.state, engine.spec, engine.spec.num_workers
+async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
+  """DDP steps in chunks of H (all of the budget when ``steps`` is None); the final
+  state is ``run.state.workers``."""
+  s, spec, k = run.state, run.spec, run.spec.num_workers
   step_units = k * spec.units_per_step
   if s.phase != "ddp":
-    s.phase, s.workers = "ddp", engine.runtime.inner.start_jit(engine.params)
+    s.phase, s.workers = "ddp", run.executor.inner.start_jit(run.server.params)
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,
@@ -212,25 +195,23 @@ async def run_ddp(engine: "Engine", steps: Optional[int] = None) -> inner_lib.In
     chunk = spec.budget.units_left(s.units, step_units, chunk)
     if chunk <= 0:
       break
-    chunk, planned = engine.clock.plan_ddp(chunk, s.sim_time, spec.budget.sim_seconds)
+    chunk, planned = run.clock.plan_ddp(chunk, s.sim_time, spec.budget.sim_seconds)
     if chunk == 0:
       break
     # Averaging K workers' gradients = one step on their K batches together.
     batches = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
-                           *[engine.batches(i, chunk) for i in range(k)])
-    s.workers, loss = engine.runtime.run_ddp(s.workers, batches, engine.next_key())
-    engine.params = engine.runtime.to_server(jax.tree.map(jnp.array, s.workers.params))
-    seconds = engine.clock.ddp_seconds(planned, s.sim_time, engine.params)
+                           *[run.batches(i, chunk) for i in range(k)])
+    s.workers, loss = run.executor.run_ddp(s.workers, batches, run.next_key())
+    run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
+    seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params)
     s.version += chunk
     s.units += chunk * step_units
     s.sim_time += seconds
     if s.ddp_remaining is not None:
       s.ddp_remaining -= chunk
-    _emit_train(engine, loss)
-    engine.evaluate()
-    engine.maybe_checkpoint()
-    await asyncio.sleep(0)
-  return s.workers
+    _emit_train(run, loss)
+    yield
 
 
-LOOPS = {"async": run_async, "round": run_rounds, "step": run_ddp}
+LOOPS: dict[str, Callable[[Run], AsyncIterator[None]]] = {
+    "async": run_async, "round": run_rounds, "step": run_ddp}

@@ -81,9 +81,9 @@ class WorkerActor:
     devices = jax.devices()
     if len(devices) > 1 and batch_size % len(devices) == 0:  # data-parallel inside
       groups = devices_lib.group_devices(1, batch_size, devices=devices)
-      self._runtime = devices_lib.DeviceRuntime(inner, groups)
+      self._executor = devices_lib.DeviceExecutor(inner, groups)
     else:
-      self._runtime = simulated.SimulatedRuntime(inner)
+      self._executor = simulated.LocalExecutor(inner)
 
   def devices(self) -> list[str]:
     return [f"{d.platform}:{d.id}" for d in jax.devices()]
@@ -97,8 +97,8 @@ class WorkerActor:
     """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
     process's id)."""
     if fresh and previous is not None:
-      previous = self._runtime.fresh_moments(previous)
-    state, delta, loss = self._runtime.run_worker(worker, previous, start, batches,
+      previous = self._executor.fresh_moments(previous)
+    state, delta, loss = self._executor.run_worker(worker, previous, start, batches,
                                                   jax.random.wrap_key_data(key_data))
     return jax.device_get(state), jax.device_get(delta), jax.device_get(loss), os.getpid()
 
@@ -128,11 +128,11 @@ class RayServer:
     """An object ref: workers fetch it from the server's node, not from here."""
     return self.actor.dispatch_point.remote()
 
-  def update(self, taus: list[int], poisons: list[Optional[str]], *deltas: Any,
+  def update(self, taus: list[int], *deltas: Any,
              fetch: bool = True) -> list[dict]:
     del fetch  # the actor returns Python numbers: its rows come over Ray anyway
     refs = [d.delta if isinstance(d, Dispatch) else d for d in deltas]
-    return self._ray.get(self.actor.update.remote(taus, poisons, *refs))
+    return self._ray.get(self.actor.update.remote(taus, *refs))
 
 
 @dataclasses.dataclass
@@ -159,8 +159,9 @@ class RayOptions:
 
   Attributes:
     address: "" starts a local Ray instance; "auto" or "HOST:6379" joins one.
-    num_cpus: a local instance's CPUs (0: all of this machine's).
-    cpus_per_worker, gpus_per_worker: what each worker actor reserves (0: Ray's default).
+    num_cpus: a local instance's CPUs (None: all of this machine's).
+    cpus_per_worker: the CPUs each worker actor reserves (None: Ray's default).
+    gpus_per_worker: the GPUs each worker actor owns.
     server_gpus: the parameter server's GPUs (0: it runs on its node's CPU).
     log_to_driver: the actors' stdout/stderr in this terminal.
     slowdown: per worker, a factor >= 1: worker i's result arrives after
@@ -171,8 +172,8 @@ class RayOptions:
       then runs again); after that its workers move to the live actors.
   """
   address: str = ""
-  num_cpus: int = 0
-  cpus_per_worker: float = 0.0
+  num_cpus: Optional[int] = None
+  cpus_per_worker: Optional[float] = None
   gpus_per_worker: float = 0.0
   server_gpus: float = 0.0
   log_to_driver: bool = False
@@ -195,8 +196,11 @@ def _send_by_value(fn: Any) -> None:
     cloudpickle.register_pickle_by_value(module)
 
 
-class RayRuntime(base.OneProcess):
-  """A run on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
+class RayExecutor(base.OneProcess):
+  """A run's work on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
+
+  Runs asynchronous methods only (``synchronies``): synchronous ones run SPMD
+  with ``runtime="devices"`` and ``jax.distributed``.
 
   Args:
     inner: the engine's inner loop (this process runs none of it: each worker
@@ -208,17 +212,18 @@ class RayRuntime(base.OneProcess):
   def __init__(self, inner: inner_lib.InnerLoop, num_workers: int,
                options: RayOptions = RayOptions()):
     self.inner = inner
+    self.concurrency = num_workers
     ray = self._ray = import_ray()
     self._started = not ray.is_initialized()
     if self._started:
       with warnings.catch_warnings():  # Ray forks and at once execs its processes: no hazard
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-        ray.init(address=options.address or None, num_cpus=options.num_cpus or None,
+        ray.init(address=options.address or None, num_cpus=options.num_cpus,
                  include_dashboard=False, log_to_driver=options.log_to_driver,
                  configure_logging=False)
     self.slowdown = options.slowdown or (1.0,) * num_workers
     def resources(cpus, gpus):
-      return {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus)) if v > 0}
+      return {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus)) if v}
     _send_by_value(inner.loss_fn)
     worker = ray.remote(WorkerActor).options(
         max_restarts=options.max_restarts, max_task_retries=options.max_restarts,
@@ -234,28 +239,20 @@ class RayRuntime(base.OneProcess):
     self._emit: Callable[[dict], None] = lambda row: None
     self._clock: Callable[[], float] = lambda: 0.0
 
-  def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.RealClock:
-    del seconds_per_step, jitter, seed, comm, model_bytes  # actors take real time
-    return base.RealClock(self.agree)
-
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
     actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
         outer_tx, jax.device_get(params), options)
     return RayServer(actor)
 
-  def arrivals(self, clock: base.RealClock, emit: Callable[[dict], None]) -> "RayArrivals":
-    self._clock, self._emit = clock.now, emit
-    return RayArrivals(clock.now, self.slowdown, self)
+  synchronies = frozenset({"async"})
+
+  def watch(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> None:
+    """Where restart and re-send rows go, with the run's clock (set by the arrival queue)."""
+    self._clock, self._emit = clock, emit
 
   def describe(self) -> str:
     return (f"Ray worker actors ({'/'.join(str(len(d)) for d in self.actor_devices)} "
             f"{self.actor_devices[0][0].split(':')[0]} devices each)")
-
-  def run_round(self, *args: Any) -> Any:
-    raise NotImplementedError("runtime='ray' runs asynchronous methods only; synchronous "
-                              "ones run SPMD with runtime='devices' and jax.distributed")
-
-  run_ddp = round_delta = run_round
 
   def run_worker(self, worker, previous, start, batches, key):
     """Sends the dispatch to worker ``worker``'s actor; returns its Dispatch three times (the
@@ -273,9 +270,9 @@ class RayRuntime(base.OneProcess):
     dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done = self.actors[
         actor].run.options(num_returns=4).remote(*dispatch.args)
 
-  def kill_worker(self, worker: int) -> None:
-    """Kills worker ``worker``'s actor process (``fault.kill_worker``); Ray restarts it."""
-    self._ray.kill(self.actors[self._assigned[worker]], no_restart=False)
+  def actor_of(self, worker: int) -> Any:
+    """The actor that runs worker ``worker``'s dispatches now."""
+    return self.actors[self._assigned[worker]]
 
   def _computed(self, dispatch: Dispatch, pid: int) -> None:
     """Notes the process that computed ``dispatch``: a new one means its actor restarted."""
@@ -345,11 +342,18 @@ class RayRuntime(base.OneProcess):
       self._ray.shutdown()
 
 
+def ray_arrivals(clock: base.RealClock, executor: RayExecutor,
+                 emit: Callable[[dict], None]) -> "RayArrivals":
+  """The queue of Ray dispatches in flight; restarts and re-sends are emitted as rows."""
+  executor.watch(clock.now, emit)
+  return RayArrivals(clock.now, executor.slowdown, executor)
+
+
 class RayArrivals(devices_lib.DeviceArrivals):
   """Arrivals of Ray dispatches, in the order the actors finish them (re-sent on death)."""
 
   def __init__(self, clock: Callable[[], float], slowdown: tuple[float, ...],
-               runtime: RayRuntime):
+               runtime: RayExecutor):
     super().__init__(clock, slowdown)
     self._runtime = runtime
 

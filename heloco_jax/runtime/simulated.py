@@ -1,9 +1,9 @@
-"""``runtime="simulated"``: every computation on the default device, simulated time.
+"""The simulated runtime's parts: this process's devices and the simulated arrival queue.
 
-Work dispatched to a worker is computed lazily by the engine (docs/DESIGN.md,
-"Runtimes"); ``SimulatedArrivals`` hands out the jobs in the order of their
-simulated finish times, ties broken by worker index, so a run reproduces bit
-for bit.
+``LocalExecutor`` computes on this process's devices; work dispatched to a
+worker is computed lazily by the engine (docs/DESIGN.md, "Runtimes");
+``SimulatedArrivals`` hands out the jobs in the order of their simulated
+finish times, ties broken by worker index, so a run reproduces bit for bit.
 """
 
 from __future__ import annotations
@@ -68,10 +68,20 @@ def _subtract(start: Any, end: Any) -> Any:
   return jax.tree.map(jnp.subtract, start, end)
 
 
-class SimulatedRuntime(base.OneProcess):
-  """Computation on this process's devices; time is the simulated clock.
+def compute_worker(inner: inner_lib.InnerLoop, previous: Optional[inner_lib.InnerState],
+                   start: Any, batches: Any, key: jax.Array
+                   ) -> tuple[inner_lib.InnerState, Any, jax.Array]:
+  """H inner steps from ``start`` where the inputs live: (end state, Δ = start − end, mean
+  training loss). ``previous`` is the worker's inner state after its last dispatch (None at
+  first): the step count and, unless reset, the optimizer state carry over."""
+  state, metrics = inner.run_jit(inner.start_jit(start, previous), batches, key)
+  return state, _subtract(start, state.params), inner_lib.train_loss(metrics)
 
-  θ, the outer step and synchronous rounds live on the default device. An
+
+class LocalExecutor(base.OneProcess):
+  """Computation on this process's devices (the simulated runtime's executor).
+
+  θ, the outer step and synchronous rounds live on the first device. An
   asynchronous worker's inner steps run on ``devices[worker % D]``, so with
   several devices (e.g. host CPU devices, ``--xla_force_host_platform_device_count``)
   the in-flight workers' steps run concurrently: JAX dispatches them
@@ -85,62 +95,39 @@ class SimulatedRuntime(base.OneProcess):
       first holds θ).
   """
 
+  synchronies = base.SYNCHRONIES
+
   def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None):
     self.inner = inner
     self.devices = list(devices) if devices is not None else jax.local_devices()
+    self.concurrency = len(self.devices)  # one worker's steps per device at once
     self._round_delta = jax.jit(round_delta)
-
-  @property
-  def concurrency(self) -> int:
-    """How many workers' steps can run at once: one per device."""
-    return len(self.devices)
-
-  def make_clock(self, seconds_per_step, jitter, seed, comm, model_bytes) -> base.SimulatedClock:
-    return base.SimulatedClock(seconds_per_step, jitter, seed, comm, model_bytes)
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
     return server_lib.OuterServer(outer_tx, params, place=self.to_server, **options)
-
-  def arrivals(self, clock: base.Clock, emit: Callable[[dict], None]) -> SimulatedArrivals:
-    del clock, emit
-    return SimulatedArrivals()
 
   def describe(self) -> str:
     return "simulated workers"
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
-    return self.to_server(
-        self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
+    return self._round_delta(params, ends, accepted)
 
   def close(self) -> None:
     pass
-
-  def kill_worker(self, worker: int) -> None:
-    raise NotImplementedError(f"fault.kill_worker={worker} needs runtime='ray'")
-
-  def fetch(self, tree: Any, what: str) -> Any:
-    del what
-    return tree
 
   def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
     return self.inner.fresh_moments(state)
 
   def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
                  batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any, jax.Array]:
-    """Worker ``worker``'s H steps from ``start``: (end state, Δ = start − end, mean training
-    loss).
-
-    ``previous`` is its inner state after its last dispatch (None at first):
-    the step count and, unless reset, the optimizer state carry over.
-    """
+    """Worker ``worker``'s H steps from ``start`` on its device (``compute_worker``)."""
     device = self.devices[worker % len(self.devices)]
     if device != self.devices[0]:  # inputs follow the worker; Δ goes back to θ's device
       start, previous, batches, key = jax.device_put((start, previous, batches, key), device)
-    state, metrics = self.inner.run_jit(self.inner.start_jit(start, previous), batches, key)
-    delta = _subtract(start, state.params)
+    state, delta, loss = compute_worker(self.inner, previous, start, batches, key)
     if device != self.devices[0]:
       delta = jax.device_put(delta, self.devices[0])
-    return state, delta, inner_lib.train_loss(metrics)
+    return state, delta, loss
 
   def run_round(self, states, batches, keys, anchor):
     return self.inner.run_many(states, batches, keys, anchor)
@@ -149,3 +136,9 @@ class SimulatedRuntime(base.OneProcess):
     state, metrics = self.inner.run_jit(state, batches, key)
     return state, inner_lib.train_loss(metrics)
 
+
+def simulated_arrivals(clock: base.Clock, executor: base.Executor,
+                       emit: Callable[[dict], None]) -> SimulatedArrivals:
+  """The arrival queue of the simulated clock (``base.ArrivalsFactory``)."""
+  del clock, executor, emit
+  return SimulatedArrivals()

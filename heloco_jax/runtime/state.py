@@ -1,10 +1,11 @@
-"""A run's parts besides the engine: its spec and budget, state, streams and rows.
+"""A run's parts: its spec and budget, state, streams, rows, and the ``Run`` the loops take.
 
-``RunSpec`` (with its ``Budget`` and ``Fault``) says what a run is; ``RunState``
-is the host side of where it stands (what a checkpoint's meta holds);
-``WorkerStream`` reads a worker's batches and can save and restore its
-position; ``Recorder`` keeps the metrics rows, fetching their device scalars
-in batches.
+``RunSpec`` (with its ``Budget``) says what a run is; ``RunState`` is the host
+side of where it stands (what a checkpoint's meta holds); ``WorkerStream``
+reads a worker's batches and can save and restore its position;
+``Recorder`` keeps the metrics rows, fetching their device scalars in
+batches. ``Run`` holds all of them with the runtime's parts (executor, clock)
+and the server: what the loops (``runtime.loops``) read and change.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Callable, Iterable, Optional
 import jax
 import numpy as np
 
-from heloco_jax import clock as clock_lib, methods as methods_lib, server as server_lib
+from heloco_jax import clock as clock_lib, methods as methods_lib, problem
+from heloco_jax import server as server_lib
 
 Row = dict[str, Any]
 PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
@@ -47,18 +49,6 @@ class Budget:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fault:
-  """Fault injection for tests: worker ``worker``'s ``arrival``-th result gets a NaN/Inf.
-
-  ``kill_worker`` (Ray) kills that worker's actor at its ``arrival``-th arrival.
-  """
-  worker: int = -1
-  arrival: int = 1
-  value: str = "nan"
-  kill_worker: int = -1
-
-
-@dataclasses.dataclass(frozen=True)
 class RunSpec:
   """Everything about a run except the problem and the runtime.
 
@@ -71,7 +61,7 @@ class RunSpec:
     comm: message and all-reduce costs.
     dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
     grace_window: simulated seconds within which arrivals are combined.
-    palsgd_warmup_steps: DDP steps before PALSGD's rounds; -1 = H.
+    palsgd_warmup_steps: DDP steps before PALSGD's rounds; None = H.
     budget: where the run ends (``Budget``).
     eval_every: units between evaluations (0 = at the start and end only).
     units_per_step: units one inner step of one worker counts.
@@ -84,7 +74,6 @@ class RunSpec:
       "independent" (a key per worker).
     metrics_fetch_every: arrival rows whose device scalars are fetched together.
     seed: PRNG seed of dispatch keys and the clock's jitter.
-    fault: fault injection (tests).
   """
   method: methods_lib.Method
   num_workers: int
@@ -94,7 +83,7 @@ class RunSpec:
   comm: clock_lib.CommModel = clock_lib.CommModel()
   dylu: bool = False
   grace_window: float = 0.0
-  palsgd_warmup_steps: int = -1
+  palsgd_warmup_steps: Optional[int] = None
   budget: Budget = Budget()
   eval_every: int = 0
   units_per_step: int = 1
@@ -104,7 +93,6 @@ class RunSpec:
   palsgd_coins: str = "shared"
   metrics_fetch_every: int = 16
   seed: int = 0
-  fault: Fault = Fault()
 
 
 class WorkerStream:
@@ -112,44 +100,90 @@ class WorkerStream:
 
   Iterators with ``get_state``/``set_state`` (grain's) save their own
   position; for any other iterable the count of batches read is saved, and a
-  restore iterates ``source`` anew and skips that many.
+  restore iterates ``source`` anew and skips that many. Every batch must have
+  the structure and shapes of the run's first batch (``first``, shared by
+  the workers' streams): a mismatch is an error naming the worker and batch.
+
+  Args:
+    source: the worker's iterable of batches.
+    worker: its index (error messages).
   """
 
-  def __init__(self, source: Iterable[Any]):
+  def __init__(self, source: Iterable[Any], worker: int = 0):
     self._source = source
+    self.worker = worker
     self._iterator = source if hasattr(source, "get_state") else iter(source)
     self._read = 0
+    self._peeked: list[Any] = []
+    # The run's first batch and its signature, shared by all streams (``share_first_batch``).
+    self.first: list[Any] = []
+
+  def _next_batch(self) -> Any:
+    if self._peeked:
+      return self._peeked.pop()
+    try:
+      batch = next(self._iterator)
+    except StopIteration:
+      raise ValueError(f"worker {self.worker}'s data ran out after {self._read} batches; "
+                       "allowed: iterables that yield a batch for every inner step of the run "
+                       "(e.g. endless iterators, or a budget that fits the data)") from None
+    if batch is None or not jax.tree.leaves(batch):
+      raise ValueError(f"worker {self.worker}'s batch {self._read} is {batch!r}; allowed: a "
+                       "pytree of arrays (e.g. a tuple (x, y) or a dict)")
+    return batch
+
+  def peek(self) -> Any:
+    """The next batch, without consuming it (``make_engine``'s checks of ``loss_fn``)."""
+    if not self._peeked:
+      self._peeked.append(self._next_batch())
+    return self._peeked[0]
 
   def next(self, steps: int) -> Any:
     """The next ``steps`` batches, stacked on a new leading axis (leaf by leaf)."""
     batches = []
     for _ in range(steps):
-      try:
-        batches.append(next(self._iterator))
-      except StopIteration:
-        raise ValueError(f"a worker's data ran out after {self._read} batches; allowed: "
-                         "iterables that yield a batch for every inner step of the run "
-                         "(e.g. endless iterators, or a budget that fits the data)") from None
+      batch = self._next_batch()
+      if not self.first:
+        self.first.append((batch, _signature(batch)))
+      elif _signature(batch) != self.first[0][1]:  # the message names the worker and leaf
+        problem.check_batch(self.worker, self._read, batch, self.first[0][0])
+      batches.append(batch)
       self._read += 1
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
   def get_state(self) -> Any:
+    if self._peeked:
+      raise RuntimeError("a peeked batch cannot be checkpointed")
     if hasattr(self._iterator, "get_state"):
       return self._iterator.get_state()
     return {"batches_read": self._read}
 
   def set_state(self, state: Any) -> None:
+    self._peeked.clear()
     if hasattr(self._iterator, "set_state"):
       self._iterator.set_state(state)
       return
     if self._iterator is self._source:
-      raise ValueError("cannot resume a worker's data: it is a one-shot iterator; allowed: "
-                       "a re-iterable (e.g. a list or a grain dataset) or an iterator with "
-                       "get_state/set_state")
+      raise ValueError(f"cannot resume worker {self.worker}'s data: it is a one-shot "
+                       "iterator; allowed: a re-iterable (e.g. a list or a grain dataset) or "
+                       "an iterator with get_state/set_state")
     self._iterator, self._read = iter(self._source), 0
     for _ in range(state["batches_read"]):
       next(self._iterator)
       self._read += 1
+
+
+def _signature(batch: Any) -> tuple:
+  """A batch's structure and its leaves' shapes and dtypes."""
+  leaves, treedef = jax.tree.flatten(batch)
+  return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+
+
+def share_first_batch(streams: list[WorkerStream]) -> None:
+  """Makes the streams check every batch against the first batch any of them reads."""
+  first: list[Any] = []
+  for stream in streams:
+    stream.first = first
 
 
 class Recorder:
@@ -211,7 +245,6 @@ class RunState:
   workers: Any = None
   jobs: dict = dataclasses.field(default_factory=dict)
   ddp_remaining: Optional[int] = None
-  arrivals: list = dataclasses.field(default_factory=list)
   rejected: int = 0
   rejected_units: int = 0
   rejected_in_a_row: Any = 0
@@ -221,7 +254,7 @@ class RunState:
   next_checkpoint: int = 0
   wall_before: float = 0.0
 
-  META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining", "arrivals",
+  META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining",
           "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
           "next_eval", "next_checkpoint", "wall_before")
 
@@ -236,9 +269,76 @@ class RunState:
   def load(self, meta: dict[str, Any], pending: list[Any], workers: Any) -> None:
     for name in self.META:  # keys added since a checkpoint was written keep their defaults
       setattr(self, name, meta.get(name, getattr(self, name)))
-    self.staleness, self.arrivals = list(self.staleness), list(self.arrivals)
+    self.staleness = list(self.staleness)
     self.next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
     # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
     self.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])
                  for entry, delta in zip(meta["jobs"], pending)}
     self.workers = workers
+
+
+@dataclasses.dataclass
+class Run:
+  """A run's state and its services: what the loops (``runtime.loops``) take.
+
+  Attributes:
+    spec: the ``RunSpec``.
+    executor: where work runs (``base.Executor``).
+    clock: the run's clock.
+    arrivals: builds the queue of asynchronous work in flight.
+    server: θ, the outer state and the outer rule (``server.OuterServer``).
+    streams: the K workers' ``WorkerStream``s.
+    recorder: the metrics rows.
+    state: the host side of where the run stands.
+    streak: non-finite pseudo-gradients in a row (``rejection.RejectionStreak``).
+    key: the run's PRNG key stream.
+  """
+  spec: RunSpec
+  executor: Any
+  clock: Any
+  arrivals: Callable[[], Any]
+  server: Any
+  streams: list[WorkerStream]
+  recorder: Recorder
+  state: RunState
+  streak: Any
+  key: jax.Array
+
+  def batches(self, worker: int, steps: int) -> Any:
+    """Worker ``worker``'s next ``steps`` batches, stacked on a leading axis."""
+    return self.streams[worker].next(steps)
+
+  def next_key(self) -> jax.Array:
+    """A fresh PRNG key of the run's key stream."""
+    self.key, key = jax.random.split(self.key)
+    return key
+
+  def compute(self, worker: int) -> Any:
+    """``worker``'s pending Δ, running its deferred inner steps first if needed."""
+    job = self.state.jobs[worker]
+    if job.work is not None:
+      try:
+        self.state.workers[worker], job.delta, job.train_loss = job.work()
+      except (TypeError, ValueError) as error:  # tracing the user's loss_fn or inner_tx
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "
+                          f"{job.version}) failed in loss_fn or inner_tx: {first}") from error
+      job.work = None
+    return job.delta
+
+  def emit(self, row: Row) -> None:
+    self.recorder.emit(row)
+
+  def train_loss(self, loss: Any) -> dict[str, Any]:
+    """A row's ``train_loss`` field: the mean loss of the inner steps it reports (none for a
+    job restored from a checkpoint written before the loss was kept)."""
+    loss = self.executor.fetch(loss, "train_loss")
+    return {} if loss is None else {"train_loss": loss}
+
+  def reject(self, worker: int, reason: str, staleness: int, units: int) -> None:
+    """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient of ``units`` units."""
+    self.state.rejected += 1
+    self.state.rejected_units += units
+    self.emit({"event": "rejected", "worker": worker, "reason": reason,
+               "staleness": staleness, "sim_time": self.state.sim_time,
+               "outer_updates": self.state.version})

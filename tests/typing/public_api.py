@@ -2,6 +2,7 @@
 type checker sees it (heloco_jax ships py.typed). Each line is something a user writes; an
 error here means the annotations of the public API are wrong or missing."""
 
+import asyncio
 from typing import Any
 
 import jax
@@ -37,6 +38,25 @@ def engine(params: dict[str, jax.Array], data: list[list[dict[str, jax.Array]]])
   rows: list[dict[str, Any]] = result.history
   del rows
   return float(result.summary["final_val_loss"])
+
+
+def engines(params: dict[str, jax.Array], data: list[list[dict[str, jax.Array]]]) -> None:
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  engine = hj.make_engine(
+      loss_fn, params, data, method="mla", outer_options={"learning_rate": 0.5},
+      budget_steps=1000, eval_every_steps=100, runtime=hj.simulated_runtime(),
+      workdir=hj.Workdir("/tmp/run", keep_checkpoints=2), checkpoint_every=5)
+  with hj.stop_on_signals(engine):
+    summary: dict[str, Any] = asyncio.run(engine.run(on_row=lambda row: None))
+  rows: list[dict[str, Any]] = engine.rows
+  final: Any = engine.params
+  engine.request_stop("a reason")
+  engine.close()
+  del summary, rows, final
+  for runtime in (None, hj.simulated_runtime(), hj.devices_runtime(batch_size=8),
+                  hj.ray_runtime(num_cpus=4)):
+    hj.simulate(loss_fn, params, data, budget_sim_seconds=60.0, runtime=runtime,
+                workdir="/tmp/run", handle_signals=True)
 
 
 def server(params: dict[str, jax.Array], delta: dict[str, jax.Array]) -> None:

@@ -1,0 +1,93 @@
+"""``runtime=`` values for ``hj.make_engine``: each composes an executor, a clock and a queue.
+
+::
+
+  hj.simulate(..., runtime=hj.simulated_runtime())          # the default
+  hj.simulate(..., runtime=hj.devices_runtime(batch_size=8))  # real devices, real time
+  hj.simulate(..., runtime=hj.ray_runtime(num_cpus=4))        # Ray actors, real time
+
+A factory is called once by ``make_engine`` with the workers' inner loop and
+the run's spec and returns a ``base.Runtime``. Its ``simulated_clock`` says,
+before anything starts, whether the run's time is simulated (and so whether
+bit-exact replay is the default, ``deterministic=None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Union
+
+from heloco_jax import inner as inner_lib
+from heloco_jax.runtime import base, simulated
+from heloco_jax.runtime.state import RunSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeFactory:
+  """Builds a run's ``base.Runtime`` from its inner loop and spec.
+
+  Attributes:
+    build: ``(inner loop, spec) -> Runtime``.
+    simulated_clock: whether the runtime's time is simulated.
+    synchronies: the method synchronies it can run (``base.SYNCHRONIES``).
+    multiprocess: it can span processes (``jax.distributed``).
+  """
+  build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
+  simulated_clock: bool
+  synchronies: frozenset[str] = base.SYNCHRONIES
+  multiprocess: bool = False
+
+  def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
+    return self.build(inner, spec)
+
+
+def simulated_runtime(devices: Optional[Sequence[Any]] = None) -> RuntimeFactory:
+  """Simulated heterogeneous workers on this process's devices, on the simulated clock.
+
+  Deterministic: a run replays bit for bit (docs/DESIGN.md, "Determinism").
+
+  Args:
+    devices: where workers compute (default ``jax.local_devices()``; the
+      first holds θ); several let in-flight workers compute concurrently.
+  """
+  def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
+    del spec
+    return base.Runtime(simulated.LocalExecutor(inner, devices), base.SimulatedClock,
+                        simulated.simulated_arrivals)
+  return RuntimeFactory(build, simulated_clock=True)
+
+
+def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = "",
+                    server: int = 0, slowdown: Union[str, Sequence[float]] = ""
+                    ) -> RuntimeFactory:
+  """Each worker on its own group of ``jax.devices()``, on the real clock.
+
+  Args:
+    batch_size: the leading size of every batch (split over a group's devices).
+    group_sizes: "" (the devices split evenly) or K group sizes.
+    server: index into ``jax.devices()`` of the device holding θ and the outer step.
+    slowdown: "" or K factors >= 1 (worker i's result arrives after f_i × its compute).
+  """
+  def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
+    from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
+    groups = devices.group_devices(spec.num_workers, batch_size, group_sizes, server, slowdown,
+                                   synchronous=spec.method.synchrony != "async")
+    return base.Runtime(devices.DeviceExecutor(inner, groups), base.RealClock,
+                        devices.device_arrivals)
+  return RuntimeFactory(build, simulated_clock=False, multiprocess=True)
+
+
+def ray_runtime(**options: Any) -> RuntimeFactory:
+  """A parameter-server actor and one actor per worker, on the real clock.
+
+  Args:
+    **options: the fields of ``heloco_jax.runtime.ray.RayOptions`` (address,
+      num_cpus, cpus_per_worker, gpus_per_worker, server_gpus, slowdown, ...).
+  """
+  from heloco_jax.runtime import ray  # pylint: disable=g-import-not-at-top
+  ray_options = ray.RayOptions(**options)
+
+  def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
+    return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), base.RealClock,
+                        ray.ray_arrivals)
+  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies)
