@@ -225,8 +225,8 @@ class Checkpointer:
       try:
         meta = self._manager.restore(candidate, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta
-        if "crc32" in meta and meta.pop("crc32") != meta_checksum(meta):
-          raise ValueError("its metadata fails its checksum")
+        if meta.pop("crc32", None) != meta_checksum(meta):  # a missing one fails too
+          raise ValueError("its metadata fails its checksum (or has none)")
         refusal = accept(meta) if accept is not None else None
         if refusal:
           raise ValueError(refusal)

@@ -24,36 +24,87 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from heloco_jax import outer
+from heloco_jax import outer, safe_files
 
 USAGE = "usage: heloco-jax plot RUN_DIR [RUN_DIR ...] [--out DIR]"
 
 
 class Run:
-  """One run directory's label, evaluations and arrivals."""
+  """One run directory's label, evaluations and arrivals.
+
+  Raises:
+    ValueError: the folder is not a run directory, or a row is malformed (naming the file,
+      the line and what is wrong; only a half-written last line is skipped).
+  """
 
   def __init__(self, path: str):
     self.path = path
     config_path, metrics_path = (os.path.join(path, f) for f in ("config.json", "metrics.jsonl"))
-    if not os.path.exists(metrics_path):
+    if not os.path.isfile(metrics_path):
       raise ValueError(f"{path!r} is not a run directory: it has no metrics.jsonl")
-    config: dict[str, Any] = {}
+    config: Any = {}
     if os.path.exists(config_path):
-      with open(config_path) as f:
-        config = json.load(f)
+      try:
+        with open(config_path) as f:
+          config = json.load(f)
+      except ValueError as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+      raise ValueError(f"{config_path} holds a {type(config).__name__}; allowed: a JSON object")
     speeds = config.get("speeds", "")
-    speeds = speeds if isinstance(speeds, str) else ",".join(f"{s:g}" for s in speeds)
-    self.method = config.get("method", "?")
-    self.label = f"{self.method} ({speeds})" if speeds else self.method
-    rows = []
+    if isinstance(speeds, (list, tuple)):
+      speeds = ",".join(f"{s:g}" if isinstance(s, (int, float)) else str(s) for s in speeds)
+    self.method = str(config.get("method", "?"))
+    self.label = f"{self.method} ({speeds})" if speeds != "" else self.method
     with open(metrics_path) as f:
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:
+      lines = f.read().split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    rows = []
+    for number, line in enumerate(lines, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except ValueError:
+        if number - 1 == last:
           break  # a run in progress: its last line may be half written
+        raise ValueError(f"{metrics_path}:{number}: not valid JSON; allowed: one JSON object "
+                         "per line (only a half-written last line is skipped)") from None
+      rows.append(_checked(row, metrics_path, number))
     self.evals = [r for r in rows if r.get("event") == "eval"]
     self.arrivals = [r for r in rows if r.get("event") == "arrival"]
+
+
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _checked(row: Any, path: str, number: int) -> dict[str, Any]:
+  """``row`` if it has what the figures read, else a ValueError naming the line."""
+  where = f"{path}:{number}"
+  if not isinstance(row, dict):
+    raise ValueError(f"{where}: a {type(row).__name__}; allowed: a JSON object (a row)")
+  event = row.get("event")
+  if event == "eval" and not (_number(row.get("val_loss")) or row.get("val_loss") is None):
+    raise ValueError(f"{where}: an eval row's val_loss is {row.get('val_loss')!r}; allowed: "
+                     "a number")
+  if event == "eval" and "val_loss" not in row:
+    raise ValueError(f"{where}: an eval row without val_loss")
+  if event == "arrival":
+    for key, bound in (("worker", MAX_WORKER), ("staleness", MAX_STALENESS)):
+      value = row.get(key)
+      if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= bound):
+        raise ValueError(f"{where}: an arrival row's {key} is {value!r}; allowed: an integer "
+                         f"in [0, {bound}]")
+    if not _number(row.get("sim_time")):
+      raise ValueError(f"{where}: an arrival row's sim_time is {row.get('sim_time')!r}; "
+                       "allowed: a number")
+  return row
+
+
+# Bounds of the arrival rows' integers that the figures lay out (a worker per row of the
+# timeline, a histogram bin per staleness up to 100).
+MAX_WORKER, MAX_STALENESS = 4095, 10**9
 
 
 def _labels(runs: Sequence[Run]) -> list[str]:
@@ -70,7 +121,7 @@ def _grid(plt, n: int, width: float = 4.2, height: float = 3.2):
 
 def _save(plt, fig, path: str) -> str:
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  safe_files.save_figure(fig, path, dpi=100)  # never through a link at ``path``
   plt.close(fig)
   return path
 
@@ -87,14 +138,15 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
   runs = [Run(path) for path in run_dirs]
   if not any(r.evals for r in runs):
     raise ValueError("no run has an evaluation yet (the first is written when training starts)")
-  os.makedirs(out, exist_ok=True)
+  safe_files.make_dirs(out)
   labels = _labels(runs)
   paths = []
   for axis, xlabel in (("tokens", "tokens"), ("sim_time", "simulated seconds")):
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for run, label in zip(runs, labels):
       evals = [e for e in run.evals if axis in e]
-      ax.plot([e[axis] for e in evals], [e["val_loss"] for e in evals], marker=".", label=label)
+      ax.plot([e[axis] for e in evals], [np.nan if e["val_loss"] is None else e["val_loss"]
+                                         for e in evals], marker=".", label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss")
     ax.grid(alpha=0.3)
@@ -104,15 +156,15 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
   with_arrivals = [(r, label) for r, label in zip(runs, labels) if r.arrivals]
   if not with_arrivals:
     return paths
-  num_workers = lambda r: 1 + max(a["worker"] for a in r.arrivals)
+  workers = lambda r: sorted({a["worker"] for a in r.arrivals})  # those that arrived
 
   fig, axes = _grid(plt, len(with_arrivals))
   for ax, (run, label) in zip(axes, with_arrivals):
-    k = num_workers(run)
-    by_worker = [[a["staleness"] for a in run.arrivals if a["worker"] == w] for w in range(k)]
+    ids = workers(run)
+    by_worker = [[a["staleness"] for a in run.arrivals if a["worker"] == w] for w in ids]
     top = max(a["staleness"] for a in run.arrivals)
-    ax.hist(by_worker, bins=np.arange(top + 2) - 0.5, stacked=True,
-            label=[f"worker {w}" for w in range(k)])
+    bins = np.arange(top + 2) - 0.5 if top < 100 else 100  # one bin per τ, or 100
+    ax.hist(by_worker, bins=bins, stacked=True, label=[f"worker {w}" for w in ids])
     ax.set_title(label, fontsize=9)
     ax.set_xlabel("staleness τ")
     ax.set_ylabel("arrivals")
@@ -137,13 +189,15 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
     ax.legend(fontsize=7, loc="lower right")
   paths.append(_save(plt, fig, os.path.join(out, "alignment.png")))
 
-  fig, axes = _grid(plt, len(with_arrivals), height=0.6 + 0.45 * max(map(num_workers, (
-      r for r, _ in with_arrivals))))
+  fig, axes = _grid(plt, len(with_arrivals), height=0.6 + 0.45 * max(
+      len(workers(r)) for r, _ in with_arrivals))
   for ax, (run, label) in zip(axes, with_arrivals):
-    ax.scatter([a["sim_time"] for a in run.arrivals], [a["worker"] for a in run.arrivals],
+    ids = workers(run)
+    row = {w: i for i, w in enumerate(ids)}
+    ax.scatter([a["sim_time"] for a in run.arrivals], [row[a["worker"]] for a in run.arrivals],
                c=[a["staleness"] for a in run.arrivals], cmap="viridis", s=90, marker="|",
                linewidths=2)
-    ax.set_yticks(range(num_workers(run)))
+    ax.set_yticks(range(len(ids)), [str(w) for w in ids])
     ax.set_title(label, fontsize=9)
     ax.set_xlabel("simulated seconds (colour: staleness)")
     ax.set_ylabel("worker")
@@ -162,8 +216,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      else "plots")
   try:
     paths = plot(args.run_dirs, out)
-  except ValueError as error:
+  except ValueError as error:  # safe_files.LinkError too
     print(f"heloco-jax plot: {error}", file=sys.stderr)
+    return 2
+  except OSError as error:  # --out a file, a read-only file system, a full disk
+    print(f"heloco-jax plot: cannot write to --out={out!r}: {error.strerror or error}",
+          file=sys.stderr)
     return 2
   for path in paths:
     print(path)

@@ -30,12 +30,19 @@ import json
 import math
 import os
 import socket
+import uuid
 import warnings
 from typing import Any, Callable, Optional
 
-from heloco_jax import checkpoint
+from heloco_jax import checkpoint, safe_files
 
 Row = dict[str, Any]
+
+
+# What a run writes in its workdir: files (opened without following links) and directories
+# (no link in them); docs/DESIGN.md, "What a workdir trusts".
+RUN_FILES = ("lock", "config.json", "metrics.jsonl", "summary.json", "run_id")
+RUN_DIRS = ("checkpoints", "tensorboard", "plots")
 
 
 class WorkdirError(ValueError):
@@ -74,12 +81,14 @@ def _process_alive(pid: int) -> bool:
 class WorkdirLock:
   """An exclusive lock on a workdir, held until ``release`` (or the process ends).
 
-  ``fcntl.flock`` on ``path``, which also records the owner (pid, host,
-  start time) for the message a second process gets. The kernel drops the
-  lock when its process dies, so a lock file that still names an owner but
-  is not locked was left by a dead process: it is taken over, and
-  ``taken_over`` says from whom. On file systems without ``flock`` the
-  recorded owner decides: a live pid on this host keeps the workdir.
+  ``fcntl.flock`` on an open descriptor of the workdir itself, so that
+  deleting, replacing or linking ``DIR/lock`` cannot let a second process in;
+  ``DIR/lock`` only records the owner (pid, host, start time) for the message
+  a second process gets. The kernel drops the lock when its process dies, so
+  a record that names an owner while the directory is not locked was left
+  by a dead process: it is taken over, and ``taken_over`` says from whom. On
+  file systems without ``flock`` the recorded owner decides: a live pid on
+  this host keeps the workdir.
 
   Raises:
     WorkdirError: another process holds the lock.
@@ -87,13 +96,13 @@ class WorkdirLock:
 
   def __init__(self, path: str, flag: str, workdir: str):
     import fcntl  # pylint: disable=g-import-not-at-top  (POSIX)
-    self.path = path
-    self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    self.path, self.workdir, self.flag = path, workdir, flag
+    self._dir = os.open(workdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     previous = self._read()
     try:
-      fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      fcntl.flock(self._dir, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      os.close(self._fd)
+      self._close()
       raise WorkdirError(f"{flag}={workdir!r} is in use by {self._owner(previous)}; allowed: "
                          f"wait until that run ends (or stop it), or use another {flag}"
                          ) from None
@@ -103,20 +112,25 @@ class WorkdirLock:
       if (previous.get("host") == socket.gethostname()
           and _process_alive(int(previous.get("pid", -1)))
           and previous.get("pid") != os.getpid()):
-        os.close(self._fd)
+        self._close()
         raise WorkdirError(f"{flag}={workdir!r} is in use by {self._owner(previous)}; "
                            f"allowed: wait until that run ends, or use another {flag}") from None
     self.taken_over = self._owner(previous) if previous else None
     record = {"pid": os.getpid(), "host": socket.gethostname(),
               "since": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(self._fd, 0)
-    os.pwrite(self._fd, (json.dumps(record) + "\n").encode(), 0)
+    safe_files.write_atomic(path, json.dumps(record) + "\n")
 
   def _read(self) -> dict[str, Any]:
     try:
-      return json.loads(os.pread(self._fd, 4096, 0) or b"{}")
+      fd = safe_files.open_fd(self.path, os.O_RDONLY)
+    except FileNotFoundError:
+      return {}
+    try:
+      return json.loads(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:
       return {}
+    finally:
+      os.close(fd)
 
   @staticmethod
   def _owner(record: dict[str, Any]) -> str:
@@ -125,13 +139,33 @@ class WorkdirLock:
     return (f"pid {record.get('pid')} on host {record.get('host')!r} "
             f"(since {record.get('since')})")
 
+  def check(self) -> None:
+    """Raises ``WorkdirError`` if the locked directory is no longer the workdir's path (it was
+    moved or replaced): the run must write nothing more."""
+    try:
+      now = os.stat(self.workdir)
+    except OSError:
+      now = None
+    held = os.fstat(self._dir)
+    if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+      raise WorkdirError(f"{self.flag}={self.workdir!r} was moved or replaced while this run "
+                         "held it; the run stops and writes nothing more")
+
+  def _close(self) -> None:
+    if self._dir is not None:
+      os.close(self._dir)  # closing the descriptor drops the flock
+      self._dir = None
+
   def release(self) -> None:
-    """Empties the lock file (a clean end) and unlocks it."""
-    if self._fd is None:
+    """Empties the owner record (a clean end) and unlocks the workdir."""
+    if self._dir is None:
       return
-    os.ftruncate(self._fd, 0)
-    os.close(self._fd)  # closing the descriptor drops the flock
-    self._fd = None
+    try:
+      if os.path.lexists(self.path):
+        safe_files.write_atomic(self.path, "")
+    except (OSError, safe_files.LinkError):
+      pass  # the record is informative only; the lock is the descriptor's
+    self._close()
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -175,6 +209,15 @@ class RunDirectory:
                keep_checkpoints: int = 3, allow_config_change: bool = False,
                flag: str = "--workdir"):
     self.path = path
+    self._config_json = config_json
+    try:  # nothing the run writes may go through a link
+      for name in RUN_FILES:
+        safe_files.refuse_link(self._file(name))
+      for name in RUN_DIRS:
+        if os.path.lexists(self._file(name)):
+          safe_files.refuse_links_below(self._file(name))
+    except safe_files.LinkError as error:
+      raise WorkdirError(f"{flag}={path!r}: {error}") from None
     if os.path.exists(self._file("summary.json")):
       raise WorkdirError(f"{flag}={path!r} already holds a finished run (summary.json); "
                          "allowed: a new directory, or one holding an unfinished run to resume.")
@@ -188,6 +231,7 @@ class RunDirectory:
       self.lock = WorkdirLock(self._file("lock"), flag, path)
       if checkpoint_every > 0 or os.path.isdir(checkpoints_dir):
         self.checkpointer = checkpoint.Checkpointer(checkpoints_dir, keep=keep_checkpoints)
+      self.run_id = self._run_id()
       if self.checkpointer is not None and self.checkpointer.steps():
         if not os.path.exists(self._file("config.json")):
           raise WorkdirError(f"{checkpoints_dir} holds checkpoints but "
@@ -202,12 +246,12 @@ class RunDirectory:
               f"{', '.join(differences)}. Use a new {flag}{instead}.")
       # config.json is replaced only once a resume has succeeded (``restore``): a
       # failed --allow_config_change leaves the workdir's own config in place.
-      with open(self._file("config.json.new"), "w") as f:
-        f.write(config_json)
-    except (OSError, checkpoint.CheckpointError, WorkdirError) as error:
+    except (OSError, checkpoint.CheckpointError, WorkdirError, safe_files.LinkError) as error:
       self.close()
       if isinstance(error, WorkdirError):
         raise
+      if isinstance(error, safe_files.LinkError):
+        raise WorkdirError(f"{flag}={path!r}: {error}") from None
       raise WorkdirError(f"{flag}={path!r} is not writable: "
                          f"{getattr(error, 'strerror', 0) or error}") from None
 
@@ -270,15 +314,32 @@ class RunDirectory:
                      f"{dropped} rows of metrics.jsonl after its row {rows}")
         self.checkpointer.drop_after(restored[0])  # an abandoned timeline never resumes
     self._open_metrics(restored and restored[2])
-    os.replace(self._file("config.json.new"), self._file("config.json"))
+    safe_files.write_atomic(self._file("config.json"), self._config_json)
     if restored is None:
       if rows_before:
         notes.append(f"no checkpoint in {self.path}: starting the run over")
       return None, notes
     return restored[0], notes
 
+  def _run_id(self) -> Optional[str]:
+    """The id of the workdir's run (``DIR/run_id``), made with its first start; None for a
+    workdir with checkpoints from before run ids were kept."""
+    path = self._file("run_id")
+    if os.path.exists(path):
+      with open(path) as f:
+        return f.read().strip() or None
+    if self.checkpointer is not None and self.checkpointer.steps():
+      return None  # an older workdir: its checkpoints carry no id either
+    run_id = uuid.uuid4().hex
+    safe_files.write_atomic(path, run_id + "\n")
+    return run_id
+
   def _covered(self, meta: dict) -> Optional[str]:
-    """Why metrics.jsonl cannot continue from a checkpoint with ``meta`` (None: it can)."""
+    """Why the run cannot continue from a checkpoint with ``meta`` (None: it can): another
+    run's checkpoint, or one whose rows metrics.jsonl no longer holds."""
+    if meta.get("run_id") != self.run_id:
+      return (f"it belongs to another run (run id {meta.get('run_id')}, this workdir's "
+              f"{self.run_id}): checkpoints copied from another workdir are not resumed")
     path = self._file("metrics.jsonl")
     size, rows = meta["metrics"]["bytes"], meta["metrics"]["rows"]
     if not os.path.isfile(path) or os.path.getsize(path) < size:
@@ -294,10 +355,14 @@ class RunDirectory:
     """metrics.jsonl for appending: emptied for a new run, cut back to the checkpoint's rows."""
     path = self._file("metrics.jsonl")
     size, rows = (0, 0) if meta is None else (meta["metrics"]["bytes"], meta["metrics"]["rows"])
-    with open(path, "ab") as f:  # created if missing; cut back to what the checkpoint saw
-      f.truncate(size)
+    safe_files.truncate(path, size)  # created if missing; cut back to what the checkpoint saw
     # Append-only: every write lands at the end of the file, wherever it is.
-    self._metrics, self.rows_written = open(path, "a"), rows
+    self._metrics, self.rows_written = safe_files.open_append(path), rows
+
+  def rows_so_far(self) -> list[Row]:
+    """The rows metrics.jsonl holds (after ``restore``: those of the run's earlier parts)."""
+    with open(self._file("metrics.jsonl")) as f:
+      return [json.loads(line) for line in f if line.strip()]
 
   def write_row(self, row: Row) -> None:
     """Appends ``row`` to metrics.jsonl (flushed at once); NaN and ±Inf as null."""
@@ -307,9 +372,11 @@ class RunDirectory:
 
   def save_checkpoint(self, engine: Any) -> None:
     """The engine's whole state, after the rows so far are on disk."""
+    self.lock.check()
     os.fsync(self._metrics.fileno())
     arrays, meta = engine.checkpoint_state()
     meta["metrics"] = {"bytes": self._metrics.tell(), "rows": self.rows_written}
+    meta["run_id"] = self.run_id
     self.checkpointer.save(engine.version, arrays, meta)
 
   @property
@@ -320,9 +387,8 @@ class RunDirectory:
   def finish(self, summary: dict[str, Any]) -> None:
     """Writes summary.json atomically: it marks a finished run, so it is never half written."""
     self._metrics.close()
-    with open(self._file("summary.json.tmp"), "w") as f:
-      f.write(dumps(summary, indent=2) + "\n")
-    os.replace(self._file("summary.json.tmp"), self._file("summary.json"))
+    self.lock.check()
+    safe_files.write_atomic(self._file("summary.json"), dumps(summary, indent=2) + "\n")
 
   def last_checkpoint(self) -> str:
     """What a failed run leaves behind, in words."""
@@ -331,8 +397,13 @@ class RunDirectory:
             else "no checkpoint was written")
 
   def close(self) -> None:
+    """Closes metrics.jsonl and the checkpointer and releases the lock; a write error already
+    reported (a full disk) does not raise again here."""
     if self._metrics is not None and not self._metrics.closed:
-      self._metrics.close()
+      try:
+        self._metrics.close()
+      except OSError:
+        pass
     if self.checkpointer is not None:
       self.checkpointer.close()
       self.checkpointer = None

@@ -140,8 +140,24 @@ def parse(spec: str) -> tuple[str, ...]:
   return names
 
 
-def for_workdir(names: Sequence[str], workdir: str) -> Optional[Writers]:
-  """The writers besides jsonl (which the run directory keeps), logging under ``workdir``."""
-  extra = [TensorBoardWriter(os.path.join(workdir, "tensorboard"))
-           for name in names if name == "tensorboard"]
+def for_workdir(names: Sequence[str], workdir: str,
+                rows: Sequence[Row] = ()) -> Optional[Writers]:
+  """The writers besides jsonl (which the run directory keeps), logging under ``workdir``.
+
+  A resumed run's TensorBoard events are written anew from ``rows`` (the run's
+  rows up to its checkpoint, as ``metrics.jsonl`` holds them): the events of
+  the earlier parts go, with any written after the checkpoint a kill cut off,
+  so that the event files hold exactly an uninterrupted run's scalars.
+  """
+  extra = []
+  if "tensorboard" in names:
+    logdir = os.path.join(workdir, "tensorboard")
+    if os.path.isdir(logdir):
+      for name in os.listdir(logdir):
+        if name.startswith("events.out.tfevents."):
+          os.remove(os.path.join(logdir, name))
+    writer = TensorBoardWriter(logdir)
+    for row in rows:
+      writer(row)
+    extra.append(writer)
   return Writers(extra) if extra else None

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+import test_writers
+
 from heloco_jax import checkpoint, train
 
 import tiny
@@ -76,6 +78,12 @@ def test_sigkill_then_the_same_command_gives_the_uninterrupted_run(tmp_path, met
   reference_metrics, reference_summary = _outputs(reference)
   assert summary == reference_summary
   assert metrics == reference_metrics  # no duplicated or missing rows
+  # TensorBoard too: exactly the uninterrupted run's (tag, step, value) scalars (issue 38).
+  scalars = test_writers.read_scalars(os.path.join(killed, "tensorboard"))
+  reference_scalars = test_writers.read_scalars(os.path.join(reference, "tensorboard"))
+  assert {tag: sorted(v) for tag, v in scalars.items()} == {
+      tag: sorted(v) for tag, v in reference_scalars.items()}
+  assert sum(map(len, scalars.values())) == sum(map(len, reference_scalars.values())) > 0
 
 
 def _finished_then_reopened(tmp_path, args):

@@ -123,4 +123,6 @@ class BPETokenizer:
     return np.concatenate(parts) if parts else np.zeros((0,), np.uint16)
 
   def save(self, path: str) -> None:
-    self._tokenizer.save(path)
+    """Writes the vocabulary (tokenizer.json) at once, never through a link at ``path``."""
+    from heloco_jax import safe_files  # pylint: disable=g-import-not-at-top
+    safe_files.write_atomic(path, self._tokenizer.to_str())

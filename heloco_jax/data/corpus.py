@@ -64,6 +64,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, TextIO
 
+from heloco_jax import safe_files
 from heloco_jax.data import bpe
 
 SOURCES = ("libreoffice-help", "manpages", "debian-reference")
@@ -524,6 +525,8 @@ def _build_language(lang: str, jobs: Sequence[_Job], out: Path, debs: Path, apt:
   """Writes ``out/<lang>/<source>.txt`` for the language's jobs; its manifest entry."""
   start = time.monotonic()
   lang_dir = out / lang
+  safe_files.refuse_link(str(out))
+  safe_files.refuse_link(str(lang_dir))
   shutil.rmtree(lang_dir, ignore_errors=True)
   lang_dir.mkdir(parents=True)
   seen: set[str] = set()
@@ -540,8 +543,9 @@ def _build_language(lang: str, jobs: Sequence[_Job], out: Path, debs: Path, apt:
     packages.append(_deb_label(job.deb))
     path = lang_dir / f"{job.source}.txt"
     files.append(str(path.relative_to(out)))
+    text = safe_files.open_fd(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with tempfile.TemporaryDirectory(prefix="heloco-corpus-") as tmp, \
-         path.open("w", encoding="utf-8") as f:
+         os.fdopen(text, "w", encoding="utf-8") as f:
       extract_deb(job.deb, Path(tmp))
       for line in package_lines(Path(tmp), lang, seen):
         size = len(line.encode("utf-8")) + 1
@@ -580,7 +584,7 @@ def build(languages: Sequence[str], out: Path, cache: Path,
   manifest = {"builder": "debian_docs", "sources": list(sources),
               "max_mb_per_language": max_mb_per_language, "languages": entries,
               "seconds": round(time.monotonic() - start, 1)}
-  (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+  safe_files.write_atomic(str(out / "manifest.json"), json.dumps(manifest, indent=2) + "\n")
   return manifest
 
 
@@ -667,7 +671,11 @@ def main(argv: Sequence[str]) -> int:
     build(languages, args.out, args.cache.expanduser(), sources, args.max_mb_per_language)
     if args.vocab_size:
       train_bpe(args.out, args.vocab_size)
-  except CorpusError as e:
+  except (CorpusError, safe_files.LinkError) as e:
     print(f"heloco-jax corpus: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # --out inside a file, a read-only file system, a full disk
+    print(f"heloco-jax corpus: cannot write to --out={str(args.out)!r}: "
+          f"{e.strerror or e} ({e.filename or args.out})", file=sys.stderr)
     return 2
   return 0

@@ -1,0 +1,216 @@
+"""Issue 38: a run never writes outside its workdir, and one process owns it whatever happens
+to DIR/lock. Each victim is a file in tmp_path that a symlink in the workdir points to."""
+
+import asyncio
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import heloco_jax as hj
+from heloco_jax import plot, safe_files, workdir as workdir_lib
+
+W = np.array([[1.0], [-2.0]], np.float32)
+VICTIM_TEXT = "root:x:0:0:root:/root:/bin/bash\n" * 50
+
+
+def _loss(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] - y) ** 2)
+
+
+class Stream:
+  def __init__(self, worker):
+    self.worker = worker
+
+  def __iter__(self):
+    rng = np.random.default_rng(self.worker)
+    while True:
+      x = rng.normal(0, 1, (4, 2)).astype(np.float32)
+      yield x, x @ W
+
+
+def _kwargs(**more):
+  return dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0], budget_steps=40,
+              eval_fn=lambda p: _loss(p, (np.eye(2, dtype=np.float32), W)), eval_every_steps=8,
+              checkpoint_every=2, **more)
+
+
+def _simulate(workdir, **more):
+  return hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
+                     workdir=str(workdir), **_kwargs(**more))
+
+
+@pytest.fixture
+def victim(tmp_path):
+  path = tmp_path / "victim_passwd"
+  path.write_text(VICTIM_TEXT)
+  return path
+
+
+@pytest.mark.parametrize("name", workdir_lib.RUN_FILES + ("checkpoints", "tensorboard"))
+def test_a_link_where_a_run_file_belongs_is_refused_and_its_target_untouched(tmp_path, victim,
+                                                                              name):
+  run = tmp_path / "run"
+  run.mkdir()
+  target = victim if name in workdir_lib.RUN_FILES else tmp_path / "outside_dir"
+  target.mkdir(exist_ok=True) if not target.exists() else None
+  os.symlink(target, run / name)
+  with pytest.raises(hj.WorkdirError, match=f"{name} is a symbolic link"):
+    _simulate(run)
+  assert victim.read_text() == VICTIM_TEXT
+  if target.is_dir():
+    assert not os.listdir(target)
+
+
+def test_a_resume_with_metrics_jsonl_turned_into_a_link_leaves_the_target_whole(tmp_path, victim):
+  run = tmp_path / "run"
+  _interrupted(run)
+  os.remove(run / "metrics.jsonl")
+  os.symlink(victim, run / "metrics.jsonl")
+  with pytest.raises(hj.WorkdirError, match="metrics.jsonl is a symbolic link"):
+    _simulate(run)
+  assert victim.read_text() == VICTIM_TEXT
+
+
+def test_the_cli_refuses_a_workdir_seeded_with_links_to_every_file_it_writes(tmp_path, victim):
+  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "run"
+  run.mkdir()
+  for name in workdir_lib.RUN_FILES:
+    os.symlink(victim, run / name)
+  assert train.main([f"--workdir={run}", "--config.budget.tokens=20480"]) == 2
+  assert victim.read_text() == VICTIM_TEXT
+
+
+def test_plot_never_writes_through_a_link_in_its_out_folder(tmp_path, victim):
+  run = tmp_path / "run"
+  _simulate(run)
+  out = tmp_path / "plots"
+  out.mkdir()
+  os.symlink(victim, out / "loss_vs_tokens.png")
+  assert plot.main([str(run), "--out", str(out)]) == 2
+  assert victim.read_text() == VICTIM_TEXT
+
+
+def test_atomic_writes_replace_files_and_refuse_links(tmp_path, victim):
+  path = tmp_path / "file.json"
+  safe_files.write_atomic(str(path), "one")
+  safe_files.write_atomic(str(path), "two")
+  assert path.read_text() == "two" and os.listdir(tmp_path) == sorted(os.listdir(tmp_path))
+  assert [p for p in os.listdir(tmp_path) if p.endswith(".tmp")] == []
+  os.symlink(victim, tmp_path / "link.json")
+  with pytest.raises(safe_files.LinkError):
+    safe_files.write_atomic(str(tmp_path / "link.json"), "x")
+  with pytest.raises(safe_files.LinkError):
+    safe_files.open_append(str(tmp_path / "link.json"))
+  with pytest.raises(safe_files.LinkError):
+    safe_files.truncate(str(tmp_path / "link.json"), 0)
+  assert victim.read_text() == VICTIM_TEXT
+
+
+def test_one_owner_even_when_the_lock_file_is_deleted_or_replaced(tmp_path, victim):
+  run = tmp_path / "run"
+  first = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
+                         workdir=str(run), **_kwargs())
+  try:
+    os.remove(run / "lock")
+    with pytest.raises(hj.WorkdirError, match="is in use by"):
+      hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=str(run),
+                     **_kwargs())
+    os.symlink(victim, run / "lock")
+    with pytest.raises(hj.WorkdirError):
+      hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=str(run),
+                     **_kwargs())
+  finally:
+    first.close()
+  assert victim.read_text() == VICTIM_TEXT
+
+
+def test_a_run_whose_workdir_was_replaced_stops_writing(tmp_path):
+  run = tmp_path / "run"
+  engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
+                          workdir=str(run), **_kwargs())
+  os.rename(run, tmp_path / "moved")
+  run.mkdir()
+  try:
+    with pytest.raises(hj.WorkdirError, match="was moved or replaced"):
+      asyncio.run(engine.run())
+  finally:
+    engine.close()
+  assert not os.path.exists(run / "summary.json") and os.listdir(run) == []
+
+
+def _interrupted(run, **more):
+  """A workdir holding a run stopped after its 10th row, with checkpoints."""
+  engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
+                          workdir=str(run), **_kwargs(**more))
+  seen = []
+
+  def stop(row):
+    seen.append(row)
+    if len(seen) == 10:
+      engine.request_stop("test")
+  with pytest.raises(hj.Stopped):
+    asyncio.run(engine.run(stop))
+  engine.close()
+
+
+def _other_loss(params, batch):
+  x, y = batch
+  return jnp.mean(jnp.abs(x @ params["w"] - y))
+
+
+class WideStream(Stream):
+  def __iter__(self):
+    rng = np.random.default_rng(self.worker)
+    while True:
+      x = rng.normal(0, 1, (6, 2)).astype(np.float32)
+      yield x, x @ W
+
+
+def test_a_workdir_refuses_another_loss_fn_or_other_data_naming_what_differs(tmp_path):
+  run = tmp_path / "run"
+  _interrupted(run)
+  with pytest.raises(hj.WorkdirError, match=r"another config; differing keys: .*loss_fn"):
+    hj.simulate(_other_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
+                workdir=str(run), **_kwargs())
+  with pytest.raises(hj.WorkdirError, match=r"differing keys: .*first_batches"):
+    hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [WideStream(0), WideStream(1)],
+                workdir=str(run), **_kwargs())
+  with pytest.raises(hj.WorkdirError, match=r"differing keys: .*outer_tx"):
+    hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=str(run),
+                **_kwargs(outer_tx=hj.heloco(0.5, 0.9, num_workers=2)))
+  # The same run resumes, and an explicit override is possible.
+  _simulate(run)
+
+
+def test_another_runs_checkpoints_copied_in_are_refused_not_resumed(tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+  _interrupted(ours)
+  _interrupted(theirs, seed=1)
+  shutil.rmtree(ours / "checkpoints")
+  shutil.copytree(theirs / "checkpoints", ours / "checkpoints")
+  with pytest.raises(Exception, match="belongs to another run"):
+    _simulate(ours)
+  assert not os.path.exists(ours / "summary.json")
+
+
+def test_a_checkpoint_whose_metadata_lost_its_checksum_is_not_trusted(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "run"
+  _interrupted(run)
+  steps = sorted(int(n) for n in os.listdir(run / "checkpoints") if n.isdigit())
+  meta = str(run / "checkpoints" / str(steps[-1]) / "meta" / "metadata")
+  with open(meta) as f:
+    data = json.load(f)
+  del data["crc32"]
+  data["units"] = 10 ** 6
+  with open(meta, "w") as f:
+    json.dump(data, f)
+  with pytest.warns(UserWarning, match=f"checkpoint {steps[-1]}: its metadata fails its checksum"):
+    resumed = _simulate(run)
+  assert resumed.summary["steps"] <= 40
