@@ -70,7 +70,7 @@ def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
 
 def _scale_note(name: str) -> str:
   scale = grids.SCALES[name]
-  if name in grids.SCIENCE:
+  if name in grids.SCIENCE + grids.SKEPTIC:
     return (
         f"The HeLoCo authors' harness (`heloco_stable_v2.py`): 5 workers, one language each "
         f"(de, en, es, fr, it; Debian's translated LibreOffice help), GPT d_model 128, 8 "
@@ -352,26 +352,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           timed=timed)
     if status != 0:
       return status
-  start = time.perf_counter()
+  start, failed = time.perf_counter(), []
   for i, run in enumerate(todo if jobs == 1 else []):
     workdir = os.path.join(args.out, "runs", run.name)
     elapsed = time.perf_counter() - start
     eta = f", about {elapsed / i * (len(todo) - i) / 60:.1f} min left" if i else ""
-    print(f"reproduce: [{i + 1}/{len(todo)}] {run.name}{eta}", file=sys.stderr)
+    print(f"reproduce: [{i + 1}/{len(todo)}] {run.name}{eta}", file=sys.stderr, flush=True)
     status = train.main([f"--workdir={workdir}", *run.args(data_path)])
-    if status != 0:
-      print(f"reproduce: {run.name} failed (exit {status}); re-run the same command to resume",
+    if status in (130, 143):  # Ctrl-C or SIGTERM: stopped at a checkpoint
+      print(f"reproduce: {run.name} stopped (exit {status}); re-run the same command to resume",
             file=sys.stderr)
       return status
+    if status != 0:  # e.g. a diverged run (a high outer lr): the queue goes on without it
+      failed.append(run.name)
+      print(f"reproduce: {run.name} failed (exit {status}); the next run starts",
+            file=sys.stderr, flush=True)
+      continue
     analysis.write_digest(workdir, results_dir, run)
     if args.commit:
       commit_digests(results_dir, f"experiments/results: {run.name}")
+  if failed:
+    print(f"reproduce: {len(failed)} runs failed: {', '.join(failed)}; re-run the command to "
+          "retry them (finished runs are skipped)", file=sys.stderr)
+    return 1
 
   # RESULTS.md reports every finished run of this scale found (tuning, paper grid, PALSGD,
   # ablations; or the issue-18 grids), whichever grid this command ran.
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
-  issue18 = args.grid in grids.SCIENCE
+  issue18 = args.grid in grids.SCIENCE + grids.SKEPTIC  # issue 36's grids: the same report
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if issue18 else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",

@@ -53,7 +53,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science, jitter, lr_sweep, skeptic"):
     grids.grid("huge")
 
 
@@ -333,6 +333,62 @@ def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
         "outer.learning_rate": pytest.approx(0.07 * 16)}
 
 
+def test_jitter_grid_is_the_claims_runs_at_severe_and_moderate_with_jitter_seed_by_seed():
+  """Issue 36, item 2: each run is the authors grid's run of its name (async methods' token
+  runs, synchronous DiLoCo's time runs) with only the jitter changed, in its own tables."""
+  authors = {r.name: dict(r.overrides) for r in grids.grid("authors")}
+  runs = grids.grid("jitter")
+  assert [r.name for r in runs] == [
+      f"skeptic/jitter/{name}/seed{s}" for s in (0, 1, 2) for p in ("severe", "moderate")
+      for name in (f"tokens/{p}/async_nesterov", f"tokens/{p}/delayed_nesterov",
+                   f"tokens/{p}/mla", f"tokens/{p}/heloco", f"time/{p}/diloco")]
+  assert 0 < grids.JITTER < 1 and authors[next(iter(authors))].get("jitter") is None
+  for run in runs:
+    keys = dict(run.overrides)
+    same = authors[run.name.replace("skeptic/jitter/", "authors/", 1)]
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {"jitter": grids.JITTER}
+    assert run.table == f"jitter/{same['budget.tokens'] and 'tokens' or 'time'}"
+    assert run.args().count(f"--config.jitter={grids.JITTER}") == 1
+  # the authors grid's tables never read them
+  from experiments import science  # pylint: disable=g-import-not-at-top
+  results = [analysis.Result(r, {"final_val_loss": 1.0}, [], []) for r in runs]
+  assert science._authors(results) == []  # pylint: disable=protected-access
+
+
+def test_lr_sweep_grid_changes_only_the_outer_lr_of_the_jitter_runs_seed_0_first():
+  """Issue 36, item 3: every method's outer lr × 0.25, 0.5, 2, 4 (DN also × 8, 16, 32) at
+  severe and moderate paces, seed 0 first; × 1 is the jitter grid's run."""
+  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  jitter = {r.name: dict(r.overrides) for r in grids.grid("jitter")}
+  runs = grids.grid("lr_sweep")
+  per_seed = 2 * (5 * 4 + 3)
+  assert len(runs) == len({r.name for r in runs}) == 3 * per_seed
+  assert [r.seed for r in runs] == sorted(r.seed for r in runs)
+  for run in runs:
+    method_dir, factor = run.name.split("/")[-3:-1]
+    assert method_dir == run.method and factor.startswith("x")
+    keys = dict(run.overrides)
+    same = jitter[run.name.replace("skeptic/lr/", "skeptic/jitter/", 1).replace(
+        f"/{factor}/", "/")]
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "outer.learning_rate": pytest.approx(methods.get(run.method).learning_rate
+                                             * float(factor[1:]))}
+    assert run.table == "lr/" + ("time" if run.method == "diloco" else "tokens")
+  factors = {r.name.split("/")[-2] for r in runs if r.method == "delayed_nesterov"}
+  assert factors == {"x0.25", "x0.5", "x2", "x4", "x8", "x16", "x32"}
+  assert {r.name.split("/")[-2] for r in runs if r.method == "heloco"} == {
+      "x0.25", "x0.5", "x2", "x4"}
+
+
+def test_skeptic_grid_runs_the_jitter_runs_then_the_lr_sweeps_seed_0_then_seeds_1_and_2():
+  runs = grids.grid("skeptic")
+  assert runs[:30] == grids.grid("jitter")
+  sweep = grids.grid("lr_sweep")
+  assert runs[30:] == [r for r in sweep if r.seed == 0] + [r for r in sweep if r.seed != 0]
+  for name in grids.SKEPTIC:
+    assert grids.family(name) == grids.grid("science") + runs
+
+
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
   runs = [r for r in grids.grid("authors") if r.seed == 0 and r.table == "tokens"]
   tokens = reproduce.expected_tokens(runs[0])
@@ -401,6 +457,20 @@ def test_parallel_runner_stops_on_sigterm_with_runs_still_queued(tmp_path):
     pytest.fail("the runner did not exit within 120 s of SIGTERM")
   assert process.returncode == 130, err
   assert len(list(tmp_path.glob("runs/tokens/homogeneous/*"))) <= 2  # no queued run started
+
+
+def test_one_job_runner_goes_on_past_a_failed_run(tmp_path, monkeypatch, capsys):
+  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  real = train.main
+  monkeypatch.setattr(train, "main", lambda argv: 1 if "tokens/homogeneous/mla/" in argv[0]
+                      else real(argv))
+  args = ["--grid=smoke", f"--out={tmp_path / 'out'}", f"--digests={tmp_path / 'digests'}",
+          "--jobs=1", "--only=tokens/homogeneous/(mla|heloco)/"]
+  assert reproduce.main(args) == 1
+  err = capsys.readouterr().err
+  assert "tokens/homogeneous/mla/seed0 failed (exit 1); the next run starts" in err
+  assert "1 runs failed: tokens/homogeneous/mla/seed0" in err
+  assert os.listdir(tmp_path / "digests" / "tokens" / "homogeneous") == ["heloco"]
 
 
 def test_commit_puts_each_digest_into_git_and_nothing_else(tmp_path, capsys):
