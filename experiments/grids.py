@@ -89,8 +89,8 @@ class Run:
     """The ``heloco-jax train`` config flags of this run (``CORPUS`` in a value: the corpus
     folder ``data_path``)."""
     overrides = dict(self.overrides)
-    if data_path and overrides.get("data.source") == "text_dir":
-      overrides["data.path"] = data_path
+    if data_path and overrides.get("data.source") == "text_dir" and "data.path" not in overrides:
+      overrides["data.path"] = data_path  # a run's own data.path: a folder next to it
     return [f"--config.{key}={_flag(value).replace(CORPUS, data_path)}"
             for key, value in overrides.items()]
 
@@ -489,11 +489,11 @@ JITTER = 0.2
 SKEPTIC_PRESETS = ("severe", "moderate")
 
 
-def _skeptic(run: Run, kind: str, changes: dict[str, Any]) -> Run:
-  """``run`` (an authors grid run) as ``skeptic/<kind>/...`` with ``jitter = JITTER`` and
+def _skeptic(run: Run, kind: str, changes: dict[str, Any], jitter: float = JITTER) -> Run:
+  """``run`` (an authors grid run) as ``skeptic/<kind>/...`` with ``jitter`` (none: 0) and
   ``changes``; its table is ``<kind>/<the run's table>`` so that the authors grid's tables
   never read it."""
-  overrides = {**dict(run.overrides), "jitter": JITTER, **changes}
+  overrides = {**dict(run.overrides), **({"jitter": jitter} if jitter else {}), **changes}
   return Run(run.name.replace("authors/", f"skeptic/{kind}/", 1), f"{kind}/{run.table}",
              run.preset, run.method, run.seed, tuple(overrides.items()))
 
@@ -543,15 +543,67 @@ def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) ->
   return runs
 
 
+# The authors' vocabulary size (issue 36, item 4): a byte-level BPE of GPT-2's 50,257 ids
+# trained on the corpus like the 2,048-id one (`heloco-jax corpus bpe`: every language without
+# the last 10% of each), stored next to it; the model grows from 2.1M to 14.5M parameters (the
+# untied embedding and head), as the authors' does.
+VOCAB_50K = 50_257
+# Tokenizer files in the corpus folder -> their ids (reproduce.py trains the missing ones).
+CORPUS_VOCABS = {"tokenizer.json": AUTHORS_VOCAB, f"tokenizer_{VOCAB_50K}.json": VOCAB_50K}
+VOCAB_PRESETS = ("severe", "mixed")  # the sync claim's paces and the authors' own mix
+VOCAB_METHODS = ("async_nesterov", "mla", "heloco", "diloco")
+
+
+def vocab_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
+  """The authors grid's runs of ``VOCAB_METHODS`` at ``VOCAB_PRESETS`` (the asynchronous
+  methods' token runs, synchronous DiLoCo's time runs and its one token run) with only the
+  vocabulary changed to ``VOCAB_50K`` ids, seed by seed. Jitter stays 0 as in the authors grid,
+  so that each run differs from its 2,048-id run in the vocabulary alone."""
+  tokenizer = f"{CORPUS}/tokenizer_{VOCAB_50K}.json"
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    runs += [_skeptic(run, f"vocab{VOCAB_50K}", {"data.tokenizer": tokenizer}, jitter=0.0)
+             for run in authors_grid(scale, (seed,)) if run.method in VOCAB_METHODS
+             and (run.preset in VOCAB_PRESETS or (run.method, run.table) == ("diloco", "tokens"))]
+  return runs
+
+
+# Beyond the grid's languages (issue 36, item 6): the jitter grid's runs on five languages the
+# grid does not use, one per worker as before (the fast worker at severe paces reads nl, as it
+# read de), from their own corpus folder next to the grid's, with their own 2,048-id BPE
+# trained on them the same way. Latin-script languages only (ru left out), like the grid's.
+HELDOUT_LANGUAGES = "nl,pt,sv,pl,fi"
+HELDOUT_SUFFIX = "_heldout"
+# Corpus folders next to the grid's ({corpus}<suffix>) -> (languages, ids of their BPE).
+EXTRA_CORPORA = {HELDOUT_SUFFIX: (HELDOUT_LANGUAGES, AUTHORS_VOCAB)}
+
+
+def heldout_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
+  """``jitter_grid``'s runs on ``HELDOUT_LANGUAGES`` (corpus ``{corpus}_heldout`` and its
+  own BPE), seed by seed."""
+  folder = CORPUS + HELDOUT_SUFFIX
+  changes = {"data.languages": HELDOUT_LANGUAGES, "data.path": folder,
+             "data.tokenizer": f"{folder}/tokenizer.json"}
+  return [_skeptic(run, "heldout", changes) for seed in (scale.seeds if seeds is None else seeds)
+          for preset in SKEPTIC_PRESETS for run in _own_runs(scale, (seed,), (preset,))]
+
+
 def skeptic_grid() -> list[Run]:
-  """Issue 36's runs in the order they are most informative: the jittered claims' runs seed
-  by seed (the verdicts need 3 seeds), then the lr sweeps' seed 0 (where each method's best
-  lr is), then their seeds 1 and 2."""
-  return jitter_grid() + lr_sweep_grid(seeds=(0,)) + lr_sweep_grid(seeds=(1, 2))
+  """Issue 36's runs in the order they are most informative, seed 0 of each question before
+  more seeds of any: the jittered claims' runs seed by seed (the verdicts need 3 seeds); the
+  50k vocabulary's seed 0 (whether the sync verdict hinges on it); the lr sweeps' seed 0
+  (where each method's best lr is); the held-out languages' seed 0; then seeds 1 and 2 of the
+  vocabulary and the held-out languages (their verdicts), and last the lr sweeps' (46 runs a
+  seed: confirming the bests)."""
+  rest = (1, 2)
+  return (jitter_grid() + vocab_grid(seeds=(0,)) + lr_sweep_grid(seeds=(0,))
+          + heldout_grid(seeds=(0,)) + vocab_grid(seeds=rest) + heldout_grid(seeds=rest)
+          + lr_sweep_grid(seeds=rest))
 
 
-GRIDS.update({"jitter": jitter_grid, "lr_sweep": lr_sweep_grid, "skeptic": skeptic_grid})
+GRIDS.update({"jitter": jitter_grid, "lr_sweep": lr_sweep_grid, "vocab": vocab_grid,
+              "heldout": heldout_grid, "skeptic": skeptic_grid})
 # Issue 36's grids (their RESULTS.md sections come later; the runner reports on the science
 # family for now).
-SKEPTIC = ("jitter", "lr_sweep", "skeptic")
+SKEPTIC = ("jitter", "lr_sweep", "vocab", "heldout", "skeptic")
 SCALES.update({name: AUTHORS for name in SKEPTIC})

@@ -38,10 +38,30 @@ from heloco_jax import clock
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
-  """An existing corpus folder, or one built into OUT/corpus; with its BPE vocabulary of the
-  grid's size when the grid reads one (``grids.CORPUS`` in ``data.tokenizer``)."""
-  vocab = grids.AUTHORS_VOCAB if grids.CORPUS in dict(scale.data).get("data.tokenizer", "") else 0
+def corpus_vocabularies(runs: Sequence[grids.Run]) -> dict[str, int]:
+  """The BPE vocabularies ``runs`` read from the corpus folder (``grids.CORPUS`` in their
+  ``data.tokenizer``): file name -> ids (``grids.CORPUS_VOCABS``)."""
+  vocabs = {}
+  for run in runs:
+    tokenizer = str(dict(run.overrides).get("data.tokenizer", ""))
+    if tokenizer.startswith(grids.CORPUS + "/"):
+      name = tokenizer[len(grids.CORPUS) + 1:]
+      vocabs[name] = grids.CORPUS_VOCABS[name]
+  return vocabs
+
+
+def extra_corpora(runs: Sequence[grids.Run]) -> list[str]:
+  """The suffixes of the corpus folders next to the grid's that ``runs`` read (their own
+  ``data.path`` ``grids.CORPUS + suffix``; ``grids.EXTRA_CORPORA``)."""
+  found = {str(dict(run.overrides).get("data.path", "")) for run in runs}
+  return sorted(p[len(grids.CORPUS):] for p in found if p.startswith(grids.CORPUS))
+
+
+def _corpus(path: Optional[str], out: str, runs: Sequence[grids.Run]) -> str:
+  """An existing corpus folder, or one built into OUT/corpus; with the BPE vocabularies the
+  runs read (``corpus_vocabularies``), each trained there when missing or of another size,
+  and the folders next to it that they read (``extra_corpora``), built when missing."""
+  vocabs = corpus_vocabularies(runs)
   from heloco_jax import cli  # pylint: disable=g-import-not-at-top
   if path:
     if not os.path.isdir(path):
@@ -51,20 +71,35 @@ def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
     if not os.path.exists(os.path.join(path, "manifest.json")):
       print(f"reproduce: building the debian_docs corpus into {path}", file=sys.stderr)
       if cli.main(["corpus", "debian_docs", f"--languages={grids.LANGUAGES}", f"--out={path}",
-                   f"--vocab-size={vocab}"]) != 0:
+                   f"--vocab-size={vocabs.get('tokenizer.json', 0)}"]) != 0:
         raise SystemExit("reproduce: the corpus could not be built; pass --corpus=DIR (a "
                          "folder of text per language) instead")
-  tokenizer = os.path.join(path, "tokenizer.json")
-  if vocab:
+  for name, vocab in vocabs.items():
+    tokenizer = os.path.join(path, name)
     size = 0
     if os.path.exists(tokenizer):
       with open(tokenizer) as f:
         size = len(json.load(f)["model"]["vocab"])
-    if size != vocab:
-      print(f"reproduce: training the {vocab}-id BPE vocabulary of {path} (it has "
-            f"{size or 'none'})", file=sys.stderr)
+    if size == vocab:
+      continue
+    print(f"reproduce: training the {vocab}-id BPE vocabulary {tokenizer} (it has "
+          f"{size or 'none'})", file=sys.stderr)
+    if name == "tokenizer.json":  # the corpus command's own file
       if cli.main(["corpus", "bpe", f"--out={path}", f"--vocab-size={vocab}"]) != 0:
         raise SystemExit(f"reproduce: the BPE vocabulary of {path} could not be trained")
+      continue
+    # The same training as `heloco-jax corpus bpe` (every language of the folder, without the
+    # last 10% of each), written under another name so that both sizes sit in one corpus.
+    from heloco_jax.data import bpe, sources  # pylint: disable=g-import-not-at-top
+    bpe.train(sources.load_documents("text_dir", path, None, None), vocab).save(tokenizer)
+  for suffix in extra_corpora(runs):
+    languages, vocab = grids.EXTRA_CORPORA[suffix]
+    if not os.path.exists(os.path.join(path + suffix, "tokenizer.json")):
+      print(f"reproduce: building the debian_docs corpus of {languages} into {path + suffix}",
+            file=sys.stderr)
+      if cli.main(["corpus", "debian_docs", f"--languages={languages}", f"--out={path + suffix}",
+                   f"--vocab-size={vocab}"]) != 0:
+        raise SystemExit(f"reproduce: the corpus {path + suffix} could not be built")
   return path
 
 
@@ -340,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"finished", file=sys.stderr)
   if args.report_only:
     todo = []
-  data_path = _corpus(args.corpus, args.out, grids.SCALES[args.grid]) if any(
+  data_path = _corpus(args.corpus, args.out, todo) if any(
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
   if jobs > 1 and todo:

@@ -53,7 +53,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science, jitter, lr_sweep, skeptic"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science, jitter, lr_sweep, vocab, heldout, skeptic"):
     grids.grid("huge")
 
 
@@ -380,11 +380,59 @@ def test_lr_sweep_grid_changes_only_the_outer_lr_of_the_jitter_runs_seed_0_first
       "x0.25", "x0.5", "x2", "x4"}
 
 
-def test_skeptic_grid_runs_the_jitter_runs_then_the_lr_sweeps_seed_0_then_seeds_1_and_2():
+def test_vocab_grid_changes_only_the_vocabulary_of_the_claims_runs_at_severe_and_mixed():
+  """Issue 36, item 4: the authors grid's runs (HeLoCo, MLA, async Nesterov token runs, sync
+  DiLoCo's time runs and its one token run) with a 50,257-id BPE, jitter 0 as there."""
+  authors = {r.name: dict(r.overrides) for r in grids.grid("authors")}
+  runs = grids.grid("vocab")
+  per_seed = ["tokens/homogeneous/diloco"] + [
+      f"{t}/{p}/{m}" for p in ("severe", "mixed")
+      for t, m in (("tokens", "async_nesterov"), ("tokens", "mla"), ("tokens", "heloco"),
+                   ("time", "diloco"))]
+  assert [r.name for r in runs] == [f"skeptic/vocab50257/{name}/seed{s}" for s in (0, 1, 2)
+                                    for name in per_seed]
+  for run in runs:
+    keys = dict(run.overrides)
+    same = authors[run.name.replace("skeptic/vocab50257/", "authors/", 1)]
+    assert same["data.tokenizer"] == "{corpus}/tokenizer.json"
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "data.tokenizer": "{corpus}/tokenizer_50257.json"}
+    assert run.args("/c").count("--config.data.tokenizer=/c/tokenizer_50257.json") == 1
+  assert reproduce.corpus_vocabularies(runs[:1]) == {"tokenizer_50257.json": 50_257}
+  assert reproduce.corpus_vocabularies(grids.grid("jitter") + runs) == {
+      "tokenizer.json": 2048, "tokenizer_50257.json": 50_257}
+  assert reproduce.corpus_vocabularies(grids.grid("palsgd_c")) == {}
+
+
+def test_heldout_grid_is_the_jitter_grid_on_other_languages_from_their_own_corpus():
+  """Issue 36, item 6: five languages the grid does not use, their own corpus folder next to
+  the grid's and their own 2,048-id BPE."""
+  jitter = {r.name: dict(r.overrides) for r in grids.grid("jitter")}
+  runs = grids.grid("heldout")
+  assert len(runs) == 30 and not set(grids.HELDOUT_LANGUAGES.split(",")) & set(
+      grids.LANGUAGES.split(","))
+  for run in runs:
+    keys = dict(run.overrides)
+    same = jitter[run.name.replace("skeptic/heldout/", "skeptic/jitter/", 1)]
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "data.languages": "nl,pt,sv,pl,fi", "data.path": "{corpus}_heldout",
+        "data.tokenizer": "{corpus}_heldout/tokenizer.json"}
+    args = run.args("/c/corpus")
+    assert "--config.data.path=/c/corpus_heldout" in args
+    assert "--config.data.tokenizer=/c/corpus_heldout/tokenizer.json" in args
+  assert reproduce.extra_corpora(runs + grids.grid("jitter")) == ["_heldout"]
+  assert reproduce.corpus_vocabularies(runs) == {}
+  assert "--config.data.path=/c/corpus" in grids.grid("jitter")[0].args("/c/corpus")
+
+
+def test_skeptic_grid_runs_seed_0_of_each_question_before_more_seeds():
   runs = grids.grid("skeptic")
-  assert runs[:30] == grids.grid("jitter")
-  sweep = grids.grid("lr_sweep")
-  assert runs[30:] == [r for r in sweep if r.seed == 0] + [r for r in sweep if r.seed != 0]
+  names = [r.name for r in runs]
+  assert len(set(names)) == len(names) == 30 + 3 * 9 + 3 * 46 + 30
+  seed0 = lambda g: [r for r in grids.grid(g) if r.seed == 0]
+  later = lambda g: [r for r in grids.grid(g) if r.seed != 0]
+  assert runs == (grids.grid("jitter") + seed0("vocab") + seed0("lr_sweep") + seed0("heldout")
+                  + later("vocab") + later("heldout") + later("lr_sweep"))
   for name in grids.SKEPTIC:
     assert grids.family(name) == grids.grid("science") + runs
 
