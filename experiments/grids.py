@@ -17,6 +17,7 @@ for all methods.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -588,22 +589,63 @@ def heldout_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> 
           for preset in SKEPTIC_PRESETS for run in _own_runs(scale, (seed,), (preset,))]
 
 
+# PALSGD fairly (issue 36, item 5), at the palsgd_c grid's scale (homogeneous, IID):
+#  * DDP tuned for its own run: its inner cosine decay over its own steps (it takes
+#    tokens / (K·batch·context) = 781 of them; the palsgd_c runs decayed over 4,000 and ended
+#    at 92% of the peak lr) and its lr × 1, √5 and 5 for its K = 5 times larger global batch
+#    (square-root and linear scaling), at every c (its trajectory does not depend on c, its
+#    time does), 3 seeds;
+#  * PALSGD's outer lr × pull swept at c = PALSGD_WHY_C (the two palsgd_c ones excluded),
+#    3 seeds.
+DDP_FAIR_LR_FACTORS = (1.0, math.sqrt(5), 5.0)
+PALSGD_FAIR_OUTER_LRS = (0.1, 0.3, 0.7, 1.0)
+PALSGD_FAIR_PULLS = (0.025, 0.05, 0.1)
+
+
+def ddp_own_steps(scale: Scale = PAPER, num_workers: int = 5) -> int:
+  """The steps DDP takes in ``scale.tokens`` (each reads K·batch·context tokens)."""
+  return scale.tokens // (num_workers * scale.batch_size * scale.context)
+
+
+def palsgd_fair_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> list[Run]:
+  """Per seed: DDP at each of ``DDP_FAIR_LR_FACTORS`` with its decay over ``ddp_own_steps`` at
+  every c, then PALSGD at each outer lr × pull at c = ``PALSGD_WHY_C`` not run by palsgd_c
+  or palsgd_why (names ``skeptic/palsgd_fair/c<c>/<variant>/seed<s>``)."""
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    variants = [(c, f"ddp_own_decay_x{factor:.3g}", "ddp", 1,
+                 {"inner.total_steps": ddp_own_steps(scale),
+                  "inner.learning_rate": scale.inner_learning_rate * factor})
+                for factor in DDP_FAIR_LR_FACTORS for c in COMM_RATIOS]
+    p = _palsgd_authors(scale)["inner.pseudo_sync_prob"]
+    variants += [(PALSGD_WHY_C, f"palsgd_lr{lr:g}_pull{pull:g}", "palsgd", 2,
+                  {**_palsgd_authors(scale), "outer.learning_rate": lr,
+                   "inner.pseudo_sync_rate": pull * p / scale.inner_learning_rate})
+                 for lr in PALSGD_FAIR_OUTER_LRS for pull in PALSGD_FAIR_PULLS
+                 if pull != PALSGD_PULL or lr not in (PALSGD_OUTER_LR, 0.7)]
+    for c, name, method, factor, changes in variants:
+      run = _palsgd_run(scale, seed, c, f"palsgd_fair/c{c:g}", name, method, factor, changes)
+      runs.append(dataclasses.replace(run, name="skeptic/" + run.name))
+  return runs
+
+
 def skeptic_grid() -> list[Run]:
   """Issue 36's runs in the order they are most informative, seed 0 of each question before
   more seeds of any: the jittered claims' runs seed by seed (the verdicts need 3 seeds); the
   50k vocabulary's seed 0 (whether the sync verdict hinges on it); the lr sweeps' seed 0
-  (where each method's best lr is); the held-out languages' seed 0; then seeds 1 and 2 of the
-  vocabulary and the held-out languages (their verdicts), and last the lr sweeps' (46 runs a
-  seed: confirming the bests)."""
+  (where each method's best lr is); the held-out languages' and PALSGD-fairly's seed 0; then
+  seeds 1 and 2 of the vocabulary, the held-out languages and PALSGD (their verdicts), and
+  last the lr sweeps' (46 runs a seed: confirming the bests)."""
   rest = (1, 2)
   return (jitter_grid() + vocab_grid(seeds=(0,)) + lr_sweep_grid(seeds=(0,))
-          + heldout_grid(seeds=(0,)) + vocab_grid(seeds=rest) + heldout_grid(seeds=rest)
-          + lr_sweep_grid(seeds=rest))
+          + heldout_grid(seeds=(0,)) + palsgd_fair_grid(seeds=(0,)) + vocab_grid(seeds=rest)
+          + heldout_grid(seeds=rest) + palsgd_fair_grid(seeds=rest) + lr_sweep_grid(seeds=rest))
 
 
 GRIDS.update({"jitter": jitter_grid, "lr_sweep": lr_sweep_grid, "vocab": vocab_grid,
-              "heldout": heldout_grid, "skeptic": skeptic_grid})
+              "heldout": heldout_grid, "palsgd_fair": palsgd_fair_grid,
+              "skeptic": skeptic_grid})
 # Issue 36's grids (their RESULTS.md sections come later; the runner reports on the science
 # family for now).
-SKEPTIC = ("jitter", "lr_sweep", "vocab", "heldout", "skeptic")
+SKEPTIC = ("jitter", "lr_sweep", "vocab", "heldout", "palsgd_fair", "skeptic")
 SCALES.update({name: AUTHORS for name in SKEPTIC})

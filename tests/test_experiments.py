@@ -53,7 +53,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science, jitter, lr_sweep, vocab, heldout, skeptic"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science, jitter, lr_sweep, vocab, heldout, palsgd_fair, skeptic"):
     grids.grid("huge")
 
 
@@ -425,14 +425,46 @@ def test_heldout_grid_is_the_jitter_grid_on_other_languages_from_their_own_corpu
   assert "--config.data.path=/c/corpus" in grids.grid("jitter")[0].args("/c/corpus")
 
 
+def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_and_pull():
+  """Issue 36, item 5: the palsgd_c runs with only DDP's decay span and lr, or PALSGD's outer
+  lr and pull, changed."""
+  c_runs = {r.name: dict(r.overrides) for r in grids.grid("palsgd_c")}
+  runs = grids.grid("palsgd_fair")
+  assert grids.ddp_own_steps() == 781  # 1M tokens / (5 workers × 4 × 64)
+  ddp = [r for r in runs if dict(r.overrides)["method"] == "ddp"]
+  palsgd = [r for r in runs if dict(r.overrides)["method"] == "palsgd"]
+  assert len(ddp) == 3 * 3 * 6 and len(palsgd) == 3 * (4 * 3 - 2)
+  assert len({r.name for r in runs}) == len(runs) and [r.seed for r in runs] == sorted(
+      r.seed for r in runs)
+  for run in ddp:
+    keys = dict(run.overrides)
+    c = run.table.split("/c")[1]
+    same = c_runs[f"palsgd_c/c{c}/ddp/seed{run.seed}"]
+    changed = {k: v for k, v in keys.items() if v != same.get(k)}
+    assert changed["inner.total_steps"] == 781 and set(changed) <= {
+        "inner.total_steps", "inner.learning_rate"}
+    assert keys["inner.learning_rate"] / 6e-4 == pytest.approx(
+        float(run.name.split("_x")[1].split("/")[0]), rel=3e-3)
+  lrs = {(dict(r.overrides)["outer.learning_rate"],
+          round(dict(r.overrides)["inner.pseudo_sync_rate"] * 6e-4 / 0.2, 6)) for r in palsgd}
+  assert len(lrs) == 10 and (0.1, 0.05) not in lrs and (0.7, 0.05) not in lrs
+  for run in palsgd:
+    keys = dict(run.overrides)
+    same = c_runs[f"palsgd_c/c0.25/palsgd/seed{run.seed}"]
+    assert set(k for k, v in keys.items() if v != same.get(k)) <= {
+        "outer.learning_rate", "inner.pseudo_sync_rate"}
+    assert run.name.startswith("skeptic/palsgd_fair/c0.25/palsgd_lr")
+
+
 def test_skeptic_grid_runs_seed_0_of_each_question_before_more_seeds():
   runs = grids.grid("skeptic")
   names = [r.name for r in runs]
-  assert len(set(names)) == len(names) == 30 + 3 * 9 + 3 * 46 + 30
+  assert len(set(names)) == len(names) == 30 + 3 * 9 + 3 * 46 + 30 + 3 * 28
   seed0 = lambda g: [r for r in grids.grid(g) if r.seed == 0]
   later = lambda g: [r for r in grids.grid(g) if r.seed != 0]
   assert runs == (grids.grid("jitter") + seed0("vocab") + seed0("lr_sweep") + seed0("heldout")
-                  + later("vocab") + later("heldout") + later("lr_sweep"))
+                  + seed0("palsgd_fair") + later("vocab") + later("heldout")
+                  + later("palsgd_fair") + later("lr_sweep"))
   for name in grids.SKEPTIC:
     assert grids.family(name) == grids.grid("science") + runs
 
