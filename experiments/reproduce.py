@@ -345,6 +345,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="commit each finished run's digest to git as it is written (only "
                            "the digests folder), so that a grid spanning sessions keeps its "
                            "results")
+  parser.add_argument("--isolate", action="store_true",
+                      help="each run in a process of its own (pinned, logs in OUT/logs) also "
+                           "with --jobs=1: for a grid that runs for days in the background")
   parser.add_argument("--report-only", action="store_true",
                       help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
@@ -378,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   data_path = _corpus(args.corpus, args.out, todo) if any(
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
-  if jobs > 1 and todo:
+  if (jobs > 1 or args.isolate) and todo:
     timed = []  # the finished runs' training times, for the time left
     for run in finished:
       with open(analysis.digest_path(results_dir, run)) as f:
@@ -388,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if status != 0:
       return status
   start, failed = time.perf_counter(), []
-  for i, run in enumerate(todo if jobs == 1 else []):
+  for i, run in enumerate(todo if jobs == 1 and not args.isolate else []):
     workdir = os.path.join(args.out, "runs", run.name)
     elapsed = time.perf_counter() - start
     eta = f", about {elapsed / i * (len(todo) - i) / 60:.1f} min left" if i else ""

@@ -553,6 +553,16 @@ def test_one_job_runner_goes_on_past_a_failed_run(tmp_path, monkeypatch, capsys)
   assert os.listdir(tmp_path / "digests" / "tokens" / "homogeneous") == ["heloco"]
 
 
+def test_isolate_runs_one_job_in_its_own_process_with_its_log(tmp_path, capsys):
+  out = tmp_path / "out"
+  args = ["--grid=smoke", f"--out={out}", f"--digests={tmp_path / 'digests'}", "--jobs=1",
+          "--isolate", "--only=tokens/homogeneous/mla/"]
+  assert reproduce.main(args) == 0
+  assert "1 at a time" in capsys.readouterr().err
+  assert "done:" in (out / "logs" / "tokens" / "homogeneous" / "mla" / "seed0.log").read_text()
+  assert (tmp_path / "digests" / "tokens" / "homogeneous" / "mla" / "seed0.json").exists()
+
+
 def test_commit_puts_each_digest_into_git_and_nothing_else(tmp_path, capsys):
   repo = tmp_path / "repo"
   git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], check=True,
