@@ -346,3 +346,60 @@ def test_palsgd_that_never_reaches_ddps_loss_is_not_reproduced_and_says_so():
   assert measured.count("DDP's loss not reached") == len(grids.COMM_RATIOS)
   assert "inf" not in measured
   assert "PALSGD is not faster than DDP at any c measured." in science.palsgd_table(results)
+
+
+def _made_up(name, loss):
+  """A run of the skeptic grid by ``name`` at validation loss ``loss`` at every evaluation."""
+  run = next(r for r in grids.grid("skeptic") if r.name == name)
+  keys = dict(run.overrides)
+  t = grids.time_budget(grids.AUTHORS, run.preset)
+  budget = keys["budget.tokens"] or grids.AUTHORS.tokens
+  evals = [{"tokens": int(f * budget), "sim_time": f * t, "val_loss": loss}
+           for f in np.linspace(0, 1, 21)]
+  return analysis.Result(run, {"final_val_loss": loss, "tokens": budget, "sim_time": t,
+                               "wall_seconds": 60.0}, evals, [])
+
+
+def test_variant_rows_judge_each_claim_on_the_jitter_vocab_and_heldout_runs():
+  results = []
+  for seed, gap in enumerate((0.1, 0.15, 0.2)):
+    results += [_made_up(f"skeptic/jitter/tokens/moderate/mla/seed{seed}", 5.0),
+                _made_up(f"skeptic/jitter/tokens/moderate/heloco/seed{seed}", 5.0 - gap),
+                _made_up(f"skeptic/vocab50257/time/severe/diloco/seed{seed}", 7.0),
+                _made_up(f"skeptic/vocab50257/tokens/severe/heloco/seed{seed}", 7.0 + gap)]
+  assert science.variant_results(results, "heloco") == []
+  jitter = science.variant_results(results, "jitter")
+  assert {r.run.name for r in jitter} >= {"authors/tokens/moderate/mla/seed0"}
+  assert {r.run.table for r in jitter} == {"tokens"} and science._authors(jitter)  # pylint: disable=protected-access
+  rows = science.variant_claim_rows(results)
+  assert len(rows) == 2, rows
+  assert rows[0].startswith("| HeLoCo beats MLA, wall-clock budget — jitter 0.2: each seed its "
+                            "own arrival schedule | up to +3.3% | **reproduced** | moderate vs "
+                            "mla: window +3.00% [")
+  assert rows[1].startswith("| HeLoCo beats synchronous DiLoCo, wall-clock budget, extreme "
+                            "paces — a 50,257-id BPE (the authors' size) | up to +22.1% | "
+                            "**reversed** | severe vs diloco: window -2.14% [")
+  # the claims table carries them, and the authors grid's own rows ignore them
+  claims = science.claims_table(results)
+  assert rows[0] in claims and "| HeLoCo beats MLA, wall-clock budget | up to +3.3% | **" \
+      not in claims
+
+
+def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset():
+  results = []
+  for seed in range(3):
+    results += [_made_up(f"skeptic/jitter/tokens/severe/mla/seed{seed}", 5.0),
+                _made_up(f"skeptic/lr/tokens/severe/mla/x0.5/seed{seed}", 4.5),
+                _made_up(f"skeptic/lr/tokens/severe/mla/x2/seed{seed}", 4.8),
+                _made_up(f"skeptic/jitter/tokens/severe/heloco/seed{seed}", 4.6 - 0.01 * seed),
+                _made_up(f"skeptic/lr/tokens/severe/heloco/x2/seed{seed}", 4.9)]
+  best, chosen = science.best_lr_results(results)
+  assert chosen == {("severe", "heloco"): 1.0, ("severe", "mla"): 0.5}
+  assert sorted(r.run.name for r in best if r.run.method == "mla") == [
+      f"authors/tokens/severe/mla/seed{s}" for s in range(3)]
+  assert [r.summary["final_val_loss"] for r in best if r.run.method == "mla"] == [4.5] * 3
+  row = next(r for r in science.variant_claim_rows(results) if "best outer lr" in r)
+  # HeLoCo 4.60, 4.59, 4.58 against MLA at × 0.5 (4.5): significantly worse
+  assert ("HeLoCo beats MLA, wall-clock budget — each method at its best outer lr here, jitter "
+          "0.2; not their setting (heloco severe × 1, mla severe × 0.5) | up to +3.3% | "
+          "**reversed** |") in row
