@@ -38,10 +38,30 @@ from heloco_jax import clock
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
-  """An existing corpus folder, or one built into OUT/corpus; with its BPE vocabulary of the
-  grid's size when the grid reads one (``grids.CORPUS`` in ``data.tokenizer``)."""
-  vocab = grids.AUTHORS_VOCAB if grids.CORPUS in dict(scale.data).get("data.tokenizer", "") else 0
+def corpus_vocabularies(runs: Sequence[grids.Run]) -> dict[str, int]:
+  """The BPE vocabularies ``runs`` read from the corpus folder (``grids.CORPUS`` in their
+  ``data.tokenizer``): file name -> ids (``grids.CORPUS_VOCABS``)."""
+  vocabs = {}
+  for run in runs:
+    tokenizer = str(dict(run.overrides).get("data.tokenizer", ""))
+    if tokenizer.startswith(grids.CORPUS + "/"):
+      name = tokenizer[len(grids.CORPUS) + 1:]
+      vocabs[name] = grids.CORPUS_VOCABS[name]
+  return vocabs
+
+
+def extra_corpora(runs: Sequence[grids.Run]) -> list[str]:
+  """The suffixes of the corpus folders next to the grid's that ``runs`` read (their own
+  ``data.path`` ``grids.CORPUS + suffix``; ``grids.EXTRA_CORPORA``)."""
+  found = {str(dict(run.overrides).get("data.path", "")) for run in runs}
+  return sorted(p[len(grids.CORPUS):] for p in found if p.startswith(grids.CORPUS))
+
+
+def _corpus(path: Optional[str], out: str, runs: Sequence[grids.Run]) -> str:
+  """An existing corpus folder, or one built into OUT/corpus; with the BPE vocabularies the
+  runs read (``corpus_vocabularies``), each trained there when missing or of another size,
+  and the folders next to it that they read (``extra_corpora``), built when missing."""
+  vocabs = corpus_vocabularies(runs)
   from heloco_jax import cli  # pylint: disable=g-import-not-at-top
   if path:
     if not os.path.isdir(path):
@@ -51,26 +71,41 @@ def _corpus(path: Optional[str], out: str, scale: grids.Scale) -> str:
     if not os.path.exists(os.path.join(path, "manifest.json")):
       print(f"reproduce: building the debian_docs corpus into {path}", file=sys.stderr)
       if cli.main(["corpus", "debian_docs", f"--languages={grids.LANGUAGES}", f"--out={path}",
-                   f"--vocab-size={vocab}"]) != 0:
+                   f"--vocab-size={vocabs.get('tokenizer.json', 0)}"]) != 0:
         raise SystemExit("reproduce: the corpus could not be built; pass --corpus=DIR (a "
                          "folder of text per language) instead")
-  tokenizer = os.path.join(path, "tokenizer.json")
-  if vocab:
+  for name, vocab in vocabs.items():
+    tokenizer = os.path.join(path, name)
     size = 0
     if os.path.exists(tokenizer):
       with open(tokenizer) as f:
         size = len(json.load(f)["model"]["vocab"])
-    if size != vocab:
-      print(f"reproduce: training the {vocab}-id BPE vocabulary of {path} (it has "
-            f"{size or 'none'})", file=sys.stderr)
+    if size == vocab:
+      continue
+    print(f"reproduce: training the {vocab}-id BPE vocabulary {tokenizer} (it has "
+          f"{size or 'none'})", file=sys.stderr)
+    if name == "tokenizer.json":  # the corpus command's own file
       if cli.main(["corpus", "bpe", f"--out={path}", f"--vocab-size={vocab}"]) != 0:
         raise SystemExit(f"reproduce: the BPE vocabulary of {path} could not be trained")
+      continue
+    # The same training as `heloco-jax corpus bpe` (every language of the folder, without the
+    # last 10% of each), written under another name so that both sizes sit in one corpus.
+    from heloco_jax.data import bpe, sources  # pylint: disable=g-import-not-at-top
+    bpe.train(sources.load_documents("text_dir", path, None, None), vocab).save(tokenizer)
+  for suffix in extra_corpora(runs):
+    languages, vocab = grids.EXTRA_CORPORA[suffix]
+    if not os.path.exists(os.path.join(path + suffix, "tokenizer.json")):
+      print(f"reproduce: building the debian_docs corpus of {languages} into {path + suffix}",
+            file=sys.stderr)
+      if cli.main(["corpus", "debian_docs", f"--languages={languages}", f"--out={path + suffix}",
+                   f"--vocab-size={vocab}"]) != 0:
+        raise SystemExit(f"reproduce: the corpus {path + suffix} could not be built")
   return path
 
 
 def _scale_note(name: str) -> str:
   scale = grids.SCALES[name]
-  if name in grids.SCIENCE:
+  if name in grids.SCIENCE + grids.SKEPTIC:
     return (
         f"The HeLoCo authors' harness (`heloco_stable_v2.py`): 5 workers, one language each "
         f"(de, en, es, fr, it; Debian's translated LibreOffice help), GPT d_model 128, 8 "
@@ -310,6 +345,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="commit each finished run's digest to git as it is written (only "
                            "the digests folder), so that a grid spanning sessions keeps its "
                            "results")
+  parser.add_argument("--isolate", action="store_true",
+                      help="each run in a process of its own (pinned, logs in OUT/logs) also "
+                           "with --jobs=1: for a grid that runs for days in the background")
   parser.add_argument("--report-only", action="store_true",
                       help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
@@ -340,10 +378,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"finished", file=sys.stderr)
   if args.report_only:
     todo = []
-  data_path = _corpus(args.corpus, args.out, grids.SCALES[args.grid]) if any(
+  data_path = _corpus(args.corpus, args.out, todo) if any(
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
-  if jobs > 1 and todo:
+  if (jobs > 1 or args.isolate) and todo:
     timed = []  # the finished runs' training times, for the time left
     for run in finished:
       with open(analysis.digest_path(results_dir, run)) as f:
@@ -352,26 +390,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           timed=timed)
     if status != 0:
       return status
-  start = time.perf_counter()
-  for i, run in enumerate(todo if jobs == 1 else []):
+  start, failed = time.perf_counter(), []
+  for i, run in enumerate(todo if jobs == 1 and not args.isolate else []):
     workdir = os.path.join(args.out, "runs", run.name)
     elapsed = time.perf_counter() - start
     eta = f", about {elapsed / i * (len(todo) - i) / 60:.1f} min left" if i else ""
-    print(f"reproduce: [{i + 1}/{len(todo)}] {run.name}{eta}", file=sys.stderr)
+    print(f"reproduce: [{i + 1}/{len(todo)}] {run.name}{eta}", file=sys.stderr, flush=True)
     status = train.main([f"--workdir={workdir}", *run.args(data_path)])
-    if status != 0:
-      print(f"reproduce: {run.name} failed (exit {status}); re-run the same command to resume",
+    if status in (130, 143):  # Ctrl-C or SIGTERM: stopped at a checkpoint
+      print(f"reproduce: {run.name} stopped (exit {status}); re-run the same command to resume",
             file=sys.stderr)
       return status
+    if status != 0:  # e.g. a diverged run (a high outer lr): the queue goes on without it
+      failed.append(run.name)
+      print(f"reproduce: {run.name} failed (exit {status}); the next run starts",
+            file=sys.stderr, flush=True)
+      continue
     analysis.write_digest(workdir, results_dir, run)
     if args.commit:
       commit_digests(results_dir, f"experiments/results: {run.name}")
+  if failed:
+    print(f"reproduce: {len(failed)} runs failed: {', '.join(failed)}; re-run the command to "
+          "retry them (finished runs are skipped)", file=sys.stderr)
+    return 1
 
   # RESULTS.md reports every finished run of this scale found (tuning, paper grid, PALSGD,
   # ablations; or the issue-18 grids), whichever grid this command ran.
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
-  issue18 = args.grid in grids.SCIENCE
+  issue18 = args.grid in grids.SCIENCE + grids.SKEPTIC  # issue 36's grids: the same report
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if issue18 else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",

@@ -3,9 +3,24 @@ check and PALSGD over the communication ratio c, from the runs' digests (experim
 
 Headline numbers follow ALGORITHMS.md: the relative improvement (L_baseline − L_HeLoCo) /
 L_baseline of the mean validation loss over seeds, at a fixed token budget and at a fixed
-simulated wall-clock budget, here at 25%, 50% and 100% of each budget. A claim's verdict:
-*reproduced* when its sign holds on every seed in every preset it covers, *partly* when it
-holds on every seed in some of them (or on the mean of all), *not reproduced* otherwise.
+simulated wall-clock budget, here at 25%, 50% and 100% of each budget (those tables stay).
+
+A claim's verdict (issue 36, pre-registered before its grids ran; ``verdict``):
+
+1. Window: HeLoCo's gain over a baseline is read at every evaluation point of
+   ``WINDOW_FRACTIONS``, every 5% of the budget from 50% to 100% inclusive (11 points; the
+   token table's evaluations fall on them, the time table interpolates at f·T). Per seed, the
+   relative gain 100·(L_baseline − L_HeLoCo)/L_baseline at each point is averaged over the 11
+   points: the seed's *window gain*. One evaluation's dip or jump then moves it by 1/11.
+2. Paired 95% CI over seeds: the seeds both methods have (paired by seed), mean ± t₀.₉₇₅(n−1)
+   · s/√n with the sample std s (ddof = 1) of the per-seed window gains and Student's t
+   (``T_975``, no scipy needed).
+3. Each cell (a preset × baseline the claim covers) is *better* when the whole CI is above 0,
+   *worse* when the whole CI is below 0, *unclear* otherwise.
+4. The claim, over its cells (each with ≥ ``MIN_SEEDS`` paired seeds, else *pending*):
+   *reproduced* when every cell is better; *partly* when some but not all cells are better;
+   *reversed* when no cell is better and at least one is worse (significantly worse);
+   *not reproduced* when every cell is unclear.
 """
 
 from __future__ import annotations
@@ -101,26 +116,88 @@ def improvement(results, table, preset, baseline, fraction=1.0) -> Optional[dict
           "per_seed": [analysis._improvement(x, y) for x, y in zip(b, h)]}  # pylint: disable=protected-access
 
 
+# The verdict's window (module docstring): every 5% of the budget from 50% to 100%.
+WINDOW_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(10, 21))
+MIN_SEEDS = 3
+# Student's t quantile t_0.975(df) for df = 1..30 (scipy.stats.t.ppf(0.975, df), 4 decimals).
+T_975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t_975(df: int) -> float:
+  """Student's t 0.975 quantile with ``df`` degrees of freedom (1..30; beyond, 1.96 + 2.4/df,
+  within 0.002 of the exact value)."""
+  if df < 1:
+    raise ValueError(f"df={df!r} is not allowed; allowed: an integer >= 1")
+  return T_975[df - 1] if df <= len(T_975) else 1.96 + 2.4 / df
+
+
+def paired_ci(values: Sequence[float]) -> tuple[float, float, float]:
+  """(mean, low, high): the 95% confidence interval of the mean of ``values`` (one per seed,
+  already paired differences or gains), t distribution with the sample std (ddof = 1); low and
+  high are NaN for fewer than 2 values."""
+  x = np.asarray(values, dtype=float)
+  if x.size < 2:
+    return float(x.mean()) if x.size else math.nan, math.nan, math.nan
+  half = t_975(x.size - 1) * float(np.std(x, ddof=1)) / math.sqrt(x.size)
+  return float(x.mean()), float(x.mean() - half), float(x.mean() + half)
+
+
+def category(low: float, high: float) -> str:
+  """A cell's category from its paired CI: better (all above 0), worse (all below), unclear."""
+  if low > 0:
+    return "better"
+  if high < 0:
+    return "worse"
+  return "unclear"
+
+
+def window_gain(results, table, preset, baseline,
+                fractions: Sequence[float] = WINDOW_FRACTIONS) -> Optional[dict[str, Any]]:
+  """HeLoCo vs ``baseline`` in one cell over the verdict's window (module docstring): per seed
+  (paired), the mean over ``fractions`` of the relative gain (%); their mean ``gain``, 95% CI
+  ``low``/``high``, ``category``, ``seeds``, ``per_seed``, and ``positive_points``: at how many
+  of the window's points the mean gain over seeds is above 0. None without paired runs."""
+  heloco = [losses(results, table, preset, "heloco", f) for f in fractions]
+  base = [losses(results, table, preset, baseline, f) for f in fractions]
+  seeds = sorted(set(heloco[-1]) & set(base[-1]))
+  if not seeds:
+    return None
+  gains = np.array([[analysis._improvement(b[s], h[s]) for s in seeds]  # pylint: disable=protected-access
+                    for h, b in zip(heloco, base)])  # points × seeds
+  per_seed = gains.mean(axis=0)
+  mean, low, high = paired_ci(per_seed)
+  return {"gain": mean, "low": low, "high": high, "seeds": len(seeds),
+          "per_seed": [float(g) for g in per_seed], "category": category(low, high),
+          "positive_points": int(np.sum(gains.mean(axis=1) > 0)), "points": len(fractions)}
+
+
 def verdict(cells: Sequence[dict[str, Any]]) -> str:
-  """reproduced / partly / not reproduced, from the cells a claim covers (module docstring)."""
+  """reproduced / partly / reversed / not reproduced, from the ``window_gain`` cells a claim
+  covers (the rule: module docstring, item 4); pending while a cell has fewer than
+  ``MIN_SEEDS`` paired seeds."""
   if not cells:
     return "no runs yet"
-  every_seed = [c["wins"] == c["seeds"] for c in cells]
-  if any(c["seeds"] < 3 for c in cells):
-    return (f"pending (fewer than 3 seeds; HeLoCo lower on every seed so far in "
-            f"{sum(every_seed)} of {len(cells)} comparisons)")
-  if all(every_seed):
+  kinds = [c["category"] for c in cells]
+  if any(c["seeds"] < MIN_SEEDS for c in cells):
+    return (f"pending (fewer than {MIN_SEEDS} seeds; significantly better so far in "
+            f"{kinds.count('better')} of {len(cells)} comparisons)")
+  if all(k == "better" for k in kinds):
     return "**reproduced**"
-  if any(every_seed) or all(c["gain"] > 0 for c in cells):
+  if "better" in kinds:
     return "**partly**"
+  if "worse" in kinds:
+    return "**reversed**"
   return "**not reproduced**"
 
 
 def claims_table(results: Sequence[Result]) -> str:
   """Markdown: each claim, its verdict and the measured magnitude at 25/50/100% of budget."""
   authors = _authors(results)
-  lines = ["| claim | paper | verdict (100% of budget) | HeLoCo's gain, mean over seeds: at "
-           "25% / 50% / 100% of the budget, per preset and baseline (wins/seeds at 100%) |",
+  lines = ["| claim | paper | verdict (window 50–100% of the budget, paired 95% CIs) | "
+           "HeLoCo's gain, mean over seeds, per preset and baseline: over the window [95% CI] "
+           "and its category; at 25% / 50% / 100% of the budget (wins/seeds at 100%) |",
            "|---|---|---|---|"]
   for name, table, presets, baselines, paper in CLAIMS:
     cells, text = _claim_cells(authors, table, presets, baselines)
@@ -136,6 +213,7 @@ def claims_table(results: Sequence[Result]) -> str:
                  f"({grids.dn_tuned_learning_rate():g}, × {grids.DN_TUNED_FACTOR:g} the "
                  f"authors'; not their setting) | "
                  f"up to +7.5% | {verdict(cells)} | {'; '.join(text)} |")
+  lines += variant_claim_rows(results)
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
     speedup = palsgd_claim(results, method)
@@ -148,17 +226,22 @@ def claims_table(results: Sequence[Result]) -> str:
 def _claim_cells(results: Sequence[Result], table: str, presets: Sequence[str],
                  baselines: Sequence[str], label=lambda preset, baseline: f"{preset} vs {baseline}"
                  ) -> tuple[list[dict[str, Any]], list[str]]:
-  """A claims row's cells (``improvement`` at 100% of the budget, for ``verdict``) and its text:
-  per preset and baseline, HeLoCo's gain at each of ``grids.BUDGET_FRACTIONS`` (wins/seeds)."""
+  """A claims row's cells (``window_gain``, for ``verdict``) and its text: per preset and
+  baseline, the window gain with its paired 95% CI and category, then HeLoCo's gain at each of
+  ``grids.BUDGET_FRACTIONS`` (wins/seeds at 100%)."""
   cells, text = [], []
   for preset in presets:
     for baseline in baselines:
       at = [improvement(results, table, preset, baseline, f) for f in grids.BUDGET_FRACTIONS]
-      if at[-1] is None:
+      window = window_gain(results, table, preset, baseline)
+      if at[-1] is None or window is None:
         continue
-      cells.append(at[-1])
+      cells.append(window)
+      ci = (f"[{window['low']:+.2f}, {window['high']:+.2f}]" if math.isfinite(window["low"])
+            else "[no CI: 1 seed]")
       gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
-      text.append(f"{label(preset, baseline)}: {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
+      text.append(f"{label(preset, baseline)}: window {window['gain']:+.2f}% {ci} "
+                  f"{window['category']}; {gains} ({at[-1]['wins']}/{at[-1]['seeds']})")
   return cells, text
 
 
@@ -173,8 +256,90 @@ def dn_tuned_results(results: Sequence[Result]) -> list[Result]:
   return [r for r in _authors(results) if r.run.method != "delayed_nesterov"] + tuned
 
 
+# Issue 36's grids as variants of the claims: (run name kind, label). Each variant's runs are
+# relabelled as the authors grid's (``variant_results``) and judged with the same rule.
+VARIANTS = (
+    ("jitter", f"jitter {grids.JITTER:g}: each seed its own arrival schedule"),
+    (f"vocab{grids.VOCAB_50K}", f"a {grids.VOCAB_50K:,}-id BPE (the authors' size)"),
+    ("heldout", f"held-out languages {grids.HELDOUT_LANGUAGES.replace(',', ', ')}, jitter "
+                f"{grids.JITTER:g}"),
+)
+
+
+def _as_authors(result: Result, name: str, table: str) -> Result:
+  return dataclasses.replace(result, run=dataclasses.replace(result.run, name=name, table=table))
+
+
+def variant_results(results: Sequence[Result], kind: str) -> list[Result]:
+  """The runs ``skeptic/<kind>/<table>/...`` as the authors grid's (``authors/<table>/...``,
+  table ``tokens`` or ``time``), so that ``improvement``, ``window_gain`` and the claims read
+  them."""
+  prefix = f"skeptic/{kind}/"
+  return [_as_authors(r, r.run.name.replace(prefix, "authors/", 1), r.run.table.split("/")[-1])
+          for r in results if r.run.name.startswith(prefix)]
+
+
+def window_loss(result: Result, table: str) -> float:
+  """A run's validation loss averaged over ``WINDOW_FRACTIONS`` of its table's budget."""
+  return float(np.mean([loss_at(result, table, f) for f in WINDOW_FRACTIONS]))
+
+
+def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple[str, str],
+                                                                            float]]:
+  """Each method at its best outer lr per preset (``grids.lr_sweep_grid`` and its × 1, the
+  ``jitter`` runs), as the authors grid's runs; and (preset, method) -> the chosen factor.
+
+  The best: the lowest mean over seeds of ``window_loss`` (the lr sweep's seeds, where a factor
+  has fewer seeds than × 1 only those it has). The same seeds then judge the claims, so the
+  choice favours each method a little on them (HeLoCo as much as the baselines).
+  """
+  by_cell: dict[tuple[str, str], dict[float, list[Result]]] = {}
+  for r in results:
+    parts = r.run.name.split("/")
+    if r.run.name.startswith("skeptic/lr/"):
+      factor = float(parts[-2][1:])
+    elif r.run.name.startswith("skeptic/jitter/"):
+      factor = 1.0
+    else:
+      continue
+    by_cell.setdefault((r.run.preset, r.run.method), {}).setdefault(factor, []).append(r)
+  chosen, out = {}, []
+  for (preset, method), factors in sorted(by_cell.items()):
+    swept = [f for f in factors if f != 1.0]
+    if not swept:
+      continue
+    seeds = {r.run.seed for f in swept for r in factors[f]}
+    mean = {f: np.mean([window_loss(r, r.run.table.split("/")[-1]) for r in runs
+                        if r.run.seed in seeds]) for f, runs in factors.items()}
+    best = min((f for f in mean if np.isfinite(mean[f])), key=mean.get)
+    chosen[(preset, method)] = best
+    for r in factors[best]:
+      table = r.run.table.split("/")[-1]
+      out.append(_as_authors(r, f"authors/{table}/{preset}/{method}/seed{r.run.seed}", table))
+  return out, chosen
+
+
+def variant_claim_rows(results: Sequence[Result]) -> list[str]:
+  """Claims-table rows: every claim (``CLAIMS``) on each of ``VARIANTS``' runs and with each
+  method at its best outer lr (``best_lr_results``), where such runs exist."""
+  sets = [(label, variant_results(results, kind)) for kind, label in VARIANTS]
+  best, chosen = best_lr_results(results)
+  if best:
+    factors = ", ".join(f"{m} {p} × {f:g}" for (p, m), f in sorted(chosen.items()))
+    sets.append((f"each method at its best outer lr here, jitter {grids.JITTER:g}; not their "
+                 f"setting ({factors})", best))
+  rows = []
+  for label, runs in sets:
+    for name, table, presets, baselines, paper in CLAIMS:
+      cells, text = _claim_cells(runs, table, presets, baselines)
+      if cells:
+        rows.append(f"| {name} — {label} | {paper} | {verdict(cells)} | {'; '.join(text)} |")
+  return rows
+
+
 def loss_table(results: Sequence[Result], table: str) -> str:
-  """Markdown: validation loss per preset × method at 25/50/100% of the budget (mean ± std)."""
+  """Markdown: validation loss per preset × method at 25/50/100% of the budget (mean ± sample
+  std, ddof = 1; – for one seed)."""
   authors = _authors(results)
   lines = ["| paces | method | 25% | 50% | 100% | seeds |", "|---|---|---|---|---|---|"]
   rows = 0
@@ -185,7 +350,8 @@ def loss_table(results: Sequence[Result], table: str) -> str:
       if not cells[-1]:
         continue
       rows += 1
-      text = " | ".join(f"{np.mean(c):.4f} ± {np.std(c):.4f}" for c in cells)
+      text = " | ".join(f"{np.mean(c):.4f} ± " + (f"{np.std(c, ddof=1):.4f}" if len(c) > 1
+                                                     else "–") for c in cells)
       lines.append(f"| {preset} | {method} | {text} | {len(cells[-1])} |")
   return "\n".join(lines) if rows else ""
 
@@ -487,7 +653,11 @@ def decay_why_table(results: Sequence[Result]) -> str:
 def palsgd_claim(results: Sequence[Result],
                  method: str = "palsgd") -> Optional[tuple[str, str]]:
   """(verdict, measured) for the PALSGD claim: ``method`` (PALSGD as its authors ran it, or
-  ``grids.PALSGD_SWAPPED``) faster than DDP on every seed at some c."""
+  ``grids.PALSGD_SWAPPED``) against DDP, time to each seed's DDP final loss, at each c run.
+
+  *reproduced* when it is faster than DDP on every seed (≥ 3) at **every** c; *partly* when it
+  is faster on every seed at some c, or its mean gain is positive at the best c; *not
+  reproduced* otherwise (pending while any c has fewer than 3 seeds)."""
   times = palsgd_times(results)
   if not any(t[method] for t in times.values()):
     return None
@@ -593,10 +763,14 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       f"are finished ({core_hours:.1f} core-hours, one core per run).", "", scale_note, "",
       *analysis._section(  # pylint: disable=protected-access
           "The claims, measured", claims_table(results),
-          "Gain = (L_baseline − L_HeLoCo) / L_baseline of the mean validation loss over seeds. "
-          "Verdict: *reproduced* when HeLoCo's loss is lower on every seed in every preset the "
-          "claim covers (≥ 3 seeds); *partly* when on every seed in some presets, or on the "
-          "mean in all; *not reproduced* otherwise. Why a claim is not reproduced is measured "
+          "Gain = (L_baseline − L_HeLoCo) / L_baseline, in %. Verdict (pre-registered, "
+          "`science.verdict`): per seed, the gain averaged over every evaluation from 50% to "
+          "100% of the budget (every 5%); over seeds, paired by seed, its mean and 95% CI "
+          "(Student's t, sample std); a cell is *better* when its CI is above 0, *worse* when "
+          "below, *unclear* otherwise. *Reproduced*: every cell better (≥ 3 seeds); *partly*: "
+          "some cells better; *reversed*: none better and some worse; *not reproduced*: every "
+          "cell unclear. PALSGD's rows: faster than DDP on every seed at every c (reproduced) "
+          "or at some c (partly). Why a claim is not reproduced is measured "
           f"in the sections \"{WHY_SYNC}\" and \"{WHY_PALSGD}\"."),
       *analysis._section(  # pylint: disable=protected-access
           "The authors' harness: fixed token budget (10,000 local steps)",

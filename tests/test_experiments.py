@@ -53,7 +53,7 @@ def test_run_args_are_train_flags_and_take_the_corpus_path():
 
 
 def test_unknown_grid_is_refused():
-  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science"):
+  with pytest.raises(ValueError, match="--grid='huge' is not allowed; allowed: paper, smoke, tune, palsgd, ablations, all, authors, authors_lr, palsgd_c, palsgd_why, decay_why, dn_tuned, science, jitter, lr_sweep, vocab, heldout, palsgd_fair, skeptic"):
     grids.grid("huge")
 
 
@@ -333,6 +333,146 @@ def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
         "outer.learning_rate": pytest.approx(0.07 * 16)}
 
 
+def test_jitter_grid_is_the_claims_runs_at_severe_and_moderate_with_jitter_seed_by_seed():
+  """Issue 36, item 2: each run is the authors grid's run of its name (async methods' token
+  runs, synchronous DiLoCo's time runs) with only the jitter changed, in its own tables."""
+  authors = {r.name: dict(r.overrides) for r in grids.grid("authors")}
+  runs = grids.grid("jitter")
+  assert [r.name for r in runs] == [
+      f"skeptic/jitter/{name}/seed{s}" for s in (0, 1, 2) for p in ("severe", "moderate")
+      for name in (f"tokens/{p}/async_nesterov", f"tokens/{p}/delayed_nesterov",
+                   f"tokens/{p}/mla", f"tokens/{p}/heloco", f"time/{p}/diloco")]
+  assert 0 < grids.JITTER < 1 and authors[next(iter(authors))].get("jitter") is None
+  for run in runs:
+    keys = dict(run.overrides)
+    same = authors[run.name.replace("skeptic/jitter/", "authors/", 1)]
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {"jitter": grids.JITTER}
+    assert run.table == f"jitter/{same['budget.tokens'] and 'tokens' or 'time'}"
+    assert run.args().count(f"--config.jitter={grids.JITTER}") == 1
+  # the authors grid's tables never read them
+  from experiments import science  # pylint: disable=g-import-not-at-top
+  results = [analysis.Result(r, {"final_val_loss": 1.0}, [], []) for r in runs]
+  assert science._authors(results) == []  # pylint: disable=protected-access
+
+
+def test_lr_sweep_grid_changes_only_the_outer_lr_of_the_jitter_runs_seed_0_first():
+  """Issue 36, item 3: every method's outer lr × 0.25, 0.5, 2, 4 (DN also × 8, 16, 32) at
+  severe and moderate paces, seed 0 first; × 1 is the jitter grid's run."""
+  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  jitter = {r.name: dict(r.overrides) for r in grids.grid("jitter")}
+  runs = grids.grid("lr_sweep")
+  per_seed = 2 * (5 * 4 + 3)
+  assert len(runs) == len({r.name for r in runs}) == 3 * per_seed
+  assert [r.seed for r in runs] == sorted(r.seed for r in runs)
+  for run in runs:
+    method_dir, factor = run.name.split("/")[-3:-1]
+    assert method_dir == run.method and factor.startswith("x")
+    keys = dict(run.overrides)
+    same = jitter[run.name.replace("skeptic/lr/", "skeptic/jitter/", 1).replace(
+        f"/{factor}/", "/")]
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "outer.learning_rate": pytest.approx(methods.get(run.method).learning_rate
+                                             * float(factor[1:]))}
+    assert run.table == "lr/" + ("time" if run.method == "diloco" else "tokens")
+  factors = {r.name.split("/")[-2] for r in runs if r.method == "delayed_nesterov"}
+  assert factors == {"x0.25", "x0.5", "x2", "x4", "x8", "x16", "x32"}
+  assert {r.name.split("/")[-2] for r in runs if r.method == "heloco"} == {
+      "x0.25", "x0.5", "x2", "x4"}
+
+
+def test_vocab_grid_changes_only_the_vocabulary_of_the_claims_runs_at_severe_and_mixed():
+  """Issue 36, item 4: the authors grid's runs (HeLoCo, MLA, async Nesterov token runs, sync
+  DiLoCo's time runs and its one token run) with a 50,257-id BPE, jitter 0 as there."""
+  authors = {r.name: dict(r.overrides) for r in grids.grid("authors")}
+  runs = grids.grid("vocab")
+  per_seed = ["tokens/homogeneous/diloco"] + [
+      f"{t}/{p}/{m}" for p in ("severe", "mixed")
+      for t, m in (("tokens", "async_nesterov"), ("tokens", "mla"), ("tokens", "heloco"),
+                   ("time", "diloco"))]
+  assert [r.name for r in runs] == [f"skeptic/vocab50257/{name}/seed{s}" for s in (0, 1, 2)
+                                    for name in per_seed]
+  for run in runs:
+    keys = dict(run.overrides)
+    same = authors[run.name.replace("skeptic/vocab50257/", "authors/", 1)]
+    assert same["data.tokenizer"] == "{corpus}/tokenizer.json"
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "data.tokenizer": "{corpus}/tokenizer_50257.json"}
+    assert run.args("/c").count("--config.data.tokenizer=/c/tokenizer_50257.json") == 1
+  assert reproduce.corpus_vocabularies(runs[:1]) == {"tokenizer_50257.json": 50_257}
+  assert reproduce.corpus_vocabularies(grids.grid("jitter") + runs) == {
+      "tokenizer.json": 2048, "tokenizer_50257.json": 50_257}
+  assert reproduce.corpus_vocabularies(grids.grid("palsgd_c")) == {}
+
+
+def test_heldout_grid_is_the_jitter_grid_on_other_languages_from_their_own_corpus():
+  """Issue 36, item 6: five languages the grid does not use, their own corpus folder next to
+  the grid's and their own 2,048-id BPE."""
+  jitter = {r.name: dict(r.overrides) for r in grids.grid("jitter")}
+  runs = grids.grid("heldout")
+  assert len(runs) == 30 and not set(grids.HELDOUT_LANGUAGES.split(",")) & set(
+      grids.LANGUAGES.split(","))
+  for run in runs:
+    keys = dict(run.overrides)
+    same = jitter[run.name.replace("skeptic/heldout/", "skeptic/jitter/", 1)]
+    assert {k: v for k, v in keys.items() if v != same.get(k)} == {
+        "data.languages": "nl,pt,sv,pl,fi", "data.path": "{corpus}_heldout",
+        "data.tokenizer": "{corpus}_heldout/tokenizer.json"}
+    args = run.args("/c/corpus")
+    assert "--config.data.path=/c/corpus_heldout" in args
+    assert "--config.data.tokenizer=/c/corpus_heldout/tokenizer.json" in args
+  assert reproduce.extra_corpora(runs + grids.grid("jitter")) == ["_heldout"]
+  assert reproduce.corpus_vocabularies(runs) == {}
+  assert "--config.data.path=/c/corpus" in grids.grid("jitter")[0].args("/c/corpus")
+
+
+def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_and_pull():
+  """Issue 36, item 5: the palsgd_c runs with only DDP's decay span and lr, or PALSGD's outer
+  lr and pull, changed."""
+  c_runs = {r.name: dict(r.overrides) for r in grids.grid("palsgd_c")}
+  runs = grids.grid("palsgd_fair")
+  assert grids.ddp_own_steps() == 781  # 1M tokens / (5 workers × 4 × 64)
+  ddp = [r for r in runs if dict(r.overrides)["method"] == "ddp"]
+  palsgd = [r for r in runs if dict(r.overrides)["method"] == "palsgd"]
+  assert len(ddp) == 3 * 3 * 6 and len(palsgd) == 3 * (4 * 3 - 2)
+  assert len({r.name for r in runs}) == len(runs) and [r.seed for r in runs] == sorted(
+      r.seed for r in runs)
+  for run in ddp:
+    keys = dict(run.overrides)
+    c = run.table.split("/c")[1]
+    same = c_runs[f"palsgd_c/c{c}/ddp/seed{run.seed}"]
+    changed = {k: v for k, v in keys.items() if v != same.get(k)}
+    assert changed["inner.total_steps"] == 781 and set(changed) <= {
+        "inner.total_steps", "inner.learning_rate"}
+    assert keys["inner.learning_rate"] / 6e-4 == pytest.approx(
+        float(run.name.split("_x")[1].split("/")[0]), rel=3e-3)
+  lrs = {(dict(r.overrides)["outer.learning_rate"],
+          round(dict(r.overrides)["inner.pseudo_sync_rate"] * 6e-4 / 0.2, 6)) for r in palsgd}
+  assert len(lrs) == 10 and (0.1, 0.05) not in lrs and (0.7, 0.05) not in lrs
+  for run in palsgd:
+    keys = dict(run.overrides)
+    same = c_runs[f"palsgd_c/c0.25/palsgd/seed{run.seed}"]
+    assert set(k for k, v in keys.items() if v != same.get(k)) <= {
+        "outer.learning_rate", "inner.pseudo_sync_rate"}
+    assert run.name.startswith("skeptic/palsgd_fair/c0.25/palsgd_lr")
+
+
+def test_skeptic_grid_runs_seed_0_of_each_question_before_more_seeds():
+  runs = grids.grid("skeptic")
+  names = [r.name for r in runs]
+  assert len(set(names)) == len(names) == 30 + 3 * 9 + 3 * 46 + 30 + 3 * 28
+  seed0 = lambda g: [r for r in grids.grid(g) if r.seed == 0]
+  later = lambda g: [r for r in grids.grid(g) if r.seed != 0]
+  sync_question = ["skeptic/vocab50257/tokens/severe/heloco/seed0",
+                   "skeptic/vocab50257/time/severe/diloco/seed0"]
+  assert names[30:32] == sync_question
+  assert runs == (grids.grid("jitter") + runs[30:32] + seed0("lr_sweep") + seed0("heldout")
+                  + seed0("palsgd_fair") + [r for r in seed0("vocab") if r not in runs[30:32]]
+                  + later("heldout") + later("palsgd_fair") + later("vocab")
+                  + later("lr_sweep"))
+  for name in grids.SKEPTIC:
+    assert grids.family(name) == grids.grid("science") + runs
+
+
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
   runs = [r for r in grids.grid("authors") if r.seed == 0 and r.table == "tokens"]
   tokens = reproduce.expected_tokens(runs[0])
@@ -401,6 +541,30 @@ def test_parallel_runner_stops_on_sigterm_with_runs_still_queued(tmp_path):
     pytest.fail("the runner did not exit within 120 s of SIGTERM")
   assert process.returncode == 130, err
   assert len(list(tmp_path.glob("runs/tokens/homogeneous/*"))) <= 2  # no queued run started
+
+
+def test_one_job_runner_goes_on_past_a_failed_run(tmp_path, monkeypatch, capsys):
+  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  real = train.main
+  monkeypatch.setattr(train, "main", lambda argv: 1 if "tokens/homogeneous/mla/" in argv[0]
+                      else real(argv))
+  args = ["--grid=smoke", f"--out={tmp_path / 'out'}", f"--digests={tmp_path / 'digests'}",
+          "--jobs=1", "--only=tokens/homogeneous/(mla|heloco)/"]
+  assert reproduce.main(args) == 1
+  err = capsys.readouterr().err
+  assert "tokens/homogeneous/mla/seed0 failed (exit 1); the next run starts" in err
+  assert "1 runs failed: tokens/homogeneous/mla/seed0" in err
+  assert os.listdir(tmp_path / "digests" / "tokens" / "homogeneous") == ["heloco"]
+
+
+def test_isolate_runs_one_job_in_its_own_process_with_its_log(tmp_path, capsys):
+  out = tmp_path / "out"
+  args = ["--grid=smoke", f"--out={out}", f"--digests={tmp_path / 'digests'}", "--jobs=1",
+          "--isolate", "--only=tokens/homogeneous/mla/"]
+  assert reproduce.main(args) == 0
+  assert "1 at a time" in capsys.readouterr().err
+  assert "done:" in (out / "logs" / "tokens" / "homogeneous" / "mla" / "seed0.log").read_text()
+  assert (tmp_path / "digests" / "tokens" / "homogeneous" / "mla" / "seed0.json").exists()
 
 
 def test_commit_puts_each_digest_into_git_and_nothing_else(tmp_path, capsys):

@@ -33,25 +33,88 @@ def test_losses_are_read_at_25_50_and_100_percent_of_each_budget():
   assert science.loss_at_time(r.evals, 10 * r.evals[-1]["sim_time"]) == 5.0  # ended before
 
 
-@pytest.mark.parametrize("gaps,expected", [
-    ({"mild": (0.1, 0.1, 0.1), "severe": (0.2, 0.1, 0.3)}, "**reproduced**"),
-    ({"mild": (0.1, 0.1, 0.1), "severe": (0.2, -0.1, 0.3)}, "**partly**"),
-    ({"mild": (0.1, -0.1, 0.1), "severe": (-0.2, 0.1, 0.3)}, "**partly**"),  # the means
-    ({"mild": (0.1, -0.5, 0.1), "severe": (-0.2, -0.1, 0.3)}, "**not reproduced**"),
-])
-def test_a_verdict_needs_the_sign_on_every_seed(gaps, expected):
+def _flat_cell(per_seed_gaps, preset="severe", baseline="mla", base=5.0):
+  """Made-up runs of one cell: the baseline at ``base`` and HeLoCo ``gap`` lower at every
+  evaluation, per seed."""
   results = []
-  for preset, per_seed in gaps.items():
-    for seed, gap in enumerate(per_seed):
-      results.append(_authors_run("tokens", preset, "mla", seed, 5.0))
-      results.append(_authors_run("tokens", preset, "heloco", seed, 5.0 - gap))
-  cells = [science.improvement(results, "tokens", p, "mla") for p in gaps]
+  for seed, gap in enumerate(per_seed_gaps):
+    results.append(_authors_run("tokens", preset, baseline, seed, base, curve=lambda f: base))
+    results.append(_authors_run("tokens", preset, "heloco", seed, base - gap,
+                                curve=lambda f, g=gap: base - g))
+  return results
+
+
+def test_paired_ci_uses_students_t_and_the_sample_std():
+  mean, low, high = science.paired_ci([1.0, 2.0, 3.0])  # s = 1 (ddof 1), t(2) = 4.3027
+  assert mean == 2.0 and (low, high) == pytest.approx((2 - 4.3027 / 3 ** 0.5,
+                                                       2 + 4.3027 / 3 ** 0.5))
+  assert np.isnan(science.paired_ci([1.0])[1])
+  assert science.t_975(2) == 4.3027 and science.t_975(100) == pytest.approx(1.984, abs=2e-3)
+  stats = pytest.importorskip("scipy.stats")
+  for df in (*range(1, 31), 40, 60, 200):
+    assert science.t_975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=2e-3)
+
+
+def test_the_window_is_every_5_percent_from_half_to_all_of_the_budget():
+  assert science.WINDOW_FRACTIONS == (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95,
+                                      1.0)
+
+
+# Per preset, the gap (baseline − HeLoCo loss, baseline 5.0) on seeds 0, 1, 2 at every
+# evaluation; a cell is better / worse when its paired 95% CI is above / below 0.
+@pytest.mark.parametrize("gaps,categories,expected", [
+    ({"mild": (0.1, 0.12, 0.08), "severe": (0.2, 0.25, 0.3)}, ("better", "better"),
+     "**reproduced**"),
+    ({"mild": (0.1, 0.12, 0.08), "severe": (0.2, -0.1, 0.3)}, ("better", "unclear"),
+     "**partly**"),
+    ({"mild": (0.1, 0.12, 0.08), "severe": (-0.2, -0.25, -0.3)}, ("better", "worse"),
+     "**partly**"),
+    ({"mild": (0.1, -0.1, 0.05), "severe": (-0.2, -0.25, -0.3)}, ("unclear", "worse"),
+     "**reversed**"),
+    ({"mild": (-0.1, -0.12, -0.08), "severe": (-0.2, -0.25, -0.3)}, ("worse", "worse"),
+     "**reversed**"),
+    ({"mild": (0.1, -0.1, 0.1), "severe": (0.2, 0.1, -0.05)}, ("unclear", "unclear"),
+     "**not reproduced**"),  # positive means, but neither CI excludes 0
+])
+def test_verdict_categories_from_paired_cis_over_the_window(gaps, categories, expected):
+  results = [r for preset, per_seed in gaps.items() for r in _flat_cell(per_seed, preset)]
+  cells = [science.window_gain(results, "tokens", p, "mla") for p in gaps]
+  assert tuple(c["category"] for c in cells) == categories
   assert science.verdict(cells) == expected
-  one_seed = [dict(c, seeds=1, wins=int(c["per_seed"][0] > 0)) for c in cells]
-  assert science.verdict(one_seed).startswith("pending (fewer than 3 seeds")
-  mild = science.improvement(results, "tokens", "mild", "mla")
-  assert mild["seeds"] == 3 and mild["gain"] == pytest.approx(
-      100 * np.mean(gaps["mild"]) / 5.0)
+  mild = cells[0]
+  assert mild["seeds"] == 3 and mild["gain"] == pytest.approx(100 * np.mean(gaps["mild"]) / 5)
+  assert mild["per_seed"] == pytest.approx([100 * g / 5 for g in gaps["mild"]])
+  two_seeds = [dict(c, seeds=2) for c in cells]
+  assert science.verdict(two_seeds).startswith("pending (fewer than 3 seeds")
+  assert science.verdict([]) == "no runs yet"
+
+
+def test_a_win_only_at_the_last_evaluation_is_not_a_win_over_the_window():
+  # HeLoCo 0.2 above the baseline at every evaluation, 0.1 below it at the last one only.
+  results = []
+  for seed in range(3):
+    results.append(_authors_run("tokens", "severe", "mla", seed, 5.0, curve=lambda f: 5.0))
+    results.append(_authors_run("tokens", "severe", "heloco", seed, 4.9 + 0.01 * seed,
+                                curve=lambda f: 5.2))
+  at_end = science.improvement(results, "tokens", "severe", "mla")
+  assert at_end["wins"] == 3 and at_end["gain"] > 0
+  cell = science.window_gain(results, "tokens", "severe", "mla")
+  assert cell["positive_points"] == 1 and cell["gain"] < 0
+  assert cell["category"] == "worse" and science.verdict([cell]) == "**reversed**"
+
+
+def test_claims_row_gives_the_window_gain_its_ci_and_the_budget_points():
+  # the time table's MLA and HeLoCo runs are their token runs
+  results = _flat_cell((0.1, 0.15, 0.2), "mild", "mla")
+  row = next(line for line in science.claims_table(results).splitlines()
+             if line.startswith("| HeLoCo beats MLA"))
+  half = 4.3027 * 1.0 / 3 ** 0.5  # gains 2, 3, 4 %: s = 1
+  assert (f"| **reproduced** | mild vs mla: window +3.00% [{3 - half:+.2f}, {3 + half:+.2f}] "
+          "better; +3.00% / +3.00% / +3.00% (3/3) |") in row
+  # gains 2, 4, 6 %: the same sign on every seed, but s = 2 and the CI reaches below 0
+  row = next(line for line in science.claims_table(_flat_cell((0.1, 0.2, 0.3), "mild", "mla"))
+             .splitlines() if line.startswith("| HeLoCo beats MLA"))
+  assert "| **not reproduced** | mild vs mla: window +4.00% [-0.97, +8.97] unclear;" in row
 
 
 def test_time_table_uses_the_token_runs_of_async_methods_and_diloco_own_run():
@@ -104,7 +167,8 @@ def test_claims_compare_heloco_with_delayed_nesterov_at_its_tuned_lr_too():
   assert "mixed vs delayed_nesterov: " in authors_row and "+15.38% (3/3)" in authors_row
   tuned_row = next(line for line in claims if "DN's best outer lr here (1.12, × 16" in line)
   # mean 5.5 against 5.5: +0.00%, HeLoCo lower on 1 of 3 seeds
-  assert tuned_row.endswith("| **not reproduced** | mixed: +0.00% / +0.00% / +0.00% (1/3) |")
+  assert "| **not reproduced** | mixed: window " in tuned_row
+  assert tuned_row.endswith(" unclear; +0.00% / +0.00% / +0.00% (1/3) |")
 
 
 def _palsgd(c, name, seed, final, seconds_per_eval):
@@ -282,3 +346,60 @@ def test_palsgd_that_never_reaches_ddps_loss_is_not_reproduced_and_says_so():
   assert measured.count("DDP's loss not reached") == len(grids.COMM_RATIOS)
   assert "inf" not in measured
   assert "PALSGD is not faster than DDP at any c measured." in science.palsgd_table(results)
+
+
+def _made_up(name, loss):
+  """A run of the skeptic grid by ``name`` at validation loss ``loss`` at every evaluation."""
+  run = next(r for r in grids.grid("skeptic") if r.name == name)
+  keys = dict(run.overrides)
+  t = grids.time_budget(grids.AUTHORS, run.preset)
+  budget = keys["budget.tokens"] or grids.AUTHORS.tokens
+  evals = [{"tokens": int(f * budget), "sim_time": f * t, "val_loss": loss}
+           for f in np.linspace(0, 1, 21)]
+  return analysis.Result(run, {"final_val_loss": loss, "tokens": budget, "sim_time": t,
+                               "wall_seconds": 60.0}, evals, [])
+
+
+def test_variant_rows_judge_each_claim_on_the_jitter_vocab_and_heldout_runs():
+  results = []
+  for seed, gap in enumerate((0.1, 0.15, 0.2)):
+    results += [_made_up(f"skeptic/jitter/tokens/moderate/mla/seed{seed}", 5.0),
+                _made_up(f"skeptic/jitter/tokens/moderate/heloco/seed{seed}", 5.0 - gap),
+                _made_up(f"skeptic/vocab50257/time/severe/diloco/seed{seed}", 7.0),
+                _made_up(f"skeptic/vocab50257/tokens/severe/heloco/seed{seed}", 7.0 + gap)]
+  assert science.variant_results(results, "heloco") == []
+  jitter = science.variant_results(results, "jitter")
+  assert {r.run.name for r in jitter} >= {"authors/tokens/moderate/mla/seed0"}
+  assert {r.run.table for r in jitter} == {"tokens"} and science._authors(jitter)  # pylint: disable=protected-access
+  rows = science.variant_claim_rows(results)
+  assert len(rows) == 2, rows
+  assert rows[0].startswith("| HeLoCo beats MLA, wall-clock budget — jitter 0.2: each seed its "
+                            "own arrival schedule | up to +3.3% | **reproduced** | moderate vs "
+                            "mla: window +3.00% [")
+  assert rows[1].startswith("| HeLoCo beats synchronous DiLoCo, wall-clock budget, extreme "
+                            "paces — a 50,257-id BPE (the authors' size) | up to +22.1% | "
+                            "**reversed** | severe vs diloco: window -2.14% [")
+  # the claims table carries them, and the authors grid's own rows ignore them
+  claims = science.claims_table(results)
+  assert rows[0] in claims and "| HeLoCo beats MLA, wall-clock budget | up to +3.3% | **" \
+      not in claims
+
+
+def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset():
+  results = []
+  for seed in range(3):
+    results += [_made_up(f"skeptic/jitter/tokens/severe/mla/seed{seed}", 5.0),
+                _made_up(f"skeptic/lr/tokens/severe/mla/x0.5/seed{seed}", 4.5),
+                _made_up(f"skeptic/lr/tokens/severe/mla/x2/seed{seed}", 4.8),
+                _made_up(f"skeptic/jitter/tokens/severe/heloco/seed{seed}", 4.6 - 0.01 * seed),
+                _made_up(f"skeptic/lr/tokens/severe/heloco/x2/seed{seed}", 4.9)]
+  best, chosen = science.best_lr_results(results)
+  assert chosen == {("severe", "heloco"): 1.0, ("severe", "mla"): 0.5}
+  assert sorted(r.run.name for r in best if r.run.method == "mla") == [
+      f"authors/tokens/severe/mla/seed{s}" for s in range(3)]
+  assert [r.summary["final_val_loss"] for r in best if r.run.method == "mla"] == [4.5] * 3
+  row = next(r for r in science.variant_claim_rows(results) if "best outer lr" in r)
+  # HeLoCo 4.60, 4.59, 4.58 against MLA at × 0.5 (4.5): significantly worse
+  assert ("HeLoCo beats MLA, wall-clock budget — each method at its best outer lr here, jitter "
+          "0.2; not their setting (heloco severe × 1, mla severe × 0.5) | up to +3.3% | "
+          "**reversed** |") in row
