@@ -180,7 +180,7 @@ GRIDS = {
 ABLATIONS: dict[str, tuple[tuple[str, tuple[str, ...], dict[str, Any]], ...]] = {
     "rotate_schedule": (("eq14", ("heloco",), {"outer.rotate_schedule": "eq14"}),),
     "weight_order": (("after", ("heloco",), {"outer.weight_order": "after"}),),
-    "lookahead_dispatch": (("on", ("mla",), {"lookahead_dispatch": 1}),),
+    "lookahead_dispatch": (("on", ("mla",), {"lookahead_dispatch": True}),),
     "partition": tuple((name, ("heloco", "mla"), overrides) for name, overrides in (
         ("iid", {"data.partition": "iid"}),
         ("dirichlet0.1", {"data.partition": "dirichlet", "data.dirichlet_alpha": 0.1}),
@@ -252,7 +252,7 @@ AUTHORS = Scale(
           ("data.tokenizer", f"{CORPUS}/tokenizer.json"),
           ("data.val_sequences_per_language", 32)),
     extra=(("inner.warmup_steps", 0), ("inner.min_learning_rate_ratio", 1e-6 / 2e-4),
-           ("inner.weight_decay", 1e-2), ("inner.grad_clip", 0.0), ("inner.reset_optimizer", 1),
+           ("inner.weight_decay", 1e-2), ("inner.grad_clip", 0.0), ("inner.reset_optimizer", True),
            ("checkpoint_every", 50)))
 # The paper's four presets and the authors' own mix (WORKER_PACES = [1, 2, 3, 1, 5]).
 AUTHORS_PRESETS = ("homogeneous", "mild", "moderate", "severe", "mixed")

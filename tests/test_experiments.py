@@ -225,7 +225,7 @@ def test_authors_grid_mirrors_the_authors_harness():
     assert keys["inner.learning_rate"] * keys["inner.min_learning_rate_ratio"] == (
         pytest.approx(1e-6))
     assert (keys["inner.weight_decay"], keys["inner.grad_clip"],
-            keys["inner.reset_optimizer"]) == (1e-2, 0.0, 1)
+            keys["inner.reset_optimizer"]) == (1e-2, 0.0, True)
     assert "outer.learning_rate" not in keys  # the registry's defaults are the authors'
     if run.table == "tokens":
       assert keys["budget.tokens"] == 10_000 * 256
