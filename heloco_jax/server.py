@@ -228,15 +228,30 @@ class OuterServer:
 
     Raises:
       KeyError: ``worker`` was not dispatched.
+      ValueError: ``delta`` has another structure or other shapes than θ (the message
+        names the leaf).
     """
     if worker not in self._dispatched:
       raise KeyError(f"arrive(worker={worker}): that worker was not dispatched; call "
                      "dispatch(worker) first")
+    _check_like(delta, self.params, f"arrive(worker={worker})")
     tau = self.version - self._dispatched.pop(worker)
     result = self.update([tau], delta)[0]
     reason = result.pop("reason")
     return {"worker": worker, "staleness": tau, "applied": reason is None, "reason": reason,
             "version": self.version, **result}
+
+
+def _check_like(delta: Any, params: Any, where: str) -> None:
+  """``delta`` has θ's tree structure and leaf shapes, or a ValueError naming the leaf."""
+  if jax.tree.structure(delta) != jax.tree.structure(params):
+    raise ValueError(f"{where}: the pseudo-gradient's structure {jax.tree.structure(delta)} is "
+                     f"not θ's; allowed: a tree like θ, {jax.tree.structure(params)}")
+  for (path, d), p in zip(jax.tree_util.tree_leaves_with_path(delta), jax.tree.leaves(params)):
+    if np.shape(d) != np.shape(p):
+      raise ValueError(f"{where}: the pseudo-gradient's leaf "
+                       f"{jax.tree_util.keystr(path, simple=True, separator='/')!r} has shape "
+                       f"{tuple(np.shape(d))}; allowed: θ's, {tuple(np.shape(p))}")
 
 
 Server = OuterServer

@@ -147,3 +147,20 @@ def test_plot_takes_numeric_speeds_sparse_worker_ids_and_refuses_an_out_file(tmp
   assert "cannot write to --out" in capsys.readouterr().err
   (run / "config.json").write_text("[1, 2]")
   assert plot.main([str(run)]) == 2
+
+
+def test_server_arrive_with_a_pseudo_gradient_of_another_shape_names_the_leaf():
+  server = hj.Server(hj.mla(0.7, 0.9, num_workers=2), {"w": jnp.zeros((2, 1))})
+  server.dispatch(worker=0)
+  with pytest.raises(ValueError, match=r"arrive\(worker=0\): the pseudo-gradient's leaf 'w' "
+                                       r"has shape \(3, 1\); allowed: θ's, \(2, 1\)"):
+    server.arrive({"w": jnp.ones((3, 1))}, worker=0)
+
+
+@pytest.mark.parametrize("override", ["--config.model.d_model=65536",
+                                      "--config.num_workers=1000000000000"])
+def test_sizes_that_cannot_fit_fail_before_any_work(tmp_path, capsys, override):
+  assert train.main([f"--workdir={tmp_path / 'run'}", override]) == 2
+  err = capsys.readouterr().err
+  assert "is not allowed" in err and len(err.strip().splitlines()) == 1, err
+  assert not (tmp_path / "run").exists()

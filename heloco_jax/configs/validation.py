@@ -134,6 +134,24 @@ def deterministic(config: ml_collections.ConfigDict) -> bool:
     return False
 
 
+def _check_fits(config: ml_collections.ConfigDict, model_config: Any) -> None:
+  """Refuses a model whose float32 copies cannot fit in this machine's memory: θ, the outer
+  state and each worker's parameters, AdamW moments and pseudo-gradient, at least (an
+  estimate from the sizes alone, before anything is allocated)."""
+  d, layers = model_config.d_model, model_config.num_layers
+  params = (2 * 65536 * d + model_config.context * d
+            + layers * (4 + 2 * model_config.mlp_ratio) * d * d)  # a generous vocabulary
+  needed = 4 * params * (4 + 4 * config.num_workers)
+  try:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return
+  if needed > memory:
+    _fail("model.d_model", d, f"a model that fits: model.d_model={d} with model.num_layers="
+          f"{layers} and num_workers={config.num_workers} needs about {needed / 2**30:,.0f} "
+          f"GiB of float32 copies, and this machine has {memory / 2**30:,.0f} GiB")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   check_keys(config)
@@ -162,9 +180,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
           "an end)")
 
   try:
-    model.config_from(config.model)
+    model_config = model.config_from(config.model)
   except ValueError as error:
     raise ConfigError(f"config.{error}") from None
+  _check_fits(config, model_config)
 
   source = config.data.source
   if config.data.tokenizer != "bytes" and not os.path.exists(str(config.data.tokenizer)):
