@@ -164,3 +164,14 @@ def test_sizes_that_cannot_fit_fail_before_any_work(tmp_path, capsys, override):
   err = capsys.readouterr().err
   assert "is not allowed" in err and len(err.strip().splitlines()) == 1, err
   assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_ray_address_is_one_line_at_once(tmp_path, capsys):
+  pytest.importorskip("ray")
+  import time  # pylint: disable=g-import-not-at-top
+  start = time.monotonic()
+  assert train.main([f"--workdir={tmp_path / 'run'}", "--config.runtime=ray",
+                     "--config.ray.address=127.0.0.1:1", *TINY]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert "nothing answers at ray.address='127.0.0.1:1'" in err[-1], err
+  assert time.monotonic() - start < 60

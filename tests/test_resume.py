@@ -275,3 +275,32 @@ def test_a_budget_below_one_dispatch_is_refused_in_one_line(tmp_path, capsys, me
   err = capsys.readouterr().err
   assert "ended before any work reached the server" in err, err
   assert "allowed: a budget that holds at least one" in err
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EPERM])
+def test_a_row_that_cannot_be_written_stops_in_one_line_and_the_run_resumes(
+    tmp_path, capsys, monkeypatch, code):
+  """The disk fills (or metrics.jsonl turns unwritable) while rows are written: one line
+  naming the intact checkpoint, exit 1, no second error from closing; the rerun completes."""
+  from heloco_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  reference = str(tmp_path / "reference")
+  assert train.main([f"--workdir={reference}", *BASE]) == 0
+  write = workdir_lib.RunDirectory.write_row
+  rows = []
+
+  def fails_at_row_12(self, row):
+    rows.append(row)
+    if len(rows) == 12:
+      raise OSError(code, os.strerror(code))
+    return write(self, row)
+  monkeypatch.setattr(workdir_lib.RunDirectory, "write_row", fails_at_row_12)
+  workdir = str(tmp_path / "run")
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("heloco-jax train: cannot write to --workdir=") and (
+      os.strerror(code) in err[-1] and " is intact: re-run the same command" in err[-1]), err
+  assert not any("Traceback" in line for line in err)
+  monkeypatch.undo()
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert _outputs(workdir) == _outputs(reference)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -196,6 +197,20 @@ def _send_by_value(fn: Any) -> None:
     cloudpickle.register_pickle_by_value(module)
 
 
+def _check_reachable(address: str) -> None:
+  """A ConnectionError in one line, at once, when nothing listens at ``address`` (HOST:PORT of
+  a running cluster's head); ``ray.init`` would otherwise wait for minutes."""
+  host, _, port = address.removeprefix("ray://").rpartition(":")
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+  except (OSError, ValueError) as error:
+    reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    raise ConnectionError(
+        f"nothing answers at ray.address={address!r} ({reason}); allowed: HOST:PORT of a "
+        "running Ray cluster's head (`ray start --head`), 'auto', or '' to start a local "
+        "instance") from None
+
+
 class RayExecutor(base.OneProcess):
   """A run's work on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
@@ -215,6 +230,8 @@ class RayExecutor(base.OneProcess):
     self.concurrency = num_workers
     ray = self._ray = import_ray()
     self._started = not ray.is_initialized()
+    if self._started and options.address not in ("", "auto"):
+      _check_reachable(options.address)
     if self._started:
       with warnings.catch_warnings():  # Ray forks and at once execs its processes: no hazard
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
