@@ -212,8 +212,13 @@ def make_engine(
       checkpoint_every=checkpoint_every if workdir is not None else 0,
       metrics_fetch_every=metrics_fetch_every, rejection_limit=rejection_limit or 0,
       palsgd_coins=palsgd_coins, seed=seed)
-  engine = engine_lib.Engine(spec, factory(inner, spec), params, streams, outer_tx=outer_tx,
-                             eval_fn=eval_fn, lookahead=lookahead)
+  built = factory(inner, spec)
+  try:
+    engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
+                               eval_fn=eval_fn, lookahead=lookahead)
+  except BaseException:
+    built.close()  # e.g. Ray's actors, started for a run that cannot be built
+    raise
   if workdir is not None:
     try:
       run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
