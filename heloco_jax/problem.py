@@ -18,11 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import outer
+from heloco_jax.outer.lookahead import LOOKAHEAD_STATES  # those that give θ − η·μ·m
 from heloco_jax.outer.weighting import arrival_weighting
 
-# The states that give the look-ahead point θ − η·μ·m.
-LOOKAHEAD_STATES = (outer.MLAState, outer.HeLoCoState)
 
 
 def _path(path: Any) -> str:

@@ -63,9 +63,6 @@ class BudgetError(ValueError):
   """The budget ended before any work reached the server."""
 
 
-eval_metrics = problem.eval_metrics
-
-
 class Engine:
   """One run of ``spec`` on ``runtime``; built by ``hj.make_engine``.
 
@@ -248,7 +245,7 @@ class Engine:
       return
     every = self.spec.eval_every
     s.next_eval = (s.units // every + 1) * every if every > 0 else math.inf
-    metrics = eval_metrics(self.eval_fn(self.params))
+    metrics = problem.eval_metrics(self.eval_fn(self.params))
     bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
     if bad:
       where = ("before training" if s.version == 0 and s.units == 0
