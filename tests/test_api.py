@@ -261,6 +261,23 @@ print("heloco", result.summary["final_val_loss"] < result.summary["initial_val_l
 """
 
 
+# A local instance started for a run requires Ray's token (docs/DESIGN.md: its servers listen
+# on every interface).
+RAY_AUTH_SCRIPT = """
+import heloco_jax as hj, optax, sys
+sys.path.insert(0, {tests!r})
+import test_api as t
+from ray._private.authentication import authentication_utils
+engine = hj.make_engine(t._loss, t._params(), [t.Stream(i) for i in range(2)], method="heloco",
+                        inner_tx=optax.sgd(0.02), inner_steps=4, budget_steps=8, eval_fn=t._eval,
+                        runtime=hj.ray_runtime(num_cpus=2))
+try:
+  print("token", authentication_utils.is_token_auth_enabled())
+finally:
+  engine.close()
+"""
+
+
 def _script(script, env=None):
   """``script`` (this folder on its path) in a Python process of its own; its stdout lines."""
   out = subprocess.run([sys.executable, "-c", script.format(tests=os.path.dirname(__file__))],
@@ -283,6 +300,20 @@ def test_the_same_user_code_runs_on_ray():
   line = next(line for line in _script(RAY_SCRIPT) if line.startswith("heloco "))
   _, learned, updates = line.split()
   assert learned == "True" and int(updates) > 0, line
+
+
+@pytest.mark.xdist_group("ray")
+def test_a_local_ray_instance_requires_a_token_and_is_refused_without_one():
+  pytest.importorskip("ray")
+  env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+  assert "token True" in _script(RAY_AUTH_SCRIPT, env)
+  out = subprocess.run(
+      [sys.executable, "-c", RAY_AUTH_SCRIPT.format(tests=os.path.dirname(__file__))],
+      env=dict(env, RAY_AUTH_MODE="disabled"), capture_output=True, text=True, timeout=600,
+      check=False)
+  assert out.returncode != 0 and "token" not in out.stdout
+  assert ("refusing to start a local Ray instance with RAY_AUTH_MODE=disabled"
+          in out.stderr.strip().splitlines()[-1])
 
 
 def test_inside_an_event_loop_simulate_says_to_await_the_engine():

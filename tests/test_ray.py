@@ -234,6 +234,35 @@ def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouc
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
 
 
+def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_resumes(
+    tmp_path):
+  """K = 2 with no restarts: both actor processes are killed; the run stops (exit 1) with one
+  line naming the cause and the checkpoint to resume from, and the same command finishes it."""
+  args = [f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
+          "--config.num_workers=2", "--config.ray.max_restarts=0",
+          "--config.budget.tokens=24000", "--config.eval_every_tokens=8000",
+          "--config.checkpoint_every=2", *TINY]
+  thread, killed, run_ended = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2,
+                                                        num_actors=2, first=6, gap=0)
+  try:
+    out = subprocess.run([sys.executable, "-m", "heloco_jax.train", *args], capture_output=True,
+                         text=True, timeout=900, check=False)
+  finally:
+    run_ended.set()
+    thread.join()
+  assert len(killed) == 2
+  assert out.returncode == 1, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("heloco-jax train: the run stopped: runtime=ray: every worker actor "
+                         "has died"), out.stderr[-3000:]
+  assert "checkpoint" in last and "Traceback" not in out.stderr
+  assert not (tmp_path / "summary.json").exists()
+  _train(args)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["tokens"] > 20000
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
+
+
 @pytest.mark.slow
 def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_path):
   args = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=8",

@@ -211,6 +211,19 @@ def _check_reachable(address: str) -> None:
         "instance") from None
 
 
+def _check_local_instance_authenticated() -> None:
+  """A ValueError in one line when a local instance would run without Ray's token
+  authentication: its servers listen on every network interface (Ray 2.60 has no
+  loopback-only switch), so without a token anyone who reaches this machine could run code in
+  it. Unset, ``RAY_AUTH_MODE`` is ``token`` for a new local instance (Ray's default)."""
+  if os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":
+    raise ValueError(
+        "runtime=ray: refusing to start a local Ray instance with RAY_AUTH_MODE=disabled: its "
+        "servers listen on every network interface, so anyone who reaches this machine could "
+        "run code in it; unset RAY_AUTH_MODE (token authentication, Ray's default) or join a "
+        "cluster you secured with ray.address=HOST:PORT (docs/DESIGN.md)")
+
+
 class RayExecutor(base.OneProcess):
   """A run's work on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
@@ -232,6 +245,8 @@ class RayExecutor(base.OneProcess):
     self._started = not ray.is_initialized()
     if self._started and options.address not in ("", "auto"):
       _check_reachable(options.address)
+    if self._started and not options.address:  # a local instance: docs/DESIGN.md
+      _check_local_instance_authenticated()
     if self._started:
       with warnings.catch_warnings():  # Ray forks and at once execs its processes: no hazard
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
