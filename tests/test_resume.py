@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import test_writers
@@ -304,3 +305,71 @@ def test_a_row_that_cannot_be_written_stops_in_one_line_and_the_run_resumes(
   monkeypatch.undo()
   assert train.main([f"--workdir={workdir}", *BASE]) == 0
   assert _outputs(workdir) == _outputs(reference)
+
+
+# Kill trials (issue 38's attack, kept): a signal at a random metrics row, then the same
+# command; the run must end as the uninterrupted one, TensorBoard included. 36 trials: every
+# (signal, method) pair four times, at rows drawn from a seeded generator.
+TRIAL_METHODS = {
+    "heloco": ["--config.speeds=severe", "--config.jitter=0.2", "--config.budget.tokens=8000",
+               "--config.checkpoint_every=3"],
+    "diloco": ["--config.speeds=mild", "--config.budget.tokens=8000",
+               "--config.checkpoint_every=2"],
+    "palsgd": ["--config.speeds=mild", "--config.budget.tokens=8000",
+               "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"],
+}
+TRIAL_SIGNALS = {"SIGKILL": -signal.SIGKILL, "SIGTERM": 143, "SIGINT": 130}
+TRIALS = [(s, m, t) for s in TRIAL_SIGNALS for m in TRIAL_METHODS for t in range(4)]
+
+
+@pytest.fixture(scope="module")
+def trial_references(tmp_path_factory):
+  """method -> (outputs, TensorBoard scalars) of its uninterrupted run."""
+  references = {}
+  for method, extra in TRIAL_METHODS.items():
+    workdir = str(tmp_path_factory.mktemp("reference") / method)
+    assert train.main([f"--workdir={workdir}", *TINY, f"--config.method={method}", *extra]) == 0
+    references[method] = (_outputs(workdir),
+                          test_writers.read_scalars(os.path.join(workdir, "tensorboard")))
+  return references
+
+
+def _signal_at_row(args, workdir, row, sig, timeout=300):
+  """Runs `heloco-jax train ARGS`, sends ``sig`` once metrics.jsonl holds ``row`` rows; its
+  exit status, or None when it ended by itself before that."""
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.train", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + timeout
+  while process.poll() is None and time.monotonic() < deadline:
+    try:
+      with open(metrics) as f:
+        if f.read().count("\n") >= row:
+          process.send_signal(getattr(signal, sig))
+          break
+    except OSError:
+      pass
+    time.sleep(0.01)
+  _, err = process.communicate()
+  if process.returncode == 0:
+    return None
+  assert "Traceback" not in err, err[-3000:]
+  return process.returncode
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,method,trial", TRIALS)
+def test_a_signal_at_a_random_row_then_the_same_command_gives_the_uninterrupted_run(
+    tmp_path, trial_references, sig, method, trial):
+  rng = np.random.default_rng([TRIALS.index((sig, method, trial))])
+  args = [f"--workdir={tmp_path}", *TINY, f"--config.method={method}", *TRIAL_METHODS[method]]
+  (reference, reference_scalars) = trial_references[method]
+  rows = reference[0].count("\n")
+  status = _signal_at_row(args, str(tmp_path), int(rng.integers(1, rows)), sig)
+  if status is not None:  # None: it finished first (a signal sent as it wrote its summary)
+    assert status == TRIAL_SIGNALS[sig]
+    assert train.main(args) == 0
+  assert _outputs(str(tmp_path)) == reference
+  scalars = test_writers.read_scalars(os.path.join(tmp_path, "tensorboard"))
+  assert {t: sorted(v) for t, v in scalars.items()} == {
+      t: sorted(v) for t, v in reference_scalars.items()}
