@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from heloco_jax import clock, determinism, inner as inner_lib, methods, workdir as workdir_lib
-from heloco_jax import problem
+from heloco_jax import problem, sharding
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
@@ -41,7 +41,9 @@ class RunResult:
   """What ``simulate`` returns (``hj.SimulationResult``).
 
   Attributes:
-    params: the final θ, with the structure of the initial params.
+    params: the final θ, with the structure of the initial params: NumPy
+      arrays, or, when the params were sharded, ``jax.Array``s with their
+      shardings (never gathered).
     history: every metrics row of the run in order, those of earlier
       (resumed) parts of a ``workdir`` run included; the kinds and keys of
       rows are in docs/DESIGN.md ("metrics.jsonl").
@@ -203,7 +205,7 @@ def make_engine(
   else:
     problem.check_outer_tx(outer_tx, params, spec_method, lookahead)
   reset = spec_method.reset_optimizer if reset_optimizer is None else bool(reset_optimizer)
-  inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset)
+  inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset, layout=sharding.layout_of(params))
   spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
@@ -369,7 +371,9 @@ def simulate(
   try:
     with engine_lib.stop_on_signals(engine) if handle_signals else _nothing():
       summary = asyncio.run(engine.run(on_row))
-    return RunResult(jax.device_get(engine.params), engine.rows, summary)
+    params = engine.params  # sharded θ stays where it is, with its shardings
+    return RunResult(params if engine.layout is not None else jax.device_get(params),
+                     engine.rows, summary)
   finally:
     engine.close()
 

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from heloco_jax import sharding
+
 Schedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 
@@ -304,14 +306,18 @@ class InnerLoop:
     reset_optimizer: start every dispatch with a fresh ``inner_tx`` state.
       The worker's step count and every schedule's step count in the state
       (``keep_schedule_counts``) are kept either way.
+    layout: θ's ``heloco_jax.sharding.Layout`` when θ is sharded: the states
+      the loop makes keep it (None: wherever XLA puts them).
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
                inner_tx: Optional[optax.GradientTransformation] = None,
-               reset_optimizer: bool = True):
+               reset_optimizer: bool = True, layout: Optional[sharding.Layout] = None):
     self.loss_fn = loss_fn
     self.tx = optax.with_extra_args_support(adamw() if inner_tx is None else inner_tx)
     self.reset_optimizer = reset_optimizer
+    self.layout = layout
+    self._constrain = layout.constrain if layout is not None else lambda tree: tree
     self.run_jit = jax.jit(self.run, donate_argnums=0)
     self.start_jit = jax.jit(self.start)  # one program instead of eager per-leaf copies and zeros
     self.run_many = jax.jit(jax.vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
@@ -327,10 +333,14 @@ class InnerLoop:
     """
     params = jax.tree.map(jnp.array, params)  # jnp.array copies
     if previous is None:
-      return InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+      return self._constrain(InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32)))
     opt_state = (keep_schedule_counts(self.tx.init(params), previous.opt_state)
                  if self.reset_optimizer else previous.opt_state)
-    return InnerState(params, opt_state, previous.step)
+    return self._constrain(InnerState(params, opt_state, previous.step))
+
+  def with_layout(self, layout: Optional[sharding.Layout]) -> "InnerLoop":
+    """The same loop compiled for ``layout`` (a worker group's mesh)."""
+    return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout)
 
   def fresh_moments(self, state: InnerState) -> InnerState:
     """``state`` with a fresh optimizer state (its step counts kept): after a rejected Δ."""
@@ -353,7 +363,7 @@ class InnerLoop:
     fresh = keep_schedule_counts(jax.vmap(self.tx.init)(states.params), states.opt_state)
     def pick(new, old):
       return jnp.where(rejected.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-    return states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state))
+    return self._constrain(states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state)))
 
   def _value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
     """(loss, grads); a ``loss_fn`` returning ``(loss, aux)`` has its aux dropped."""
@@ -393,6 +403,7 @@ class InnerLoop:
       batch, u = inputs
       extra = {} if anchor is None else {"anchor": anchor, "uniform": u}
       new, loss = self.step(state, batch, **extra)
+      new = self._constrain(new)
       pseudo = getattr(new.opt_state, "pseudo_sync", jnp.zeros((), bool))
       return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step)
 

@@ -35,6 +35,7 @@ from heloco_jax import outer
 from heloco_jax.outer import weighting as weighting_lib
 from heloco_jax.outer import lookahead as lookahead_lib
 from heloco_jax import rejection
+from heloco_jax import sharding
 
 Row = dict[str, Any]
 
@@ -87,12 +88,18 @@ _scaled_momentum = jax.jit(lookahead_lib.scaled_momentum)
 _subtract = jax.jit(lookahead_lib.subtract)
 
 
-def jit_outer_step(tx: optax.GradientTransformationExtraArgs) -> Callable[..., Any]:
-  """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated."""
+def _identity(tree: Any) -> Any:
+  return tree
+
+
+def jit_outer_step(tx: optax.GradientTransformationExtraArgs,
+                   constrain: Callable[[Any], Any] = _identity) -> Callable[..., Any]:
+  """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated;
+  ``constrain`` pins the outputs' layout (``heloco_jax.sharding.Layout.constrain``)."""
   tx = optax.with_extra_args_support(tx)
   def step(params, state, delta, staleness):
     updates, state = tx.update(delta, state, params, staleness=staleness)
-    return optax.apply_updates(params, updates), state
+    return constrain((optax.apply_updates(params, updates), state))
   return jax.jit(step, donate_argnums=(0, 1))
 
 
@@ -115,15 +122,20 @@ class OuterServer:
     params: the initial θ (copied: the outer step donates the server's buffers).
     lookahead: dispatch from θ − η·μ·m (needs an MLA or HeLoCo state in the chain).
     place: puts a pytree where the server computes (default: leaves it).
+    layout: θ's ``heloco_jax.sharding.Layout`` when θ is sharded: θ, the outer
+      state and the outer step keep it (and ``place`` should put trees there).
   """
 
   def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
                lookahead: bool = False,
-               place: Callable[[Any], Any] = lambda tree: tree):
+               place: Callable[[Any], Any] = _identity,
+               layout: Optional[sharding.Layout] = None):
     self._place = place
     self.outer_tx = outer_tx
+    constrain = layout.constrain if layout is not None else _identity
     # One compiled program each (not one small eager op per leaf): start-up time.
-    self.outer_state = place(jax.jit(outer_tx.init)(params)) if outer_tx is not None else None
+    self.outer_state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(params))
+                        if outer_tx is not None else None)
     self.params = place(_copy(params))
     self.lookahead = lookahead
     # The sub-states read at every dispatch and arrival, found once from the state's
@@ -135,7 +147,7 @@ class OuterServer:
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
     # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
     self._arrival_weight = weighting_lib.arrival_weighting(self.outer_state)
-    self._step = jit_outer_step(outer_tx) if outer_tx is not None else None
+    self._step = jit_outer_step(outer_tx, constrain) if outer_tx is not None else None
     self._heloco_state = _getter(self.outer_state, (outer.HeLoCoState,), "heloco_diagnostics")
     self._momentum_state = None if self._heloco_state is not None else _getter(
         self.outer_state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")

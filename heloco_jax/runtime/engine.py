@@ -139,6 +139,11 @@ class Engine:
     return self._run.server.params
 
   @property
+  def layout(self) -> Any:
+    """θ's ``heloco_jax.sharding.Layout`` (None: θ is not sharded)."""
+    return self._run.executor.inner.layout
+
+  @property
   def outer_state(self) -> Any:
     return self._run.server.outer_state
 
@@ -207,7 +212,10 @@ class Engine:
     run = self._run
     run.server.set(arrays["params"], arrays["outer_state"])
     run.key = jax.random.wrap_key_data(arrays["key"])
-    run.state.load(meta, arrays["pending"], arrays["workers"])
+    pending, workers = arrays["pending"], arrays["workers"]
+    if self.layout is not None:  # back where an uninterrupted run holds them
+      pending, workers = self.layout.put((pending, workers))
+    run.state.load(meta, pending, workers)
     run.streak.set_state(run.state.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):

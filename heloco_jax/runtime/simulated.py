@@ -88,6 +88,9 @@ class LocalExecutor(base.OneProcess):
   asynchronously and the engine launches the next D arrivals' work ahead.
   Every device runs the same compiled program, so the numbers do not depend
   on where a worker ran; the clock alone decides the order of arrivals.
+  When θ is sharded (``inner.layout``), every worker runs on θ's mesh, one
+  after another, and θ and the outer state keep θ's layout
+  (docs/DESIGN.md, "Scaling out").
 
   Args:
     inner: the workers' compiled inner loop.
@@ -99,12 +102,23 @@ class LocalExecutor(base.OneProcess):
 
   def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None):
     self.inner = inner
+    self.layout = inner.layout
     self.devices = list(devices) if devices is not None else jax.local_devices()
+    if self.layout is not None:  # one mesh: θ's
+      self.devices = self.devices[:1]
     self.concurrency = len(self.devices)  # one worker's steps per device at once
-    self._round_delta = jax.jit(round_delta)
+    constrain = self.layout.constrain if self.layout is not None else lambda tree: tree
+    self._round_delta = jax.jit(lambda *args: constrain(round_delta(*args)))
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
-    return server_lib.OuterServer(outer_tx, params, place=self.to_server, **options)
+    return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=self.layout,
+                                  **options)
+
+  def to_server(self, tree: Any) -> Any:
+    return tree if self.layout is None else self.layout.put(tree)
+
+  def to_rounds(self, tree: Any) -> Any:
+    return self.to_server(tree)
 
   def describe(self) -> str:
     return "simulated workers"

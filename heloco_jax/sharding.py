@@ -1,0 +1,121 @@
+"""Shardings that follow the user's params (docs/DESIGN.md, "Scaling out").
+
+A user who places θ with ``jax.device_put(params, shardings)`` (a
+``NamedSharding`` per leaf, on one ``jax.sharding.Mesh``: FSDP over an
+``fsdp`` axis, tensor parallel, ...) gets every copy the engine makes with
+the same layout. ``Layout`` holds θ's shardings and says where any other
+tree the run holds lives:
+
+* a subtree shaped like θ (the same tree structure and leaf shapes: an
+  optimizer's moments, a momentum, a pseudo-gradient, a worker's start and
+  end parameters) takes θ's shardings, leaf by leaf;
+* every other leaf (step counts, per-tensor scalars, HeLoCo's per-block
+  statistics) is replicated on the mesh.
+
+Inside a jitted program ``Layout.constrain`` pins its outputs to that layout
+(``jax.lax.with_sharding_constraint``, so XLA partitions the program, cosines
+and norms included, and inserts the collectives); outside, ``Layout.put``
+moves a tree there device to device. Under ``vmap`` (synchronous rounds stack
+K workers on a leading axis) the stacked axis stays unsharded.
+
+θ whose leaves each sit on one device (``jax.numpy`` arrays, NumPy arrays)
+has no layout (``layout_of`` returns None): the run is what it was, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def _spread(leaf: Any) -> bool:
+  """Whether ``leaf`` is a ``jax.Array`` over more than one device."""
+  return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+
+
+def layout_of(params: Any) -> Optional["Layout"]:
+  """θ's ``Layout``, or None when no leaf is spread over several devices.
+
+  Raises:
+    ValueError: a spread leaf whose sharding is not a ``NamedSharding``, or
+      leaves on different meshes (the message names the leaf).
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  if not any(_spread(leaf) for _, leaf in leaves):
+    return None
+  mesh = None
+  for path, leaf in leaves:
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+      raise ValueError(
+          f"params leaf {name!r} is placed with {type(sharding).__name__}; allowed: every leaf a "
+          "jax.Array placed with a NamedSharding on one Mesh (jax.device_put(params, "
+          "shardings)) when any leaf is spread over several devices")
+    if mesh is None:
+      mesh = sharding.mesh
+    elif sharding.mesh != mesh:
+      raise ValueError(f"params leaf {name!r} is on mesh {dict(sharding.mesh.shape)} of other "
+                       f"devices than the first leaf's {dict(mesh.shape)}; allowed: one Mesh")
+  assert mesh is not None
+  return Layout(jax.tree.map(lambda x: x.sharding.spec, params), mesh,
+                tuple(tuple(x.shape) for x in jax.tree.leaves(params)))
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+  return tuple(getattr(leaf, "shape", np.shape(leaf)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """θ's partition specs on a mesh, and the layout of any tree the run holds.
+
+  Attributes:
+    specs: θ's tree of ``PartitionSpec``s.
+    mesh: the devices (and axis names) they refer to.
+    shapes: θ's leaf shapes, in leaf order.
+  """
+  specs: Any
+  mesh: Mesh
+  shapes: tuple[tuple[int, ...], ...]
+
+  def on(self, mesh: Mesh) -> "Layout":
+    """The same partition specs on ``mesh`` (a worker's group: the same axis names)."""
+    return dataclasses.replace(self, mesh=mesh)
+
+  def _stacking(self, node: Any) -> Optional[int]:
+    """0 when ``node`` is shaped like θ, 1 when like K copies of θ stacked on a leading axis,
+    None otherwise."""
+    if jax.tree.structure(node) != jax.tree.structure(self.specs):
+      return None
+    shapes = [_shape(leaf) for leaf in jax.tree.leaves(node)]
+    if shapes == list(self.shapes):
+      return 0
+    if len({s[:1] for s in shapes}) == 1 and [s[1:] for s in shapes] == list(self.shapes):
+      return 1
+    return None
+
+  def shardings(self, tree: Any) -> Any:
+    """``tree``'s shardings: θ's on θ-shaped subtrees (stacked ones unsharded on their
+    leading axis), replicated on every other leaf."""
+    replicated = NamedSharding(self.mesh, P())
+
+    def place(node: Any) -> Any:
+      stacked = self._stacking(node)
+      if stacked is None:
+        return replicated
+      return jax.tree.map(lambda spec: NamedSharding(self.mesh, P(*[None] * stacked, *spec)),
+                          self.specs)
+    return jax.tree.map(place, tree, is_leaf=lambda node: self._stacking(node) is not None)
+
+  def constrain(self, tree: Any) -> Any:
+    """``tree`` pinned to its layout, inside a jitted program (``with_sharding_constraint``)."""
+    return jax.lax.with_sharding_constraint(tree, self.shardings(tree))
+
+  def put(self, tree: Any) -> Any:
+    """``tree`` moved to its layout (device to device; host values are copied there)."""
+    return jax.device_put(tree, self.shardings(tree))

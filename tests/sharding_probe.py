@@ -1,0 +1,143 @@
+"""A user's flax.nnx model FSDP-sharded over 4 of 8 host CPU devices, trained with hj.simulate;
+prints what tests/test_sharding.py checks, as JSON.
+
+``python tests/sharding_probe.py OUT.json`` runs HeLoCo and DiLoCo sharded and unsharded;
+``python tests/sharding_probe.py OUT.json METHOD WORKDIR`` runs one sharded run in WORKDIR
+(checkpointing every 2 outer updates), for the kill-and-resume test. A subprocess: the device
+count is fixed when JAX starts.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import optax  # pylint: disable=g-import-not-at-top
+from flax import nnx  # pylint: disable=g-import-not-at-top
+from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+
+import heloco_jax as hj  # pylint: disable=g-import-not-at-top
+
+D_IN, D_HIDDEN, K = 16, 64, 2
+W_TRUE = np.random.default_rng(5).normal(size=(D_IN, 1)).astype(np.float32)
+
+
+class MLP(nnx.Module):
+  """Kernels and bias FSDP-sharded over the mesh's ``fsdp`` axis (flax.nnx metadata)."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.up = nnx.Linear(
+        D_IN, D_HIDDEN, kernel_init=nnx.with_partitioning(init, (None, "fsdp")),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("fsdp",)), rngs=rngs)
+    self.down = nnx.Linear(D_HIDDEN, 1, kernel_init=nnx.with_partitioning(init, ("fsdp", None)),
+                           use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jnp.tanh(self.up(x)))
+
+
+MESH = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+with jax.set_mesh(MESH):
+  GRAPHDEF, STATE = nnx.split(MLP(nnx.Rngs(0)))
+
+
+def loss_fn(params, batch):
+  x, y = batch
+  state = nnx.State(STATE)
+  nnx.replace_by_pure_dict(state, params)
+  return jnp.mean((nnx.merge(GRAPHDEF, state)(x) - y) ** 2)
+
+
+class Stream:
+  """Worker i's endless non-IID regression batches."""
+
+  def __init__(self, worker):
+    self.worker = worker
+
+  def __iter__(self):
+    rng = np.random.default_rng(self.worker)
+    while True:
+      x = rng.normal(self.worker, 1.0, (8, D_IN)).astype(np.float32)
+      yield x, x @ W_TRUE
+
+
+def sharded_params():
+  return nnx.to_pure_dict(STATE)  # placed by nnx.with_partitioning under jax.set_mesh
+
+
+def options(method):
+  return dict(method=method, inner_tx=optax.adamw(1e-2), inner_steps=4, speeds=[1.0, 2.0],
+              budget_steps=48)
+
+
+def full_copies(tree):
+  """Paths of spread leaves one of whose devices holds the whole array."""
+  found = []
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if isinstance(x, jax.Array) and x.sharding.spec != jax.sharding.PartitionSpec() and any(
+        shard.data.shape == x.shape for shard in x.addressable_shards):
+      found.append(jax.tree_util.keystr(path))
+  return found
+
+
+def spread_leaves(tree):
+  return sum(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+             and any(shard.data.shape != x.shape for shard in x.addressable_shards)
+             for x in jax.tree.leaves(tree))
+
+
+def leaves(tree):
+  return [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def compare(method):
+  """The sharded run's live arrays and result against the same run unsharded."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  engine = hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                          **options(method))
+  try:
+    summary = asyncio.run(engine.run())
+    live = {"params": engine.params, "outer_state": engine.outer_state,
+            "workers": engine.state.workers,
+            "pending": [job.delta for job in engine.state.jobs.values()]}
+    result_shardings = [str(x.sharding.spec) for x in jax.tree.leaves(engine.params)]
+    sharded = leaves(engine.params)
+  finally:
+    engine.close()
+  unsharded = hj.simulate(loss_fn, jax.device_get(sharded_params()),
+                          [Stream(i) for i in range(K)], **options(method))
+  return {"full_copies": full_copies(live), "spread": {k: spread_leaves(v)
+                                                       for k, v in live.items()},
+          "result_shardings": result_shardings, "sharded": sharded,
+          "unsharded": leaves(unsharded.params),
+          "losses": [summary["final_val_loss"] if "final_val_loss" in summary else None,
+                     summary["outer_updates"]]}
+
+
+def in_workdir(method, workdir):
+  result = hj.simulate(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                       workdir=workdir, checkpoint_every=2, **options(method))
+  return {"params": leaves(result.params), "rows": result.history,
+          "shardings": [str(x.sharding.spec) for x in jax.tree.leaves(result.params)]}
+
+
+def main(out, method=None, workdir=None):
+  if workdir is None:
+    result = {"num_devices": jax.device_count(),
+              **{m: compare(m) for m in ("heloco", "diloco")}}
+  else:
+    result = in_workdir(method, workdir)
+  with open(out, "w") as f:
+    json.dump(result, f)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

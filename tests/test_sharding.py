@@ -1,0 +1,111 @@
+"""Shardings that follow the user's params (heloco_jax/sharding.py, docs/DESIGN.md "Scaling out"):
+the layout rule in this process, and a flax.nnx model FSDP-sharded over 4 host CPU devices in
+subprocesses (tests/sharding_probe.py) with HeLoCo and DiLoCo."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from heloco_jax import sharding
+
+pytestmark = pytest.mark.xdist_group("sharding_probe")
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_probe.py")
+PARAMS = {"w": jnp.ones((8, 4)), "b": jnp.ones((8,))}
+
+
+def _layout():
+  mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  return sharding.Layout({"w": P(None, "fsdp"), "b": P("fsdp")}, mesh, ((8,), (8, 4)))
+
+
+def test_params_on_one_device_have_no_layout():
+  assert sharding.layout_of(PARAMS) is None
+  assert sharding.layout_of(jax.device_get(PARAMS)) is None
+
+
+def test_theta_shaped_subtrees_take_theta_specs_and_every_other_leaf_is_replicated():
+  layout = _layout()
+  state = optax.adam(1e-3).init(PARAMS)
+  specs = jax.tree.map(lambda s: s.spec, layout.shardings(state))
+  assert specs[0].count == P()
+  assert specs[0].mu == specs[0].nu == {"w": P(None, "fsdp"), "b": P("fsdp")}
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * 3), PARAMS)  # K workers on a leading axis
+  assert jax.tree.map(lambda s: s.spec, layout.shardings(stacked)) == {
+      "w": P(None, None, "fsdp"), "b": P(None, "fsdp")}
+  other = {"w": jnp.ones((4, 8)), "b": jnp.ones((8,))}  # θ's structure, other shapes
+  assert jax.tree.map(lambda s: s.spec, layout.shardings(other)) == {"w": P(), "b": P()}
+
+
+def _probe(*args, timeout=600):
+  out = subprocess.run([sys.executable, PROBE, *args], capture_output=True, text=True,
+                       timeout=timeout, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+  out = tmp_path_factory.mktemp("sharding") / "out.json"
+  _probe(str(out))
+  with open(out) as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("method", ["heloco", "diloco"])
+def test_no_device_holds_a_full_copy_and_the_result_equals_the_unsharded_run(probe, method):
+  assert probe["num_devices"] == 8
+  run = probe[method]
+  # θ, the outer state and the workers' states are spread, leaf by leaf, on the live arrays.
+  assert run["full_copies"] == []
+  assert run["spread"]["params"] == 3 and run["spread"]["outer_state"] >= 3
+  assert run["spread"]["workers"] >= 9  # θ and Adam's two moments per worker
+  # result.params keeps the user's shardings (not gathered to the host).
+  assert sorted(run["result_shardings"]) == sorted(
+      ["P('fsdp',)", "P('fsdp', None)", "P(None, 'fsdp')"])
+  for sharded, unsharded in zip(run["sharded"], run["unsharded"], strict=True):
+    sharded, unsharded = np.asarray(sharded), np.asarray(unsharded)
+    assert np.linalg.norm(sharded - unsharded) <= 1e-5 * np.linalg.norm(unsharded)
+
+
+def _steps(workdir):
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(
+      directory) else []
+
+
+def _without_wall_clock(rows):
+  return [{k: v for k, v in row.items() if k not in ("wall_seconds", "tokens_per_second")}
+          for row in rows]
+
+
+@pytest.mark.parametrize("method", ["heloco", "diloco"])
+def test_a_sharded_run_killed_mid_run_resumes_exactly(tmp_path, method):
+  reference = tmp_path / "reference.json"
+  _probe(str(reference), method, str(tmp_path / "uninterrupted"))
+  workdir = str(tmp_path / "killed")
+  process = subprocess.Popen([sys.executable, PROBE, str(tmp_path / "unused.json"), method,
+                              workdir], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 300
+  while len(_steps(workdir)) < 2 and process.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  process.send_signal(signal.SIGKILL)
+  _, err = process.communicate()
+  assert process.returncode == -signal.SIGKILL, err.decode()[-2000:]
+  resumed = tmp_path / "resumed.json"
+  _probe(str(resumed), method, workdir)
+  with open(reference) as f:
+    expected = json.load(f)
+  with open(resumed) as f:
+    got = json.load(f)
+  assert got["params"] == expected["params"]  # bit for bit
+  assert _without_wall_clock(got["rows"]) == _without_wall_clock(expected["rows"])
+  assert got["shardings"] == expected["shardings"]
