@@ -122,6 +122,49 @@ def compare(method):
                      summary["outer_updates"]]}
 
 
+def on_devices(method):
+  """runtime=devices: each of the 2 workers FSDP-sharded over its own 4 devices."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  engine = hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                          runtime=hj.devices_runtime(batch_size=8), eval_fn=evaluate,
+                          **options(method))
+  seen = {i: set() for i in range(K)}  # the devices each worker's live states sit on
+  try:
+    def look(row):
+      del row
+      for worker, state in enumerate(engine.state.workers or []):
+        if state is not None:
+          seen[worker] |= {d.id for x in jax.tree.leaves(state) for d in x.devices()}
+    summary = asyncio.run(engine.run(on_row=look))
+    live = {"params": engine.params, "outer_state": engine.outer_state,
+            "workers": engine.state.workers}
+    return {"full_copies": full_copies(live),
+            "spread": {k: spread_leaves(v) for k, v in live.items()},
+            "worker_devices": [sorted(seen[i]) for i in range(K)],
+            "server_devices": sorted({d.id for x in jax.tree.leaves(engine.params)
+                                      for d in x.devices()}),
+            "result_shardings": [str(x.sharding.spec) for x in jax.tree.leaves(engine.params)],
+            "losses": [summary["initial_val_loss"], summary["final_val_loss"]],
+            "arrivals": summary["outer_updates"]}
+  finally:
+    engine.close()
+
+
+def refusal(method):
+  """The one-line error of a method runtime=devices does not run on sharded params."""
+  try:
+    hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                   runtime=hj.devices_runtime(batch_size=8), **options(method)).close()
+  except ValueError as error:
+    return str(error)
+  return None
+
+
+def evaluate(params):
+  x = np.random.default_rng(99).normal(0.5, 1.0, (64, D_IN)).astype(np.float32)
+  return loss_fn(params, (x, x @ W_TRUE))
+
+
 def in_workdir(method, workdir):
   result = hj.simulate(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
                        workdir=workdir, checkpoint_every=2, **options(method))
@@ -132,7 +175,8 @@ def in_workdir(method, workdir):
 def main(out, method=None, workdir=None):
   if workdir is None:
     result = {"num_devices": jax.device_count(),
-              **{m: compare(m) for m in ("heloco", "diloco")}}
+              **{m: compare(m) for m in ("heloco", "diloco")},
+              "devices_heloco": on_devices("heloco"), "devices_diloco": refusal("diloco")}
   else:
     result = in_workdir(method, workdir)
   with open(out, "w") as f:

@@ -109,3 +109,20 @@ def test_a_sharded_run_killed_mid_run_resumes_exactly(tmp_path, method):
   assert got["params"] == expected["params"]  # bit for bit
   assert _without_wall_clock(got["rows"]) == _without_wall_clock(expected["rows"])
   assert got["shardings"] == expected["shardings"]
+
+
+def test_on_devices_each_worker_is_sharded_over_its_own_group_and_the_run_learns(probe):
+  run = probe["devices_heloco"]
+  assert run["worker_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # sub-meshes of θ's shape
+  assert run["server_devices"] == [0, 1, 2, 3]  # θ where the user put it
+  assert run["full_copies"] == []
+  assert run["spread"]["workers"] >= 18 and run["spread"]["outer_state"] >= 3
+  assert sorted(run["result_shardings"]) == sorted(
+      ["P('fsdp',)", "P('fsdp', None)", "P(None, 'fsdp')"])
+  assert run["arrivals"] > 0 and run["losses"][1] < 0.2 * run["losses"][0]
+
+
+def test_a_synchronous_method_on_devices_with_sharded_params_is_refused_in_one_line(probe):
+  message = probe["devices_diloco"]
+  assert message is not None and "\n" not in message
+  assert "method='diloco' is not allowed" in message and "sharded" in message

@@ -12,7 +12,10 @@ splits its K·B batch over all the workers' devices. Time is the real clock
 (``DeviceArrivals``) are taken in the order the devices finish them. With
 ``jax.distributed`` (``initialize_distributed``) the groups come from every
 process's devices and synchronous methods run SPMD: θ replicated on the
-workers × data mesh, the outer step in every process.
+workers × data mesh, the outer step in every process. When θ is sharded
+(``heloco_jax.sharding``), each worker's group is a sub-mesh of θ's mesh's
+shape and axis names, its states keep θ's specs there, and its Δ moves to θ's
+mesh shard by shard (docs/DESIGN.md, "Scaling out").
 """
 
 from __future__ import annotations
@@ -156,6 +159,10 @@ class DeviceExecutor(base.OneProcess):
     self.inner = inner
     self.groups = groups
     self.concurrency = len(groups.groups)
+    self.layout = inner.layout
+    if self.layout is not None:
+      self._init_sharded()
+      return
     meshes = [Mesh(np.array(group), ("data",)) for group in groups.groups]
     self._replicated = [NamedSharding(mesh, P()) for mesh in meshes]
     self._split = [NamedSharding(mesh, P(None, "data")) for mesh in meshes]  # (H, B, T)
@@ -182,8 +189,26 @@ class DeviceExecutor(base.OneProcess):
       everything = Mesh(np.array([d for group in groups.groups for d in group]), ("data",))
       self._ddp = (NamedSharding(everything, P()), NamedSharding(everything, P(None, "data")))
 
+  def _init_sharded(self) -> None:
+    """Sharded θ (docs/DESIGN.md, "Scaling out"): worker i's group is a sub-mesh with θ's
+    mesh's shape and axis names, its states keep θ's specs there; the server holds θ where
+    the user put it. Asynchronous methods only, in one process."""
+    mesh = self.layout.mesh
+    sizes = [len(group) for group in self.groups.groups]
+    if any(size != mesh.size for size in sizes) or jax.process_count() > 1:
+      raise DeviceConfigError(
+          f"config.devices.group_sizes={sizes} is not allowed with params sharded over a mesh "
+          f"of {mesh.size} devices {dict(mesh.shape)}; allowed: {mesh.size} devices per worker "
+          "(each group takes the mesh's shape), in one process")
+    self._workers = [self.layout.on(Mesh(np.array(group).reshape(mesh.devices.shape),
+                                         mesh.axis_names)) for group in self.groups.groups]
+    self._inners = [self.inner.with_layout(layout) for layout in self._workers]
+    self.synchronies = frozenset({"async"})
+    self.process_count, self.multiprocess, self._round_mesh = 1, False, None
+
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
-    return server_lib.OuterServer(outer_tx, params, place=self.to_server, **options)
+    return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=self.layout,
+                                  **options)
 
   def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
     return self.inner.fresh_moments(state)
@@ -195,6 +220,8 @@ class DeviceExecutor(base.OneProcess):
     groups = self.groups
     server = (f"θ replicated over {self.process_count} processes" if self.multiprocess
               else f"server on {groups.server}")
+    if self.layout is not None:
+      server = f"θ sharded over {dict(self.layout.mesh.shape)}, each worker's group alike"
     return (f"workers on devices ({'/'.join(str(len(g)) for g in groups.groups)} "
             f"{groups.server.platform} devices each, {server})")
 
@@ -216,6 +243,8 @@ class DeviceExecutor(base.OneProcess):
     return jax.tree.map(put, tree)
 
   def to_server(self, tree: Any) -> Any:
+    if self.layout is not None:
+      return self.layout.put(tree)  # device to device, shard by shard
     return self._put(tree, self._server)
 
   def to_rounds(self, tree: Any) -> Any:
@@ -236,6 +265,11 @@ class DeviceExecutor(base.OneProcess):
   # Each runs the local computation on inputs placed on the worker's (or all workers') devices.
 
   def run_worker(self, worker, previous, start, batches, key):
+    if self.layout is not None:
+      put = self._workers[worker].put
+      state, delta, loss = simulated.compute_worker(
+          self._inners[worker], put(previous), put(start), put(batches), put(key))
+      return state, self.to_server(delta), loss
     replicated = self._replicated[worker]
     state, delta, loss = simulated.compute_worker(
         self.inner, self._put(previous, replicated), self._put(start, replicated),

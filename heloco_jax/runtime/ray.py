@@ -239,6 +239,9 @@ class RayExecutor(base.OneProcess):
 
   def __init__(self, inner: inner_lib.InnerLoop, num_workers: int,
                options: RayOptions = RayOptions()):
+    if inner.layout is not None:
+      raise ValueError("runtime=ray takes params on one device; allowed for sharded params: "
+                       "the simulated or devices runtime (docs/DESIGN.md, \"Scaling out\")")
     self.inner = inner
     self.concurrency = num_workers
     ray = self._ray = import_ray()
