@@ -41,6 +41,7 @@ from heloco_jax.methods import METHODS
 from heloco_jax.rejection import DivergenceError
 from heloco_jax.runtime.engine import BudgetError, Stopped, stop_on_signals
 from heloco_jax.server import Server
+from heloco_jax.sharding import fsdp_specs
 from heloco_jax.workdir import WorkdirError
 from heloco_jax.writers import TensorBoardWriter, Writers
 
@@ -51,7 +52,7 @@ __all__ = [
     "PalsgdState", "Server", "SimulationResult", "TensorBoardWriter", "WorkdirError",
     "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
-    "ray_runtime", "scale_by_step_schedule", "simulate",
+    "ray_runtime", "scale_by_step_schedule", "simulate", "fsdp_specs",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
     "arrival_weight", "async_nesterov", "block_names", "heloco_correct", "delayed_nesterov", "heloco",
     "heloco_diagnostics", "lookahead_params", "mla", "outer_momentum", "scale_by_arrival_weight",

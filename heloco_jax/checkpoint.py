@@ -81,26 +81,58 @@ def meta_checksum(meta: Meta) -> int:
   return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
-def pack(tree: Any) -> tuple[dict[str, np.ndarray], Meta]:
-  """Packs ``tree``'s arrays into one flat numpy array per dtype.
+def _spread(leaf: Any) -> bool:
+  """A ``jax.Array`` over several devices: saved shard by shard, never gathered."""
+  return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+
+
+@jax.jit
+def _fingerprint(x: jax.Array) -> jax.Array:
+  """A position-weighted sum of ``x``'s bits, mod 2³² (integer adds: the same on any mesh).
+  Checks a sharded leaf where a CRC32 would need its bytes on one host."""
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  else:
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  words = words.ravel()
+  weights = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+  return jnp.sum(words * weights, dtype=jnp.uint32)
+
+
+def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
+  """Packs ``tree``'s arrays into one flat numpy array per dtype; sharded ones stay as they are.
 
   Args:
     tree: a pytree of arrays (typed PRNG keys must be converted to their
       key data first).
 
   Returns:
-    ``{dtype name: 1-D array}`` and the layout: the tree structure (as text,
-    for checking), each leaf's ``[dtype, shape]`` and each packed array's CRC32.
+    ``{dtype name: 1-D array}`` plus ``{"leafI": jax.Array}`` for each leaf I
+    spread over several devices (orbax writes those shard by shard, each
+    process its own), and the layout: the tree structure (as text, for
+    checking), each leaf's ``[dtype, shape]`` (``[dtype, shape, "sharded"]``
+    for a spread one), each packed array's CRC32 and each spread leaf's
+    ``_fingerprint``.
   """
-  leaves, treedef = jax.tree.flatten(jax.device_get(tree))
-  leaves = [np.asarray(leaf) for leaf in leaves]
+  leaves, treedef = jax.tree.flatten(tree)
+  spread = [i for i, leaf in enumerate(leaves) if _spread(leaf)]
+  fingerprints = jax.device_get({f"leaf{i}": _fingerprint(leaves[i]) for i in spread})
+  host = jax.device_get([None if i in spread else leaf for i, leaf in enumerate(leaves)])
   groups: dict[str, list[np.ndarray]] = {}
-  for leaf in leaves:
+  entries = []
+  for i, leaf in enumerate(leaves):
+    if i in spread:
+      entries.append([jnp.dtype(leaf.dtype).name, list(leaf.shape), "sharded"])
+      continue
+    leaf = np.asarray(host[i])
     groups.setdefault(leaf.dtype.name, []).append(leaf.ravel())
-  packed = {name: np.concatenate(parts) for name, parts in groups.items()}
-  layout = {"treedef": str(treedef),
-            "leaves": [[leaf.dtype.name, list(leaf.shape)] for leaf in leaves],
-            "crc32": {name: zlib.crc32(array.tobytes()) for name, array in packed.items()}}
+    entries.append([leaf.dtype.name, list(leaf.shape)])
+  packed: dict[str, Any] = {name: np.concatenate(parts) for name, parts in groups.items()}
+  packed.update({f"leaf{i}": leaves[i] for i in spread})
+  layout = {"treedef": str(treedef), "leaves": entries,
+            "crc32": {name: zlib.crc32(packed[name].tobytes()) for name in groups},
+            "fingerprint": {name: int(value) for name, value in fingerprints.items()}}
   return packed, layout
 
 
@@ -108,7 +140,7 @@ def unpack(packed: dict[str, Any], layout: Meta, template: Any) -> Any:
   """Inverts ``pack`` into ``template``'s tree structure (arrays are ``jax.Array``).
 
   Args:
-    packed: the packed arrays.
+    packed: the packed arrays (a spread leaf's as restored, with its sharding).
     layout: ``pack``'s layout.
     template: a pytree with the structure, shapes and dtypes the state must
       have (arrays or ``jax.ShapeDtypeStruct``).
@@ -116,18 +148,25 @@ def unpack(packed: dict[str, Any], layout: Meta, template: Any) -> Any:
   Raises:
     ValueError: the checksums, structure, shapes or dtypes do not match.
   """
-  packed = {name: np.asarray(array) for name, array in packed.items()}
+  packed = {name: array if name.startswith("leaf") else np.asarray(array)
+            for name, array in packed.items()}
   for name, crc in layout["crc32"].items():
     if name not in packed or zlib.crc32(packed[name].tobytes()) != crc:
       raise ValueError(f"its {name} arrays fail their checksum")
+  for name, value in layout.get("fingerprint", {}).items():
+    if name not in packed or int(_fingerprint(packed[name])) != value:
+      raise ValueError(f"its sharded array {name} fails its checksum")
   leaves, treedef = jax.tree.flatten(template)
   expected = [[jnp.dtype(leaf.dtype).name, list(leaf.shape)] for leaf in leaves]
-  if str(treedef) != layout["treedef"] or expected != layout["leaves"]:
+  if str(treedef) != layout["treedef"] or expected != [e[:2] for e in layout["leaves"]]:
     raise ValueError("the checkpoint's state has another structure or other shapes than this "
                      "run's (a different model, number of workers or method)")
   offsets = {name: 0 for name in packed}
   out = []
-  for name, shape in layout["leaves"]:
+  for i, (name, shape, *sharded) in enumerate(layout["leaves"]):
+    if sharded:
+      out.append(packed[f"leaf{i}"])
+      continue
     size = int(np.prod(shape, dtype=np.int64))
     start = offsets[name]
     out.append(jnp.asarray(packed[name][start:start + size].reshape(shape)))
@@ -175,7 +214,7 @@ class Checkpointer:
     Raises:
       CheckpointError: it could not be written (the earlier ones are intact).
     """
-    packed, layout = pack(arrays)
+    packed, layout = pack(arrays)  # sharded arrays stay on their devices
     try:
       with _quiet_orbax():
         self._save(step, packed, layout, meta)
@@ -189,7 +228,7 @@ class Checkpointer:
       raise CheckpointError(f"could not write checkpoint {step} to {self.directory}: "
                             f"{_reason(error)}; {kept}") from None
 
-  def _save(self, step: int, packed: dict[str, np.ndarray], layout: Meta, meta: Meta) -> None:
+  def _save(self, step: int, packed: dict[str, Any], layout: Meta, meta: Meta) -> None:
     if step in self._manager.all_steps():  # left by a timeline a resume abandoned
       self._manager.delete(step)
     meta = {**meta, "layout": layout}
@@ -231,9 +270,10 @@ class Checkpointer:
         if refusal:
           raise ValueError(refusal)
         layout = meta.pop("layout")
+        abstract = template(meta)
         packed = self._manager.restore(candidate, args=ocp.args.Composite(
-            arrays=ocp.args.StandardRestore(_packed_shapes(layout)))).arrays
-        arrays = unpack(packed, layout, template(meta))
+            arrays=ocp.args.StandardRestore(_packed_shapes(layout, abstract)))).arrays
+        arrays = unpack(packed, layout, abstract)
       except Exception as error:  # pylint: disable=broad-except
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         failures.append(f"checkpoint {candidate}: {reason}")
@@ -256,9 +296,21 @@ class Checkpointer:
     self._manager.close()
 
 
-def _packed_shapes(layout: Meta) -> dict[str, jax.ShapeDtypeStruct]:
-  """The packed arrays' abstract shapes, from the layout."""
+def _packed_shapes(layout: Meta, template: Any) -> dict[str, jax.ShapeDtypeStruct]:
+  """The packed arrays' abstract shapes, from the layout; a sharded leaf's with the sharding
+  of ``template``'s leaf (restored onto it shard by shard: another mesh shape works too), or
+  on one device when that has none."""
   sizes: dict[str, int] = {}
-  for name, shape in layout["leaves"]:
+  shapes: dict[str, jax.ShapeDtypeStruct] = {}
+  targets = jax.tree.leaves(template)
+  for i, (name, shape, *sharded) in enumerate(layout["leaves"]):
+    if sharded:
+      target = getattr(targets[i], "sharding", None) if i < len(targets) else None
+      shapes[f"leaf{i}"] = jax.ShapeDtypeStruct(
+          tuple(shape), jnp.dtype(name),
+          sharding=target or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+      continue
     sizes[name] = sizes.get(name, 0) + int(np.prod(shape, dtype=np.int64))
-  return {name: jax.ShapeDtypeStruct((size,), jnp.dtype(name)) for name, size in sizes.items()}
+  shapes.update({name: jax.ShapeDtypeStruct((size,), jnp.dtype(name))
+                 for name, size in sizes.items()})
+  return shapes

@@ -131,6 +131,7 @@ class OuterServer:
                place: Callable[[Any], Any] = _identity,
                layout: Optional[sharding.Layout] = None):
     self._place = place
+    self._layout = layout
     self.outer_tx = outer_tx
     constrain = layout.constrain if layout is not None else _identity
     # One compiled program each (not one small eager op per leaf): start-up time.
@@ -155,7 +156,10 @@ class OuterServer:
     self._dispatched: dict[int, int] = {}
 
   def get(self) -> tuple[Any, Any]:
-    """(θ, outer state) on the host."""
+    """(θ, outer state) on the host; sharded, where they are (a checkpoint writes them shard
+    by shard)."""
+    if self._layout is not None:
+      return self.params, self.outer_state
     return jax.device_get((self.params, self.outer_state))
 
   def set(self, params: Any, outer_state: Any) -> None:

@@ -66,6 +66,18 @@ def layout_of(params: Any) -> Optional["Layout"]:
                 tuple(tuple(x.shape) for x in jax.tree.leaves(params)))
 
 
+def fsdp_specs(params: Any, axis: str, size: int) -> Any:
+  """FSDP partition specs: each leaf split over ``axis`` (of ``size`` devices) along its
+  largest dimension that ``size`` divides; a leaf with none is replicated."""
+  def spec(leaf: Any) -> P:
+    shape = _shape(leaf)
+    dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % size == 0]
+    if not dims or size == 1:
+      return P()
+    return P(*[axis if d == dims[0] else None for d in range(len(shape))])
+  return jax.tree.map(spec, params)
+
+
 def _shape(leaf: Any) -> tuple[int, ...]:
   return tuple(getattr(leaf, "shape", np.shape(leaf)))
 

@@ -160,6 +160,33 @@ def refusal(method):
   return None
 
 
+def checkpoint_across_meshes(directory):
+  """A sharded tree saved from θ's 4-device mesh and restored onto a 2-device mesh."""
+  from heloco_jax import checkpoint, sharding  # pylint: disable=g-import-not-at-top
+  tree = {"params": sharded_params(), "step": np.int32(3)}
+  packed, layout = checkpoint.pack(tree)
+  kept_sharded = sorted(name for name, x in packed.items()
+                        if isinstance(x, jax.Array) and len(x.sharding.device_set) == 4)
+  corrupt = dict(packed, **{kept_sharded[0]: packed[kept_sharded[0]] + 1})
+  try:
+    checkpoint.unpack(corrupt, layout, tree)
+    corruption = None
+  except ValueError as error:
+    corruption = str(error)
+  saver = checkpoint.Checkpointer(directory)
+  saver.save(1, tree, {"note": "sharded"})
+  other = sharding.layout_of(tree["params"]).on(
+      Mesh(np.array(jax.devices()[4:6]), ("fsdp",)))
+  template = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+                          tree, other.shardings(tree))
+  _, restored, _ = saver.restore(lambda meta: template)
+  saver.close()
+  return {"kept_sharded": kept_sharded, "corruption": corruption,
+          "equal": leaves(restored) == leaves(tree),
+          "restored_devices": sorted({d.id for x in jax.tree.leaves(restored["params"])
+                                      for d in x.devices()})}
+
+
 def evaluate(params):
   x = np.random.default_rng(99).normal(0.5, 1.0, (64, D_IN)).astype(np.float32)
   return loss_fn(params, (x, x @ W_TRUE))
@@ -174,7 +201,10 @@ def in_workdir(method, workdir):
 
 def main(out, method=None, workdir=None):
   if workdir is None:
-    result = {"num_devices": jax.device_count(),
+    import tempfile  # pylint: disable=g-import-not-at-top
+    with tempfile.TemporaryDirectory() as directory:
+      saved = checkpoint_across_meshes(directory)
+    result = {"num_devices": jax.device_count(), "checkpoint": saved,
               **{m: compare(m) for m in ("heloco", "diloco")},
               "devices_heloco": on_devices("heloco"), "devices_diloco": refusal("diloco")}
   else:

@@ -203,9 +203,14 @@ class Engine:
     k = self.spec.num_workers
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), worker)
     workers = {None: None, "ddp": worker, "rounds": stacked, "async": [worker] * k}[meta["phase"]]
-    return {"params": self.params, "outer_state": self.outer_state,
-            "key": jax.random.key_data(self._run.key), "workers": workers,
-            "pending": [self.params] * len(meta["jobs"])}
+    template = {"params": self.params, "outer_state": self.outer_state,
+                "key": jax.random.key_data(self._run.key), "workers": workers,
+                "pending": [self.params] * len(meta["jobs"])}
+    if self.layout is None:
+      return template
+    # Sharded θ: restored where an uninterrupted run holds each array.
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        template, self.layout.shardings(template))
 
   def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Continues from a ``checkpoint_state()`` of a run with the same spec."""

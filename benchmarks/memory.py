@@ -1,0 +1,137 @@
+"""Per-device memory of a sharded run against the replicated layout, measured in one run.
+
+The CLI's GPT at three sizes, FSDP-sharded (``heloco_jax.sharding.fsdp_specs``) over a mesh of
+D = 1, 2, 4, 8 devices (host CPU devices here; the same code on GPUs or TPU chips), HeLoCo with
+K = 2 workers on the simulated runtime through ``hj.make_engine``. After a few arrivals it
+reads, from the live arrays' ``addressable_shards``, the bytes the fullest device holds for θ,
+the outer state, the K workers' states and the in-flight pseudo-gradients, against the same
+run with θ on one device (replicated: every device of a data-parallel layout holds all of it).
+Also: the largest of these models whose run state fits a per-device budget, and the median
+wall time between arrivals (after the first two, which compile) sharded / replicated.
+
+  python -m benchmarks.memory [--budget_gib 16] [--sizes small,medium,large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+
+import heloco_jax as hj  # pylint: disable=g-import-not-at-top
+from heloco_jax import model as model_lib, sharding  # pylint: disable=g-import-not-at-top
+
+SIZES = {"small": dict(d_model=64, num_layers=2), "medium": dict(d_model=128, num_layers=4),
+         "large": dict(d_model=256, num_layers=4)}
+CONTEXT, BATCH, K, H, VOCAB = 64, 8, 2, 2, 2048
+PARTS = ("θ", "outer state", "worker states", "in-flight Δ")
+
+
+class Tokens:
+  """Worker i's endless random token sequences (memory does not depend on the values)."""
+
+  def __init__(self, worker):
+    self.worker = worker
+
+  def __iter__(self):
+    rng = np.random.default_rng(self.worker)
+    while True:
+      yield rng.integers(0, VOCAB, (BATCH, CONTEXT + 1), dtype=np.int32)
+
+
+def _fullest_device(tree) -> int:
+  """Bytes of ``tree`` on the device that holds the most of it."""
+  per_device: dict[int, int] = {}
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      for shard in x.addressable_shards:
+        per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)
+
+
+def _engine(size: str, devices: int, arrivals: int):
+  config = model_lib.ModelConfig(vocab_size=VOCAB, context=CONTEXT, num_heads=4, **SIZES[size])
+  graphdef, params = model_lib.init(config, seed=0)
+  if devices > 1:
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+    specs = sharding.fsdp_specs(params, "fsdp", devices)
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  # D = 1: everything on one device, as every device of a replicated layout holds it.
+  runtime = hj.simulated_runtime(devices=jax.devices()[:1])
+  return hj.make_engine(lambda p, batch: model_lib.loss(graphdef, p, batch), params,
+                        [Tokens(i) for i in range(K)], method="heloco", inner_steps=H,
+                        speeds=[1.0, 1.5], budget_steps=arrivals * H, runtime=runtime,
+                        metrics_fetch_every=1)  # each arrival row as it happens
+
+
+def measure(size: str, devices: int) -> tuple[dict[str, int], float, int]:
+  """(bytes on the fullest device per part, the most any arrival saw; the median wall
+  seconds between arrivals after the first two (compilation); parameters)."""
+  parts = dict.fromkeys(PARTS, 0)
+  times = []
+  engine = _engine(size, devices, arrivals=8)
+  try:
+    def look(row):  # the live arrays, at every row: workers in flight, their pending Δ
+      if row.get("event") != "arrival":
+        return
+      jax.block_until_ready(engine.params)
+      times.append(time.perf_counter())
+      s = engine.state
+      now = {"θ": _fullest_device(engine.params),
+             "outer state": _fullest_device(engine.outer_state),
+             "worker states": _fullest_device(s.workers),
+             "in-flight Δ": _fullest_device([job.delta for job in s.jobs.values()])}
+      for part, value in now.items():
+        parts[part] = max(parts[part], value)
+    asyncio.run(engine.run(on_row=look))
+    num_params = engine.num_params
+  finally:
+    engine.close()
+  return parts, float(np.median(np.diff(times[2:]))), num_params
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--budget_gib", type=float, default=16.0,
+                      help="per-device memory budget for the 'largest model that fits' line")
+  parser.add_argument("--sizes", default="small,medium,large")
+  args = parser.parse_args()
+  print(f"{jax.device_count()} {jax.devices()[0].platform} devices; HeLoCo, K={K}, "
+        f"H={H}, batch {BATCH}×{CONTEXT}; bytes on the fullest device\n")
+  print(f"| model | D | {' | '.join(PARTS)} | total | replicated total | ratio | 1/D + 5% "
+        "| s/arrival sharded / replicated |")
+  print("|---|---|" + "---|" * (len(PARTS) + 5))
+  per_param = {}
+  for size in args.sizes.split(","):
+    replicated, replicated_seconds, num_params = measure(size, 1)
+    total_replicated = sum(replicated.values())
+    per_param[size] = (num_params, total_replicated / num_params)
+    for d in (1, 2, 4, 8):
+      parts, seconds, _ = (replicated, replicated_seconds, num_params) if d == 1 else measure(
+          size, d)
+      total = sum(parts.values())
+      ratio = total / total_replicated
+      goal = "holds" if ratio <= 1 / d + 0.05 else "misses"
+      print(f"| {size} ({num_params / 1e6:.2f}M) | {d} | "
+            + " | ".join(f"{parts[p] / 2**20:.2f} MiB" for p in PARTS)
+            + f" | {total / 2**20:.2f} MiB | {total_replicated / 2**20:.2f} MiB | {ratio:.3f} | "
+            f"{1 / d + 0.05:.3f} ({goal}) | {seconds / replicated_seconds:.2f} |")
+  budget = args.budget_gib * 2**30
+  print(f"\nLargest model whose run state fits {args.budget_gib:g} GiB per device "
+        "(bytes per parameter as measured, activations not counted):")
+  for d in (1, 2, 4, 8):
+    bytes_per_param = min(b for _, b in per_param.values())
+    print(f"  D={d}: {budget * d / bytes_per_param / 1e9:.2f}B parameters "
+          f"({bytes_per_param:.1f} bytes per parameter replicated)")
+
+
+if __name__ == "__main__":
+  main()
