@@ -29,6 +29,7 @@ leading worker axis), as MaxText's DiLoCo stacks its replicas.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -308,19 +309,23 @@ class InnerLoop:
       (``keep_schedule_counts``) are kept either way.
     layout: θ's ``heloco_jax.sharding.Layout`` when θ is sharded: the states
       the loop makes keep it (None: wherever XLA puts them).
+    spmd_axis_name: the mesh axis stacked workers (``run_many``) are split
+      over (``jax.vmap``'s ``spmd_axis_name``); None: not split.
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
                inner_tx: Optional[optax.GradientTransformation] = None,
-               reset_optimizer: bool = True, layout: Optional[sharding.Layout] = None):
+               reset_optimizer: bool = True, layout: Optional[sharding.Layout] = None,
+               spmd_axis_name: Optional[str] = None):
     self.loss_fn = loss_fn
     self.tx = optax.with_extra_args_support(adamw() if inner_tx is None else inner_tx)
     self.reset_optimizer = reset_optimizer
     self.layout = layout
     self._constrain = layout.constrain if layout is not None else lambda tree: tree
+    self._vmap = functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name)
     self.run_jit = jax.jit(self.run, donate_argnums=0)
     self.start_jit = jax.jit(self.start)  # one program instead of eager per-leaf copies and zeros
-    self.run_many = jax.jit(jax.vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
+    self.run_many = jax.jit(self._vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)
 
@@ -338,9 +343,10 @@ class InnerLoop:
                  if self.reset_optimizer else previous.opt_state)
     return self._constrain(InnerState(params, opt_state, previous.step))
 
-  def with_layout(self, layout: Optional[sharding.Layout]) -> "InnerLoop":
-    """The same loop compiled for ``layout`` (a worker group's mesh)."""
-    return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout)
+  def with_layout(self, layout: Optional[sharding.Layout],
+                  spmd_axis_name: Optional[str] = None) -> "InnerLoop":
+    """The same loop compiled for ``layout`` (a worker group's or a round's mesh)."""
+    return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout, spmd_axis_name)
 
   def fresh_moments(self, state: InnerState) -> InnerState:
     """``state`` with a fresh optimizer state (its step counts kept): after a rejected Δ."""
@@ -355,12 +361,13 @@ class InnerLoop:
     execute the same collective program instead of many small eager ones.
     """
     if previous is None:
-      return jax.tree.map(lambda x: jnp.stack([x] * num_workers), self.start(params))
-    return jax.vmap(self.start, in_axes=(None, 0))(params, previous)
+      return self._constrain(jax.tree.map(lambda x: jnp.stack([x] * num_workers),
+                                          self.start(params)))
+    return self._constrain(self._vmap(self.start, in_axes=(None, 0))(params, previous))
 
   def _reset_moments(self, states: InnerState, rejected: jax.Array) -> InnerState:
     """K stacked states with fresh optimizer states where ``rejected`` (bool, K); steps kept."""
-    fresh = keep_schedule_counts(jax.vmap(self.tx.init)(states.params), states.opt_state)
+    fresh = keep_schedule_counts(self._vmap(self.tx.init)(states.params), states.opt_state)
     def pick(new, old):
       return jnp.where(rejected.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
     return self._constrain(states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state)))

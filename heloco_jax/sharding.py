@@ -90,14 +90,18 @@ class Layout:
     specs: θ's tree of ``PartitionSpec``s.
     mesh: the devices (and axis names) they refer to.
     shapes: θ's leaf shapes, in leaf order.
+    stack_axis: the mesh axis K stacked copies of θ are split over (a round's
+      replicas on a ``workers`` × θ's axes mesh); None: not split.
   """
   specs: Any
   mesh: Mesh
   shapes: tuple[tuple[int, ...], ...]
+  stack_axis: Optional[str] = None
 
-  def on(self, mesh: Mesh) -> "Layout":
-    """The same partition specs on ``mesh`` (a worker's group: the same axis names)."""
-    return dataclasses.replace(self, mesh=mesh)
+  def on(self, mesh: Mesh, stack_axis: Optional[str] = None) -> "Layout":
+    """The same partition specs on ``mesh`` (a worker's group: the same axis names; a
+    round's mesh: ``stack_axis`` and the same axis names)."""
+    return dataclasses.replace(self, mesh=mesh, stack_axis=stack_axis)
 
   def _stacking(self, node: Any) -> Optional[int]:
     """0 when ``node`` is shaped like θ, 1 when like K copies of θ stacked on a leading axis,
@@ -112,16 +116,17 @@ class Layout:
     return None
 
   def shardings(self, tree: Any) -> Any:
-    """``tree``'s shardings: θ's on θ-shaped subtrees (stacked ones unsharded on their
-    leading axis), replicated on every other leaf."""
+    """``tree``'s shardings: θ's on θ-shaped subtrees (stacked ones split over
+    ``stack_axis`` on their leading axis), replicated on every other leaf."""
     replicated = NamedSharding(self.mesh, P())
 
     def place(node: Any) -> Any:
       stacked = self._stacking(node)
       if stacked is None:
         return replicated
-      return jax.tree.map(lambda spec: NamedSharding(self.mesh, P(*[None] * stacked, *spec)),
-                          self.specs)
+      return jax.tree.map(
+          lambda spec: NamedSharding(self.mesh, P(*[self.stack_axis] * stacked, *spec)),
+          self.specs)
     return jax.tree.map(place, tree, is_leaf=lambda node: self._stacking(node) is not None)
 
   def constrain(self, tree: Any) -> Any:

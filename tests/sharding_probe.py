@@ -74,7 +74,9 @@ def sharded_params():
 
 
 def options(method):
-  return dict(method=method, inner_tx=optax.adamw(1e-2), inner_steps=4, speeds=[1.0, 2.0],
+  inner_tx = (hj.palsgd_inner(optax.scale_by_adam(), 1e-2, pseudo_sync_prob=0.25)
+              if method == "palsgd" else optax.adamw(1e-2))
+  return dict(method=method, inner_tx=inner_tx, inner_steps=4, speeds=[1.0, 2.0],
               budget_steps=48)
 
 
@@ -150,14 +152,28 @@ def on_devices(method):
     engine.close()
 
 
-def refusal(method):
-  """The one-line error of a method runtime=devices does not run on sharded params."""
+def rounds_on_devices(method):
+  """A synchronous method on runtime=devices: the K replicas on a workers × fsdp mesh of all
+  8 devices; equal to the unsharded simulated run up to float reassociation."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  engine = hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                          runtime=hj.devices_runtime(batch_size=8), **options(method))
   try:
-    hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
-                   runtime=hj.devices_runtime(batch_size=8), **options(method)).close()
-  except ValueError as error:
-    return str(error)
-  return None
+    asyncio.run(engine.run())
+    workers = engine.state.workers
+    live = {"params": engine.params, "outer_state": engine.outer_state, "workers": workers}
+    result = {"full_copies": full_copies(live),
+              "worker_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(
+                  workers.params)}),
+              "worker_devices": sorted({d.id for x in jax.tree.leaves(workers) for d in
+                                        x.devices()}),
+              "sharded": leaves(engine.params)}
+  finally:
+    engine.close()
+  result["unsharded"] = leaves(hj.simulate(loss_fn, jax.device_get(sharded_params()),
+                                           [Stream(i) for i in range(K)],
+                                           **options(method)).params)
+  return result
 
 
 def checkpoint_across_meshes(directory):
@@ -206,7 +222,8 @@ def main(out, method=None, workdir=None):
       saved = checkpoint_across_meshes(directory)
     result = {"num_devices": jax.device_count(), "checkpoint": saved,
               **{m: compare(m) for m in ("heloco", "diloco")},
-              "devices_heloco": on_devices("heloco"), "devices_diloco": refusal("diloco")}
+              "devices_heloco": on_devices("heloco"), "devices_diloco": rounds_on_devices("diloco"),
+              "devices_palsgd": rounds_on_devices("palsgd")}
   else:
     result = in_workdir(method, workdir)
   with open(out, "w") as f:

@@ -122,14 +122,13 @@ def test_on_devices_each_worker_is_sharded_over_its_own_group_and_the_run_learns
   assert run["arrivals"] > 0 and run["losses"][1] < 0.2 * run["losses"][0]
 
 
-def test_a_synchronous_method_on_devices_with_sharded_params_is_refused_in_one_line(probe):
-  message = probe["devices_diloco"]
-  assert message is not None and "\n" not in message
-  assert "method='diloco' is not allowed" in message and "sharded" in message
-
-
-def test_sharded_arrays_are_checkpointed_shard_by_shard_and_restore_onto_another_mesh(probe):
-  saved = probe["checkpoint"]
-  assert len(saved["kept_sharded"]) == 3  # handed to orbax as they are, not gathered
-  assert saved["corruption"] is not None and "fails its checksum" in saved["corruption"]
-  assert saved["equal"] and saved["restored_devices"] == [4, 5]  # a 2-device mesh
+@pytest.mark.parametrize("method", ["diloco", "palsgd"])
+def test_rounds_on_devices_split_the_replicas_over_workers_and_equal_the_simulated_run(
+    probe, method):
+  run = probe[f"devices_{method}"]
+  assert run["full_copies"] == []
+  assert run["worker_devices"] == list(range(8))  # K = 2 replicas × 4-way FSDP
+  assert all(spec.startswith("P('workers'") for spec in run["worker_specs"]), run
+  for sharded, unsharded in zip(run["sharded"], run["unsharded"], strict=True):
+    sharded, unsharded = np.asarray(sharded), np.asarray(unsharded)
+    assert np.linalg.norm(sharded - unsharded) <= 1e-5 * np.linalg.norm(unsharded)

@@ -15,7 +15,8 @@ process's devices and synchronous methods run SPMD: θ replicated on the
 workers × data mesh, the outer step in every process. When θ is sharded
 (``heloco_jax.sharding``), each worker's group is a sub-mesh of θ's mesh's
 shape and axis names, its states keep θ's specs there, and its Δ moves to θ's
-mesh shard by shard (docs/DESIGN.md, "Scaling out").
+mesh shard by shard; rounds split the stacked replicas over a ``workers`` axis
+of a ``workers`` × θ's axes mesh (docs/DESIGN.md, "Scaling out").
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class DeviceExecutor(base.OneProcess):
   def _init_sharded(self) -> None:
     """Sharded θ (docs/DESIGN.md, "Scaling out"): worker i's group is a sub-mesh with θ's
     mesh's shape and axis names, its states keep θ's specs there; the server holds θ where
-    the user put it. Asynchronous methods only, in one process."""
+    the user put it. Rounds (and DDP steps) run on a ``workers`` × θ's axes mesh of all the
+    groups, the K replicas split over ``workers``. In one process."""
     mesh = self.layout.mesh
     sizes = [len(group) for group in self.groups.groups]
     if any(size != mesh.size for size in sizes) or jax.process_count() > 1:
@@ -200,11 +202,16 @@ class DeviceExecutor(base.OneProcess):
           f"config.devices.group_sizes={sizes} is not allowed with params sharded over a mesh "
           f"of {mesh.size} devices {dict(mesh.shape)}; allowed: {mesh.size} devices per worker "
           "(each group takes the mesh's shape), in one process")
-    self._workers = [self.layout.on(Mesh(np.array(group).reshape(mesh.devices.shape),
-                                         mesh.axis_names)) for group in self.groups.groups]
+    groups = [np.array(group).reshape(mesh.devices.shape) for group in self.groups.groups]
+    self._workers = [self.layout.on(Mesh(group, mesh.axis_names)) for group in groups]
     self._inners = [self.inner.with_layout(layout) for layout in self._workers]
-    self.synchronies = frozenset({"async"})
-    self.process_count, self.multiprocess, self._round_mesh = 1, False, None
+    self._round_mesh = Mesh(np.stack(groups), ("workers", *mesh.axis_names))
+    self._rounds = self.layout.on(self._round_mesh, stack_axis="workers")
+    self.inner = self.inner.with_layout(self._rounds, spmd_axis_name="workers")
+    self.synchronies = base.SYNCHRONIES
+    self.process_count, self.multiprocess = 1, False
+    self._round_delta = jax.jit(simulated.round_delta)
+    self._by_worker = NamedSharding(self._round_mesh, P("workers"))
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
     return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=self.layout,
@@ -250,6 +257,8 @@ class DeviceExecutor(base.OneProcess):
   def to_rounds(self, tree: Any) -> Any:
     """``tree`` replicated on the workers × data mesh (θ for the round's start states)."""
     self.require_round_mesh()
+    if self.layout is not None:
+      return self._rounds.put(tree)  # θ's specs, replicated over ``workers``
     return self._put(tree, NamedSharding(self._round_mesh, P()))
 
   def to_host(self, x: Any) -> np.ndarray:
@@ -278,6 +287,10 @@ class DeviceExecutor(base.OneProcess):
 
   def run_round(self, states, batches, keys, anchor):
     self.require_round_mesh()
+    if self.layout is not None:
+      return self.inner.run_many(
+          self._rounds.put(states), jax.device_put(batches, self._by_worker),
+          jax.device_put(keys, self._by_worker), None if anchor is None else self.to_rounds(anchor))
     by_worker = NamedSharding(self._round_mesh, P("workers"))
     return self.inner.run_many(
         self._put(states, by_worker),
@@ -286,6 +299,10 @@ class DeviceExecutor(base.OneProcess):
         None if anchor is None else self.to_rounds(anchor))
 
   def run_ddp(self, state, batches, key):
+    if self.layout is not None:  # on the round mesh, θ's specs, the batch on every group
+      state, metrics = self.inner.run_jit(self._rounds.put(state), self._rounds.put(batches),
+                                          self._rounds.put(key))
+      return state, inner_lib.train_loss(metrics)
     replicated, split = self._ddp
     state, metrics = self.inner.run_jit(self._put(state, replicated), self._put(batches, split),
                                         self._put(key, replicated))

@@ -187,7 +187,8 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
   s, spec, k = run.state, run.spec, run.spec.num_workers
   step_units = k * spec.units_per_step
   if s.phase != "ddp":
-    s.phase, s.workers = "ddp", run.executor.inner.start_jit(run.server.params)
+    s.phase, s.workers = "ddp", run.executor.inner.start_jit(
+        run.executor.to_rounds(run.server.params))  # where DDP steps run
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,
