@@ -132,3 +132,30 @@ def test_rounds_on_devices_split_the_replicas_over_workers_and_equal_the_simulat
   for sharded, unsharded in zip(run["sharded"], run["unsharded"], strict=True):
     sharded, unsharded = np.asarray(sharded), np.asarray(unsharded)
     assert np.linalg.norm(sharded - unsharded) <= 1e-5 * np.linalg.norm(unsharded)
+
+
+def test_two_processes_checkpoint_their_own_shards_and_restore_onto_two_meshes(tmp_path):
+  """jax.distributed on loopback, 2 processes × 4 host CPU devices (tests/
+  multiprocess_checkpoint_probe.py): orbax writes each process's shards; restored onto the
+  8-device mesh and onto a 4 × 2 one, the values equal what was saved."""
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  probe = os.path.join(os.path.dirname(PROBE), "multiprocess_checkpoint_probe.py")
+  out = tmp_path / "out.json"
+  procs = [subprocess.Popen([sys.executable, probe, f"127.0.0.1:{port}", str(i),
+                             str(tmp_path / "checkpoints"), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outputs]
+  with open(out) as f:
+    result = json.load(f)
+  for mesh in ("same", "other"):
+    assert result[mesh]["equal"] and result[mesh]["step"] == 3, result
+    assert result[mesh]["devices"] == 8 and result[mesh]["addressable"] == 4  # global arrays
