@@ -100,6 +100,11 @@ def _fingerprint(x: jax.Array) -> jax.Array:
   return jnp.sum(words * weights, dtype=jnp.uint32)
 
 
+@jax.jit
+def _fingerprints(leaves: list[jax.Array]) -> list[jax.Array]:
+  return [_fingerprint(leaf) for leaf in leaves]
+
+
 def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
   """Packs ``tree``'s arrays into one flat numpy array per dtype; sharded ones stay as they are.
 
@@ -117,7 +122,12 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
   """
   leaves, treedef = jax.tree.flatten(tree)
   spread = [i for i, leaf in enumerate(leaves) if _spread(leaf)]
-  fingerprints = jax.device_get({f"leaf{i}": _fingerprint(leaves[i]) for i in spread})
+  # One program for every fingerprint, once the run's own work is done: host CPU devices
+  # run collectives on a small thread pool, and programs with collectives in flight at
+  # once can wait on each other for ever (XLA's rendezvous then aborts the process).
+  jax.block_until_ready([leaves[i] for i in spread])
+  fingerprints = jax.device_get(dict(zip([f"leaf{i}" for i in spread],
+                                         _fingerprints([leaves[i] for i in spread]))))
   host = jax.device_get([None if i in spread else leaf for i, leaf in enumerate(leaves)])
   groups: dict[str, list[np.ndarray]] = {}
   entries = []

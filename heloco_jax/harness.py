@@ -17,10 +17,11 @@ import math
 import re
 from typing import Any, Callable, Optional
 
+import jax
 import ml_collections
 
 from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, methods
-from heloco_jax import model as model_lib
+from heloco_jax import model as model_lib, sharding
 from heloco_jax.runtime import factories
 
 Row = dict[str, Any]
@@ -108,10 +109,23 @@ def default_problem(config: ml_collections.ConfigDict,
   data = dataset or make_dataset(config)
   graphdef, params = model_lib.init(model_lib.config_from(config.model, data.vocab_size),
                                     config.seed)
+  if config.model.sharding == "fsdp":
+    params = sharding.put_fsdp(params, fsdp_devices(config))
   evaluator = evaluate.Evaluator(functools.partial(model_lib.token_losses, graphdef),
                                  data.validation_tokens, data.validation_language_ids,
                                  data.languages)
   return Problem(data, functools.partial(model_lib.loss, graphdef), params, evaluator.as_metrics)
+
+
+def fsdp_devices(config: ml_collections.ConfigDict) -> list[Any]:
+  """The devices ``model.sharding=fsdp`` splits θ over: the first worker's group on
+  runtime=devices (every group takes its shape), else all of this process's."""
+  devices = jax.local_devices()
+  if config.runtime != "devices":
+    return devices
+  sizes = str(config.devices.group_sizes or "").split(",")
+  size = int(sizes[0]) if sizes[0].strip() else len(devices) // config.num_workers
+  return devices[:max(size, 1)]
 
 
 def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:

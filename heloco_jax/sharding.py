@@ -78,6 +78,13 @@ def fsdp_specs(params: Any, axis: str, size: int) -> Any:
   return jax.tree.map(spec, params)
 
 
+def put_fsdp(params: Any, devices: Any, axis: str = "fsdp") -> Any:
+  """``params`` FSDP-sharded (``fsdp_specs``) over a one-axis mesh of ``devices``."""
+  mesh = Mesh(np.array(list(devices)), (axis,))
+  specs = fsdp_specs(params, axis, mesh.size)
+  return jax.device_put(params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+
+
 def _shape(leaf: Any) -> tuple[int, ...]:
   return tuple(getattr(leaf, "shape", np.shape(leaf)))
 

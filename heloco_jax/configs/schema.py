@@ -161,6 +161,9 @@ KEYS: tuple[Key, ...] = (
         "attention heads per block"),
     Key("model.context", 128, integer(1, 1 << 20),
         "tokens per training sequence (learned positions)"),
+    Key("model.sharding", "none", one_of(("none", "fsdp")),
+        "fsdp: θ and every copy of it split over the devices (simulated: all of this "
+        "process's; devices: each worker's group), docs/DESIGN.md 'Scaling out'"),
     Key("model.compute_dtype", "float32", one_of(model.COMPUTE_DTYPES),
         "dtype of matmuls and activations; parameters, optimizer states, pseudo-gradients "
         "and the outer step stay float32"),

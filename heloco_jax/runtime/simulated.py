@@ -121,6 +121,8 @@ class LocalExecutor(base.OneProcess):
     return self.to_server(tree)
 
   def describe(self) -> str:
+    if self.layout is not None:
+      return f"simulated workers (θ sharded over {dict(self.layout.mesh.shape)})"
     return "simulated workers"
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
