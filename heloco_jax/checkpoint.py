@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from heloco_jax import sharding
+
 Meta = dict[str, Any]
 # The abstract state a checkpoint must hold, given its metadata (see ``restore``).
 Template = Callable[[Meta], Any]
@@ -81,11 +83,6 @@ def meta_checksum(meta: Meta) -> int:
   return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
-def _spread(leaf: Any) -> bool:
-  """A ``jax.Array`` over several devices: saved shard by shard, never gathered."""
-  return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
-
-
 @jax.jit
 def _fingerprint(x: jax.Array) -> jax.Array:
   """A position-weighted sum of ``x``'s bits, mod 2³² (integer adds: the same on any mesh).
@@ -121,7 +118,7 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
     ``_fingerprint``.
   """
   leaves, treedef = jax.tree.flatten(tree)
-  spread = [i for i, leaf in enumerate(leaves) if _spread(leaf)]
+  spread = [i for i, leaf in enumerate(leaves) if sharding.is_spread(leaf)]  # never gathered
   # One program for every fingerprint, once the run's own work is done: host CPU devices
   # run collectives on a small thread pool, and programs with collectives in flight at
   # once can wait on each other for ever (XLA's rendezvous then aborts the process).

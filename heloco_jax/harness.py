@@ -17,7 +17,6 @@ import math
 import re
 from typing import Any, Callable, Optional
 
-import jax
 import ml_collections
 
 from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, methods
@@ -110,22 +109,11 @@ def default_problem(config: ml_collections.ConfigDict,
   graphdef, params = model_lib.init(model_lib.config_from(config.model, data.vocab_size),
                                     config.seed)
   if config.model.sharding == "fsdp":
-    params = sharding.put_fsdp(params, fsdp_devices(config))
+    params = sharding.put_fsdp(params, runtime_factory(config).worker_devices(config.num_workers))
   evaluator = evaluate.Evaluator(functools.partial(model_lib.token_losses, graphdef),
                                  data.validation_tokens, data.validation_language_ids,
                                  data.languages)
   return Problem(data, functools.partial(model_lib.loss, graphdef), params, evaluator.as_metrics)
-
-
-def fsdp_devices(config: ml_collections.ConfigDict) -> list[Any]:
-  """The devices ``model.sharding=fsdp`` splits θ over: the first worker's group on
-  runtime=devices (every group takes its shape), else all of this process's."""
-  devices = jax.local_devices()
-  if config.runtime != "devices":
-    return devices
-  sizes = str(config.devices.group_sizes or "").split(",")
-  size = int(sizes[0]) if sizes[0].strip() else len(devices) // config.num_workers
-  return devices[:max(size, 1)]
 
 
 def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:

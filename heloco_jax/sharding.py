@@ -15,8 +15,9 @@ tree the run holds lives:
 Inside a jitted program ``Layout.constrain`` pins its outputs to that layout
 (``jax.lax.with_sharding_constraint``, so XLA partitions the program, cosines
 and norms included, and inserts the collectives); outside, ``Layout.put``
-moves a tree there device to device. Under ``vmap`` (synchronous rounds stack
-K workers on a leading axis) the stacked axis stays unsharded.
+moves a tree there device to device. K copies of θ stacked on a leading axis
+(a synchronous round's replicas, under ``vmap``) keep θ's specs with that
+axis unsharded, or split over ``Layout.stack_axis`` (a ``workers`` mesh axis).
 
 θ whose leaves each sit on one device (``jax.numpy`` arrays, NumPy arrays)
 has no layout (``layout_of`` returns None): the run is what it was, bit for bit.
@@ -32,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
-def _spread(leaf: Any) -> bool:
+def is_spread(leaf: Any) -> bool:
   """Whether ``leaf`` is a ``jax.Array`` over more than one device."""
   return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
 
@@ -45,7 +46,7 @@ def layout_of(params: Any) -> Optional["Layout"]:
       leaves on different meshes (the message names the leaf).
   """
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  if not any(_spread(leaf) for _, leaf in leaves):
+  if not any(is_spread(leaf) for _, leaf in leaves):
     return None
   mesh = None
   for path, leaf in leaves:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
+import jax
+
 from heloco_jax import inner as inner_lib
 from heloco_jax.runtime import base, simulated
 from heloco_jax.runtime.state import RunSpec
@@ -31,11 +33,14 @@ class RuntimeFactory:
     simulated_clock: whether the runtime's time is simulated.
     synchronies: the method synchronies it can run (``base.SYNCHRONIES``).
     multiprocess: it can span processes (``jax.distributed``).
+    worker_devices: ``K -> the devices one worker's θ spans`` (what a model
+      sharded for this runtime is split over: ``sharding.put_fsdp``).
   """
   build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
   simulated_clock: bool
   synchronies: frozenset[str] = base.SYNCHRONIES
   multiprocess: bool = False
+  worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
 
   def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return self.build(inner, spec)
@@ -54,7 +59,8 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None) -> RuntimeFactory
     del spec
     return base.Runtime(simulated.LocalExecutor(inner, devices), base.SimulatedClock,
                         simulated.simulated_arrivals)
-  return RuntimeFactory(build, simulated_clock=True)
+  return RuntimeFactory(build, simulated_clock=True,
+                        worker_devices=lambda k: list(devices or jax.local_devices()))
 
 
 def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = "",
@@ -74,7 +80,12 @@ def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = ""
                                    synchronous=spec.method.synchrony != "async")
     return base.Runtime(devices.DeviceExecutor(inner, groups), base.RealClock,
                         devices.device_arrivals)
-  return RuntimeFactory(build, simulated_clock=False, multiprocess=True)
+
+  def first_group(k: int) -> Sequence[Any]:  # every group takes θ's mesh's shape
+    from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
+    return devices.group_devices(k, batch_size, group_sizes, server, slowdown).groups[0]
+  return RuntimeFactory(build, simulated_clock=False, multiprocess=True,
+                        worker_devices=first_group)
 
 
 def ray_runtime(**options: Any) -> RuntimeFactory:
@@ -90,4 +101,9 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), base.RealClock,
                         ray.ray_arrivals)
-  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies)
+  def one_device(k: int) -> Sequence[Any]:
+    del k
+    raise ValueError("runtime=ray takes params on one device; allowed for sharded params: "
+                     "the simulated or devices runtime (docs/DESIGN.md, \"Scaling out\")")
+  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
+                        worker_devices=one_device)
