@@ -75,8 +75,11 @@ def to_host(rows: list[Row]) -> list[Row]:
 
 def _copy(tree: Any) -> Any:
   """New buffers with ``tree``'s values (the outer step donates the server's): one
-  transfer call for the whole tree, no compiled program per leaf shape."""
-  return jax.device_put(tree, may_alias=False)
+  transfer call for the whole tree, no compiled program per leaf shape. Arrays of other
+  processes' devices too (``jax.distributed``: copied where they are)."""
+  if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+    return jax.device_put(tree, may_alias=False)
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
 
 
 # The look-ahead point θ − η·μ·m as two compiled programs per tree structure (η·μ·m, then
@@ -134,10 +137,11 @@ class OuterServer:
     self._layout = layout
     self.outer_tx = outer_tx
     constrain = layout.constrain if layout is not None else _identity
-    # One compiled program each (not one small eager op per leaf): start-up time.
-    self.outer_state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(params))
-                        if outer_tx is not None else None)
     self.params = place(_copy(params))
+    # One compiled program (not one small eager op per leaf): start-up time. From the placed
+    # θ: across processes the user's θ may sit on other devices than the server's.
+    self.outer_state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self.params))
+                        if outer_tx is not None else None)
     self.lookahead = lookahead
     # The sub-states read at every dispatch and arrival, found once from the state's
     # structure (no method names); each is then indexed, not searched for.

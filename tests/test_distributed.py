@@ -31,14 +31,17 @@ def _rows(workdir, event="eval"):
     return [row for row in map(json.loads, f) if row["event"] == event]
 
 
-@pytest.mark.parametrize("method, num_workers", [
-    ("diloco", 2),   # a worker per process, its batch split over the process's 2 devices
-    ("palsgd", 4),   # 2 workers per process: the workers axis spans the processes
-    ("ddp", 4),
+@pytest.mark.parametrize("method, num_workers, extra", [
+    ("diloco", 2, []),  # a worker per process, its batch split over the process's 2 devices
+    ("palsgd", 4, []),  # 2 workers per process: the workers axis spans the processes
+    ("ddp", 4, []),
+    # θ FSDP-sharded over each worker's 2 devices (its process's); the replicas over workers
+    ("diloco", 2, ["--config.model.sharding=fsdp"]),
+    ("palsgd", 2, ["--config.model.sharding=fsdp"]),
 ])
-def test_two_process_run_equals_the_simulated_runtime(method, num_workers, tmp_path):
+def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra, tmp_path):
   args = [f"--config.method={method}", f"--config.num_workers={num_workers}",
-          "--config.budget.tokens=3072", *TINY]
+          "--config.budget.tokens=3072", *TINY, *extra]
   dist = tmp_path / "dist"
   # Pinned to the CPU: two processes cannot share one GPU (NCCL), and the reference
   # below runs there too, so that both sides compute on the same platform.

@@ -197,11 +197,11 @@ class DeviceExecutor(base.OneProcess):
     groups, the K replicas split over ``workers``. In one process."""
     mesh = self.layout.mesh
     sizes = [len(group) for group in self.groups.groups]
-    if any(size != mesh.size for size in sizes) or jax.process_count() > 1:
+    if any(size != mesh.size for size in sizes):
       raise DeviceConfigError(
           f"config.devices.group_sizes={sizes} is not allowed with params sharded over a mesh "
           f"of {mesh.size} devices {dict(mesh.shape)}; allowed: {mesh.size} devices per worker "
-          "(each group takes the mesh's shape), in one process")
+          "(each group takes the mesh's shape)")
     groups = [np.array(group).reshape(mesh.devices.shape) for group in self.groups.groups]
     self._workers = [self.layout.on(Mesh(group, mesh.axis_names)) for group in groups]
     self._inners = [self.inner.with_layout(layout) for layout in self._workers]
@@ -209,12 +209,17 @@ class DeviceExecutor(base.OneProcess):
     self._rounds = self.layout.on(self._round_mesh, stack_axis="workers")
     self.inner = self.inner.with_layout(self._rounds, spmd_axis_name="workers")
     self.synchronies = base.SYNCHRONIES
-    self.process_count, self.multiprocess = 1, False
+    self.process_count = jax.process_count()
+    self.multiprocess = self.process_count > 1
+    # Across processes (synchronous methods, SPMD) θ lives on the round mesh, θ's specs
+    # replicated over ``workers``, so that every process takes part in every program.
+    self._server_layout = self._rounds if self.multiprocess else self.layout
     self._round_delta = jax.jit(simulated.round_delta)
     self._by_worker = NamedSharding(self._round_mesh, P("workers"))
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
-    return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=self.layout,
+    layout = self._server_layout if self.layout is not None else None
+    return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=layout,
                                   **options)
 
   def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
@@ -241,6 +246,16 @@ class DeviceExecutor(base.OneProcess):
     if not self.multiprocess:
       return jax.device_put(tree, sharding)
     def put(x):
+      spread = isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+      owners = {d.process_index for d in x.sharding.device_set} if spread else set()
+      if len(owners) == 1 and x.sharding.device_set != sharding.device_set:
+        # One process's devices (a sharded θ on one worker's group, once, at the start):
+        # JAX moves it to other processes' devices only through the host; every process
+        # takes this branch alike.
+        owner = jax.process_index() in owners
+        value = np.asarray(x) if owner else np.zeros(x.shape, x.dtype)
+        return jax.device_put(
+            np.asarray(multihost_utils.broadcast_one_to_all(value, is_source=owner)), sharding)
       if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)  # already global: reshard
       if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -250,15 +265,21 @@ class DeviceExecutor(base.OneProcess):
     return jax.tree.map(put, tree)
 
   def to_server(self, tree: Any) -> Any:
-    if self.layout is not None:
-      return self.layout.put(tree)  # device to device, shard by shard
+    if self.layout is not None:  # device to device, shard by shard
+      return self._put_layout(tree, self._server_layout)
     return self._put(tree, self._server)
+
+  def _put_layout(self, tree: Any, layout: Any) -> Any:
+    """``tree`` where ``layout`` puts it (across processes, as ``_put`` moves values)."""
+    if not self.multiprocess:
+      return layout.put(tree)
+    return jax.tree.map(self._put, tree, layout.shardings(tree))
 
   def to_rounds(self, tree: Any) -> Any:
     """``tree`` replicated on the workers × data mesh (θ for the round's start states)."""
     self.require_round_mesh()
-    if self.layout is not None:
-      return self._rounds.put(tree)  # θ's specs, replicated over ``workers``
+    if self.layout is not None:  # θ's specs, replicated over ``workers``
+      return self._put_layout(tree, self._rounds)
     return self._put(tree, NamedSharding(self._round_mesh, P()))
 
   def to_host(self, x: Any) -> np.ndarray:
@@ -289,8 +310,8 @@ class DeviceExecutor(base.OneProcess):
     self.require_round_mesh()
     if self.layout is not None:
       return self.inner.run_many(
-          self._rounds.put(states), jax.device_put(batches, self._by_worker),
-          jax.device_put(keys, self._by_worker), None if anchor is None else self.to_rounds(anchor))
+          self.to_rounds(states), self._put(batches, self._by_worker),
+          self._put(keys, self._by_worker), None if anchor is None else self.to_rounds(anchor))
     by_worker = NamedSharding(self._round_mesh, P("workers"))
     return self.inner.run_many(
         self._put(states, by_worker),
@@ -300,8 +321,8 @@ class DeviceExecutor(base.OneProcess):
 
   def run_ddp(self, state, batches, key):
     if self.layout is not None:  # on the round mesh, θ's specs, the batch on every group
-      state, metrics = self.inner.run_jit(self._rounds.put(state), self._rounds.put(batches),
-                                          self._rounds.put(key))
+      state, metrics = self.inner.run_jit(self.to_rounds(state), self.to_rounds(batches),
+                                          self.to_rounds(key))
       return state, inner_lib.train_loss(metrics)
     replicated, split = self._ddp
     state, metrics = self.inner.run_jit(self._put(state, replicated), self._put(batches, split),
