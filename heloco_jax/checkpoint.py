@@ -119,12 +119,18 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
   """
   leaves, treedef = jax.tree.flatten(tree)
   spread = [i for i, leaf in enumerate(leaves) if sharding.is_spread(leaf)]  # never gathered
-  # One program for every fingerprint, once the run's own work is done: host CPU devices
-  # run collectives on a small thread pool, and programs with collectives in flight at
-  # once can wait on each other for ever (XLA's rendezvous then aborts the process).
+  # One program per device set (a worker's group, θ's mesh), one at a time, once the run's
+  # own work is done: host CPU devices run collectives on a small thread pool, and programs
+  # with collectives in flight at once can wait on each other for ever (XLA's rendezvous
+  # then aborts the process).
   jax.block_until_ready([leaves[i] for i in spread])
-  fingerprints = jax.device_get(dict(zip([f"leaf{i}" for i in spread],
-                                         _fingerprints([leaves[i] for i in spread]))))
+  by_devices: dict[frozenset, list[int]] = {}
+  for i in spread:
+    by_devices.setdefault(frozenset(leaves[i].sharding.device_set), []).append(i)
+  fingerprints = {}
+  for indices in by_devices.values():
+    values = jax.device_get(_fingerprints([leaves[i] for i in indices]))
+    fingerprints.update({f"leaf{i}": value for i, value in zip(indices, values)})
   host = jax.device_get([None if i in spread else leaf for i, leaf in enumerate(leaves)])
   groups: dict[str, list[np.ndarray]] = {}
   entries = []

@@ -134,7 +134,7 @@ class OuterServer:
                place: Callable[[Any], Any] = _identity,
                layout: Optional[sharding.Layout] = None):
     self._place = place
-    self._layout = layout
+    self.layout = layout
     self.outer_tx = outer_tx
     constrain = layout.constrain if layout is not None else _identity
     self.params = place(_copy(params))
@@ -162,7 +162,7 @@ class OuterServer:
   def get(self) -> tuple[Any, Any]:
     """(θ, outer state) on the host; sharded, where they are (a checkpoint writes them shard
     by shard)."""
-    if self._layout is not None:
+    if self.layout is not None:
       return self.params, self.outer_state
     return jax.device_get((self.params, self.outer_state))
 

@@ -203,6 +203,35 @@ def checkpoint_across_meshes(directory):
                                       for d in x.devices()})}
 
 
+def stopped_and_resumed_on_devices(workdir):
+  """Async HeLoCo on runtime=devices (workers on their own sub-meshes) stopped at its first
+  checkpoint, then resumed from it by a new engine on the same workdir."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+
+  def build():
+    return hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                          runtime=hj.devices_runtime(batch_size=8), eval_fn=evaluate,
+                          workdir=workdir, checkpoint_every=2, **options("heloco"))
+  engine = build()
+  try:
+    def stop(e):
+      e.directory.on_checkpoint(e)
+      e.request_stop("the test")
+    asyncio.run(engine.run(on_checkpoint=stop))
+  except hj.Stopped:
+    pass
+  finally:
+    engine.close()
+  engine = build()
+  try:
+    resumed_from = engine.resumed_from
+    summary = asyncio.run(engine.run())
+  finally:
+    engine.close()
+  return {"resumed_from": resumed_from, "outer_updates": summary["outer_updates"],
+          "losses": [summary["initial_val_loss"], summary["final_val_loss"]]}
+
+
 def evaluate(params):
   x = np.random.default_rng(99).normal(0.5, 1.0, (64, D_IN)).astype(np.float32)
   return loss_fn(params, (x, x @ W_TRUE))
@@ -220,7 +249,9 @@ def main(out, method=None, workdir=None):
     import tempfile  # pylint: disable=g-import-not-at-top
     with tempfile.TemporaryDirectory() as directory:
       saved = checkpoint_across_meshes(directory)
+      resumed = stopped_and_resumed_on_devices(os.path.join(directory, "run"))
     result = {"num_devices": jax.device_count(), "checkpoint": saved,
+              "devices_resumed": resumed,
               **{m: compare(m) for m in ("heloco", "diloco")},
               "devices_heloco": on_devices("heloco"), "devices_diloco": rounds_on_devices("diloco"),
               "devices_palsgd": rounds_on_devices("palsgd")}

@@ -122,6 +122,12 @@ def test_on_devices_each_worker_is_sharded_over_its_own_group_and_the_run_learns
   assert run["arrivals"] > 0 and run["losses"][1] < 0.2 * run["losses"][0]
 
 
+def test_an_async_run_on_devices_stopped_at_a_checkpoint_resumes_and_learns(probe):
+  run = probe["devices_resumed"]
+  assert run["resumed_from"] == 2 and run["outer_updates"] == 12  # its whole budget
+  assert run["losses"][1] < 0.2 * run["losses"][0]
+
+
 @pytest.mark.parametrize("method", ["diloco", "palsgd"])
 def test_rounds_on_devices_split_the_replicas_over_workers_and_equal_the_simulated_run(
     probe, method):

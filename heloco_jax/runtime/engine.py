@@ -140,8 +140,8 @@ class Engine:
 
   @property
   def layout(self) -> Any:
-    """θ's ``heloco_jax.sharding.Layout`` (None: θ is not sharded)."""
-    return self._run.executor.inner.layout
+    """The server's θ layout (``heloco_jax.sharding.Layout``; None: θ is not sharded)."""
+    return self._run.server.layout
 
   @property
   def outer_state(self) -> Any:

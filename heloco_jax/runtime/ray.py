@@ -107,6 +107,8 @@ class WorkerActor:
 class RayServer:
   """The engine's handle on the parameter-server actor (``OuterServer``'s interface)."""
 
+  layout = None  # θ on one device (sharded θ is refused: docs/DESIGN.md, "Scaling out")
+
   def __init__(self, actor: Any):
     self.actor = actor
     self._ray = import_ray()
