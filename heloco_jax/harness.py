@@ -17,7 +17,9 @@ import math
 import re
 from typing import Any, Callable, Optional
 
+import jax
 import ml_collections
+import numpy as np
 
 from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, methods
 from heloco_jax import model as model_lib, sharding
@@ -108,12 +110,28 @@ def default_problem(config: ml_collections.ConfigDict,
   data = dataset or make_dataset(config)
   graphdef, params = model_lib.init(model_lib.config_from(config.model, data.vocab_size),
                                     config.seed)
-  if config.model.sharding == "fsdp":
-    params = sharding.put_fsdp(params, runtime_factory(config).worker_devices(config.num_workers))
+  if config.model.sharding != "none":
+    params = _shard(params, config)
   evaluator = evaluate.Evaluator(functools.partial(model_lib.token_losses, graphdef),
                                  data.validation_tokens, data.validation_language_ids,
                                  data.languages)
   return Problem(data, functools.partial(model_lib.loss, graphdef), params, evaluator.as_metrics)
+
+
+def _shard(params: Any, config: ml_collections.ConfigDict) -> Any:
+  """θ placed as ``model.sharding`` says, over the devices one worker's θ spans."""
+  devices = runtime_factory(config).worker_devices(config.num_workers)
+  if config.model.sharding == "fsdp":
+    return sharding.put_fsdp(params, devices)
+  tp = config.model.tensor_parallel
+  if len(devices) % tp:
+    raise ValueError(f"config.model.tensor_parallel={tp} is not allowed; allowed: a divisor "
+                     f"of the {len(devices)} device(s) θ spans")
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("fsdp", "tp"))
+  fsdp = mesh.shape["fsdp"]
+  specs = sharding.specs_by_path(params, model_lib.TENSOR_PARALLEL_RULES, mesh,
+                                 default=lambda leaf: sharding.fsdp_specs(leaf, "fsdp", fsdp))
+  return sharding.put(params, mesh, specs)
 
 
 def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:

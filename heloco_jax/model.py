@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 BYTE_VOCAB_SIZE = 257  # 256 bytes + BOS (heloco_jax.data.BOS_ID = 256)
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -143,6 +144,16 @@ class GPT(nnx.Module):
     for block in self.blocks:
       x = block(x)
     return self.head(self.ln_f(x))
+
+
+# Megatron-style tensor parallelism of the blocks' matrices over a ``tp`` mesh axis (column-
+# parallel qkv and up, row-parallel attention output and down), FSDP over ``fsdp`` on their
+# other dimension; ``heloco_jax.sharding.specs_by_path`` rules. The embedding and the head
+# (a vocabulary of any size, e.g. 257) are left to FSDP.
+TENSOR_PARALLEL_RULES = (
+    (r"(qkv|up)/kernel$", P("fsdp", "tp")), (r"up/bias$", P("tp")),
+    (r"(attn/out|down)/kernel$", P("tp", "fsdp")),
+)
 
 
 def init(config: ModelConfig, seed: int) -> tuple[nnx.GraphDef, dict]:

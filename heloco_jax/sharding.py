@@ -26,7 +26,8 @@ has no layout (``layout_of`` returns None): the run is what it was, bit for bit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import re
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -79,10 +80,39 @@ def fsdp_specs(params: Any, axis: str, size: int) -> Any:
   return jax.tree.map(spec, params)
 
 
+def specs_by_path(params: Any, rules: Sequence[tuple[str, P]], mesh: Mesh,
+                  default: Optional[Callable[[Any], P]] = None) -> Any:
+  """Partition specs by parameter path: each leaf takes the spec of the first rule whose
+  regular expression is found in its path (``"blocks/0/up/kernel"``), else ``default(leaf)``
+  (None: replicated).
+
+  Raises:
+    ValueError: a rule's spec does not divide its leaf's shape on ``mesh`` (names the leaf).
+  """
+  def spec(path: Any, leaf: Any) -> P:
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    for pattern, rule in rules:
+      if re.search(pattern, name):
+        for size, axis in zip(_shape(leaf), rule):
+          ways = int(np.prod([mesh.shape[a] for a in
+                              ((axis,) if isinstance(axis, str) else axis or ())]))
+          if size % ways:
+            raise ValueError(f"the sharding rule {pattern!r} -> {rule} does not fit the leaf "
+                             f"{name!r} of shape {_shape(leaf)} on mesh {dict(mesh.shape)}; "
+                             "allowed: dimensions the mesh axes divide")
+        return rule
+    return default(leaf) if default is not None else P()
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
 def put_fsdp(params: Any, devices: Any, axis: str = "fsdp") -> Any:
   """``params`` FSDP-sharded (``fsdp_specs``) over a one-axis mesh of ``devices``."""
   mesh = Mesh(np.array(list(devices)), (axis,))
-  specs = fsdp_specs(params, axis, mesh.size)
+  return put(params, mesh, fsdp_specs(params, axis, mesh.size))
+
+
+def put(params: Any, mesh: Mesh, specs: Any) -> Any:
+  """``params`` placed on ``mesh`` with ``specs`` (a tree of ``PartitionSpec``s)."""
   return jax.device_put(params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
 
 

@@ -161,9 +161,12 @@ KEYS: tuple[Key, ...] = (
         "attention heads per block"),
     Key("model.context", 128, integer(1, 1 << 20),
         "tokens per training sequence (learned positions)"),
-    Key("model.sharding", "none", one_of(("none", "fsdp")),
+    Key("model.sharding", "none", one_of(("none", "fsdp", "fsdp_tp")),
         "fsdp: θ and every copy of it split over the devices (simulated: all of this "
-        "process's; devices: each worker's group), docs/DESIGN.md 'Scaling out'"),
+        "process's; devices: each worker's group); fsdp_tp: also tensor parallel over "
+        "model.tensor_parallel of them; docs/DESIGN.md 'Scaling out'"),
+    Key("model.tensor_parallel", 2, integer(1, note=" that divides the devices θ spans"),
+        "the tp axis's size with model.sharding=fsdp_tp"),
     Key("model.compute_dtype", "float32", one_of(model.COMPUTE_DTYPES),
         "dtype of matmuls and activations; parameters, optimizer states, pseudo-gradients "
         "and the outer step stay float32"),
