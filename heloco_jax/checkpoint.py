@@ -119,6 +119,7 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
   """
   leaves, treedef = jax.tree.flatten(tree)
   spread = [i for i, leaf in enumerate(leaves) if sharding.is_spread(leaf)]  # never gathered
+  kept = set(spread)
   # One program per device set (a worker's group, θ's mesh), one at a time, once the run's
   # own work is done: host CPU devices run collectives on a small thread pool, and programs
   # with collectives in flight at once can wait on each other for ever (XLA's rendezvous
@@ -131,11 +132,11 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
   for indices in by_devices.values():
     values = jax.device_get(_fingerprints([leaves[i] for i in indices]))
     fingerprints.update({f"leaf{i}": value for i, value in zip(indices, values)})
-  host = jax.device_get([None if i in spread else leaf for i, leaf in enumerate(leaves)])
+  host = jax.device_get([None if i in kept else leaf for i, leaf in enumerate(leaves)])
   groups: dict[str, list[np.ndarray]] = {}
   entries = []
   for i, leaf in enumerate(leaves):
-    if i in spread:
+    if i in kept:
       entries.append([jnp.dtype(leaf.dtype).name, list(leaf.shape), "sharded"])
       continue
     leaf = np.asarray(host[i])

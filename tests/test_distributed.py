@@ -26,6 +26,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def run_processes(commands, env=None, timeout=300):
+  """Runs ``commands`` (one per jax.distributed process) at once; (return codes, outputs)."""
+  procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for command in commands]
+  try:
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [p.returncode for p in procs], outputs
+
+
 def _rows(workdir, event="eval"):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [row for row in map(json.loads, f) if row["event"] == event]
@@ -50,15 +62,9 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
   common = [sys.executable, "-m", "heloco_jax.train", f"--workdir={dist}", *args,
             "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
             "--config.distributed.num_processes=2"]
-  procs = [subprocess.Popen([*common, f"--config.distributed.process_id={i}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  try:
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert [p.returncode for p in procs] == [0, 0], outputs
+  codes, outputs = run_processes(
+      [[*common, f"--config.distributed.process_id={i}"] for i in range(2)], env)
+  assert codes == [0, 0], outputs
   assert "workers on devices (" in outputs[0] and "done:" in outputs[0]
 
   subprocess.run([sys.executable, "-m", "heloco_jax.train", f"--workdir={tmp_path / 'simulated'}",

@@ -16,6 +16,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+import test_distributed
 from heloco_jax import sharding
 
 pytestmark = pytest.mark.xdist_group("sharding_probe")
@@ -144,22 +145,13 @@ def test_two_processes_checkpoint_their_own_shards_and_restore_onto_two_meshes(t
   """jax.distributed on loopback, 2 processes × 4 host CPU devices (tests/
   multiprocess_checkpoint_probe.py): orbax writes each process's shards; restored onto the
   8-device mesh and onto a 4 × 2 one, the values equal what was saved."""
-  import socket  # pylint: disable=g-import-not-at-top
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
   probe = os.path.join(os.path.dirname(PROBE), "multiprocess_checkpoint_probe.py")
   out = tmp_path / "out.json"
-  procs = [subprocess.Popen([sys.executable, probe, f"127.0.0.1:{port}", str(i),
-                             str(tmp_path / "checkpoints"), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  try:
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outputs]
+  coordinator = f"127.0.0.1:{test_distributed._free_port()}"
+  codes, outputs = test_distributed.run_processes(
+      [[sys.executable, probe, coordinator, str(i), str(tmp_path / "checkpoints"), str(out)]
+       for i in range(2)])
+  assert codes == [0, 0], [o[-2000:] for o in outputs]
   with open(out) as f:
     result = json.load(f)
   for mesh in ("same", "other"):

@@ -103,7 +103,6 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
                         ray.ray_arrivals)
   def one_device(k: int) -> Sequence[Any]:
     del k
-    raise ValueError("runtime=ray takes params on one device; allowed for sharded params: "
-                     "the simulated or devices runtime (docs/DESIGN.md, \"Scaling out\")")
+    raise ValueError(ray.SHARDED_PARAMS_REFUSED)
   return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
                         worker_devices=one_device)

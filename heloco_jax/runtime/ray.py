@@ -213,6 +213,10 @@ def _check_reachable(address: str) -> None:
         "instance") from None
 
 
+SHARDED_PARAMS_REFUSED = ("runtime=ray takes params on one device; allowed for sharded params: "
+                          "the simulated or devices runtime (docs/DESIGN.md, \"Scaling out\")")
+
+
 def _check_local_instance_authenticated() -> None:
   """A ValueError in one line when a local instance would run without Ray's token
   authentication: its servers listen on every network interface (Ray 2.60 has no
@@ -242,8 +246,7 @@ class RayExecutor(base.OneProcess):
   def __init__(self, inner: inner_lib.InnerLoop, num_workers: int,
                options: RayOptions = RayOptions()):
     if inner.layout is not None:
-      raise ValueError("runtime=ray takes params on one device; allowed for sharded params: "
-                       "the simulated or devices runtime (docs/DESIGN.md, \"Scaling out\")")
+      raise ValueError(SHARDED_PARAMS_REFUSED)
     self.inner = inner
     self.concurrency = num_workers
     ray = self._ray = import_ray()
