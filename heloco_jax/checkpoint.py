@@ -113,9 +113,9 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
     ``{dtype name: 1-D array}`` plus ``{"leafI": jax.Array}`` for each leaf I
     spread over several devices (orbax writes those shard by shard, each
     process its own), and the layout: the tree structure (as text, for
-    checking), each leaf's ``[dtype, shape]`` (``[dtype, shape, "sharded"]``
-    for a spread one), each packed array's CRC32 and each spread leaf's
-    ``_fingerprint``.
+    checking), each leaf's ``[dtype, shape]`` (``[dtype, shape, "sharded",
+    where]`` for a spread one: ``_where``), each packed array's CRC32 and each
+    spread leaf's ``_fingerprint``.
   """
   leaves, treedef = jax.tree.flatten(tree)
   spread = [i for i, leaf in enumerate(leaves) if sharding.is_spread(leaf)]  # never gathered
@@ -137,7 +137,8 @@ def pack(tree: Any) -> tuple[dict[str, Any], Meta]:
   entries = []
   for i, leaf in enumerate(leaves):
     if i in kept:
-      entries.append([jnp.dtype(leaf.dtype).name, list(leaf.shape), "sharded"])
+      entries.append([jnp.dtype(leaf.dtype).name, list(leaf.shape), "sharded",
+                      _where(leaf.sharding)])
       continue
     leaf = np.asarray(host[i])
     groups.setdefault(leaf.dtype.name, []).append(leaf.ravel())
@@ -312,8 +313,8 @@ class Checkpointer:
 
 def _packed_shapes(layout: Meta, template: Any) -> dict[str, jax.ShapeDtypeStruct]:
   """The packed arrays' abstract shapes, from the layout; a sharded leaf's with the sharding
-  of ``template``'s leaf (restored onto it shard by shard: another mesh shape works too), or
-  on one device when that has none."""
+  of ``template``'s leaf (restored onto it shard by shard: another mesh shape works too), or,
+  when that has none, the one it was saved with (``_sharding_at``)."""
   sizes: dict[str, int] = {}
   shapes: dict[str, jax.ShapeDtypeStruct] = {}
   targets = jax.tree.leaves(template)
@@ -322,9 +323,33 @@ def _packed_shapes(layout: Meta, template: Any) -> dict[str, jax.ShapeDtypeStruc
       target = getattr(targets[i], "sharding", None) if i < len(targets) else None
       shapes[f"leaf{i}"] = jax.ShapeDtypeStruct(
           tuple(shape), jnp.dtype(name),
-          sharding=target or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+          sharding=target or _sharding_at(sharded[1:]))
       continue
     sizes[name] = sizes.get(name, 0) + int(np.prod(shape, dtype=np.int64))
   shapes.update({name: jax.ShapeDtypeStruct((size,), jnp.dtype(name))
                  for name, size in sizes.items()})
   return shapes
+
+
+def _where(sharding: jax.sharding.Sharding) -> Optional[Meta]:
+  """A ``NamedSharding`` as JSON (its mesh's device ids, shape and axis names, and its
+  spec), for ``_sharding_at``; None for another kind."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  spec = [list(axis) if isinstance(axis, tuple) else axis for axis in sharding.spec]
+  return {"devices": [int(d.id) for d in sharding.mesh.devices.flat],
+          "mesh": dict(sharding.mesh.shape), "spec": spec}
+
+
+def _sharding_at(where: list) -> jax.sharding.Sharding:
+  """The sharding a spread leaf was saved with (``_where``) when this process sees those
+  devices (a run resumed where it ran: with ``jax.distributed``, devices of other processes
+  too); else the first device (a checkpoint of an older version, or of other devices)."""
+  devices = {d.id: d for d in jax.devices()}
+  saved = where[0] if where else None
+  if not saved or any(i not in devices for i in saved["devices"]):
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  mesh = jax.sharding.Mesh(np.array([devices[i] for i in saved["devices"]]).reshape(
+      tuple(saved["mesh"].values())), tuple(saved["mesh"]))
+  spec = [tuple(axis) if isinstance(axis, list) else axis for axis in saved["spec"]]
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))

@@ -174,3 +174,87 @@ class Layout:
   def put(self, tree: Any) -> Any:
     """``tree`` moved to its layout (device to device; host values are copied there)."""
     return jax.device_put(tree, self.shardings(tree))
+
+  def from_host(self, tree: Any) -> Any:
+    """``tree`` (arrays, or ``HostShards`` from another process) placed on its layout."""
+    return from_host(tree, self.shardings(tree))
+
+  @property
+  def recipe(self) -> tuple[Any, dict[str, int], tuple[tuple[int, ...], ...]]:
+    """(specs, mesh axis sizes, shapes): the layout without its devices, for another process
+    to rebuild on its own (``layout_on``)."""
+    return self.specs, dict(self.mesh.shape), self.shapes
+
+
+def layout_on(specs: Any, mesh_shape: dict[str, int], shapes: tuple[tuple[int, ...], ...],
+              devices: Sequence[jax.Device]) -> Layout:
+  """θ's specs on a mesh of the first of ``devices`` with ``mesh_shape``'s axis names and
+  sizes: a ``Layout.recipe`` rebuilt in another process (a Ray actor).
+
+  Raises:
+    ValueError: fewer devices than the mesh needs (one line).
+  """
+  size = int(np.prod(list(mesh_shape.values()), dtype=np.int64))
+  if len(devices) < size:
+    raise ValueError(f"params sharded over a mesh {mesh_shape} of {size} devices need {size} "
+                     f"devices in every process that holds a copy; this one has "
+                     f"{len(devices)}; allowed: give each Ray actor as many (ray.gpus_per_worker, "
+                     "ray.server_gpus, or XLA_FLAGS on CPU)")
+  mesh = Mesh(np.array(list(devices)[:size]).reshape(tuple(mesh_shape.values())),
+              tuple(mesh_shape))
+  return Layout(specs, mesh, shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostShards:
+  """A spread array as its distinct shards on the host: how it crosses between processes
+  that share no devices (Ray actors). Each shard travels once; where the receiving mesh
+  splits it alike, no whole copy is ever made.
+
+  Attributes:
+    shape: the array's shape.
+    dtype: its dtype.
+    shards: ``((start, stop) per dimension, values)`` for each distinct shard.
+  """
+  shape: tuple[int, ...]
+  dtype: Any
+  shards: tuple[tuple[tuple[tuple[int, int], ...], np.ndarray], ...]
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+  return tuple(part.indices(size)[:2] for part, size in zip(index, shape))
+
+
+def to_host(tree: Any) -> Any:
+  """``tree`` on the host: spread arrays as ``HostShards``, others as NumPy values."""
+  def get(x: Any) -> Any:
+    if not is_spread(x):
+      return jax.device_get(x)
+    distinct: dict[tuple[tuple[int, int], ...], Any] = {}
+    for shard in x.addressable_shards:
+      distinct.setdefault(_bounds(shard.index, x.shape), shard.data)
+    values = jax.device_get(list(distinct.values()))
+    return HostShards(tuple(x.shape), x.dtype, tuple(zip(distinct, map(np.asarray, values))))
+  return jax.tree.map(get, tree)
+
+
+def from_host(tree: Any, shardings: Any) -> Any:
+  """``tree`` (arrays or ``HostShards``) placed with ``shardings``, shard by shard."""
+  def put(x: Any, where: jax.sharding.Sharding) -> Any:
+    if not isinstance(x, HostShards):
+      return jax.device_put(x, where)
+    pieces = dict(x.shards)
+    whole: list[np.ndarray] = []
+
+    def piece(index: tuple[slice, ...]) -> np.ndarray:
+      bounds = _bounds(index, x.shape)
+      if bounds in pieces:
+        return pieces[bounds]
+      if not whole:  # split otherwise than the sender's mesh: assembled once, on the host
+        full = np.empty(x.shape, x.dtype)
+        for part, values in x.shards:
+          full[tuple(slice(*b) for b in part)] = values
+        whole.append(full)
+      return whole[0][index]
+    return jax.make_array_from_callback(x.shape, where, piece)
+  return jax.tree.map(put, tree, shardings)

@@ -301,10 +301,6 @@ def _main(argv: list[str]) -> int:
                           else compilation_cache)
   except ValueError as error:  # safe_files.LinkError
     return _error(f"--compilation_cache: {error}")
-  if config.distributed.coordinator:
-    import jax  # pylint: disable=g-import-not-at-top
-    if jax.process_index() > 0:  # process 0 writes the workdir
-      workdir = os.path.join(workdir, f"process_{jax.process_index()}")
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
   directory = api.Workdir(workdir, keep_checkpoints=config.keep_checkpoints,
@@ -323,6 +319,7 @@ def _main(argv: list[str]) -> int:
     return _error(f"cannot resume: {error.strerror or error}")
   except ValueError as error:  # e.g. a corpus too small for the validation set
     return _error(str(error).splitlines()[0])
+  workdir = engine.directory.path  # process i > 0 of a jax.distributed run: DIR/process_i
   for note in engine.workdir_notes:
     print(f"heloco-jax train: {note}", file=sys.stderr)
   for warning in caught:  # anything else a library warned about while building

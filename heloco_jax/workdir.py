@@ -16,7 +16,13 @@ resumable, for the CLI and for ``hj.simulate(workdir=...)`` alike:
     ``flock`` and its owner's pid and host. A second process is refused in
     one line naming them; a lock its owner left behind (the process died) is
     taken over with a warning. ``metrics.jsonl`` is opened for appending
-    only, so no write can land past its end and leave a hole.
+    only, so no write can land past its end and leave a hole;
+  * the processes of a ``jax.distributed`` run all name the same ``DIR``:
+    process 0 owns it, process i > 0 writes its copy of the rows in
+    ``DIR/process_i``, and the checkpoints are one, ``DIR/checkpoints``, each
+    process writing its own shards; a checkpoint records every process's
+    place in its own ``metrics.jsonl``, and one refused by any process is
+    refused by all (docs/DESIGN.md, "Scaling out").
 
 Rows and the summary are standard JSON: a NaN or ±Inf float is written as
 null.
@@ -34,6 +40,10 @@ import uuid
 import warnings
 from typing import Any, Callable, Optional
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from heloco_jax import checkpoint, safe_files
 
 Row = dict[str, Any]
@@ -43,6 +53,9 @@ Row = dict[str, Any]
 # (no link in them); docs/DESIGN.md, "What a workdir trusts".
 RUN_FILES = ("lock", "config.json", "metrics.jsonl", "summary.json", "run_id")
 RUN_DIRS = ("checkpoints", "tensorboard", "plots")
+# Config keys that say where a run's processes meet, not what they compute: a resumed
+# jax.distributed run may take another coordinator address (docs/DESIGN.md, "Scaling out").
+MAY_CHANGE_ON_RESUME = ("distributed.coordinator",)
 
 
 class WorkdirError(ValueError):
@@ -179,21 +192,41 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
   return out
 
 
+def _every_process(values: Any) -> np.ndarray:
+  """``values`` (equal shapes on every process) stacked over the ``jax.distributed``
+  processes, in process order; ``values[None]`` in a run of one process."""
+  values = np.asarray(values)
+  if jax.process_count() == 1:
+    return values[None]
+  return np.asarray(multihost_utils.process_allgather(values))
+
+
+def _run_id_of_process_0(run_id: Optional[str]) -> Optional[str]:
+  """Process 0's run id on every process (a run of several processes has one id)."""
+  if jax.process_count() == 1:
+    return run_id
+  text = np.frombuffer((run_id or "").ljust(32).encode(), np.uint8)
+  return bytes(multihost_utils.broadcast_one_to_all(text)).decode().strip() or None
+
+
 def config_differences(old: dict, new: dict) -> list[str]:
-  """The keys whose values differ between two configs as JSON, as 'key (old -> new)'."""
+  """The keys whose values differ between two configs as JSON, as 'key (old -> new)'
+  (``MAY_CHANGE_ON_RESUME`` aside)."""
   old, new = _flatten(old), _flatten(new)
   missing = object()
   def show(value):
     return "absent" if value is missing else json.dumps(value)
   return [f"{key} ({show(old.get(key, missing))} -> {show(new.get(key, missing))})"
-          for key in sorted(set(old) | set(new)) if old.get(key, missing) != new.get(key, missing)]
+          for key in sorted(set(old) | set(new))
+          if old.get(key, missing) != new.get(key, missing) and key not in MAY_CHANGE_ON_RESUME]
 
 
 class RunDirectory:
   """The files of one run in ``path``.
 
   Args:
-    path: the workdir (created if missing).
+    path: the workdir (created if missing); in a ``jax.distributed`` run the
+      same on every process (process i > 0 writes in ``path/process_i``).
     config_json: the run's config as JSON text (written to config.json).
     checkpoint_every: > 0 writes checkpoints.
     keep_checkpoints: how many of the newest checkpoints to keep.
@@ -208,7 +241,8 @@ class RunDirectory:
   def __init__(self, path: str, config_json: str, checkpoint_every: int,
                keep_checkpoints: int = 3, allow_config_change: bool = False,
                flag: str = "--workdir"):
-    self.path = path
+    self.process = jax.process_index()
+    self.path = path if self.process == 0 else os.path.join(path, f"process_{self.process}")
     self._config_json = config_json
     try:  # nothing the run writes may go through a link
       for name in RUN_FILES:
@@ -221,17 +255,17 @@ class RunDirectory:
     if os.path.exists(self._file("summary.json")):
       raise WorkdirError(f"{flag}={path!r} already holds a finished run (summary.json); "
                          "allowed: a new directory, or one holding an unfinished run to resume.")
-    checkpoints_dir = self._file("checkpoints")
+    checkpoints_dir = os.path.join(path, "checkpoints")  # one for every process
     self.checkpointer: Optional[checkpoint.Checkpointer] = None
     self.lock: Optional[WorkdirLock] = None
     self._metrics = None
     self.rows_written = 0
     try:
-      os.makedirs(path, exist_ok=True)
-      self.lock = WorkdirLock(self._file("lock"), flag, path)
+      os.makedirs(self.path, exist_ok=True)
+      self.lock = WorkdirLock(self._file("lock"), flag, self.path)
       if checkpoint_every > 0 or os.path.isdir(checkpoints_dir):
         self.checkpointer = checkpoint.Checkpointer(checkpoints_dir, keep=keep_checkpoints)
-      self.run_id = self._run_id()
+      self.run_id = _run_id_of_process_0(self._run_id())
       if self.checkpointer is not None and self.checkpointer.steps():
         if not os.path.exists(self._file("config.json")):
           raise WorkdirError(f"{checkpoints_dir} holds checkpoints but "
@@ -306,7 +340,7 @@ class RunDirectory:
       engine.load_state(restored[1], restored[2])
       newer = [step for step in self.checkpointer.steps() if step > restored[0]]
       if newer:
-        rows = restored[2]["metrics"]["rows"]
+        rows = self._position(restored[2])[1]
         with open(path, "rb") as f:
           dropped = max(0, f.read().count(b"\n") - rows)
         notes.append(f"warning: resuming from checkpoint {restored[0]} drops checkpoint"
@@ -336,12 +370,19 @@ class RunDirectory:
 
   def _covered(self, meta: dict) -> Optional[str]:
     """Why the run cannot continue from a checkpoint with ``meta`` (None: it can): another
-    run's checkpoint, or one whose rows metrics.jsonl no longer holds."""
+    run's checkpoint, or one whose rows some process's metrics.jsonl no longer holds."""
+    reason = self._covered_here(meta)
+    refused = _every_process(reason is not None)
+    if reason is None and refused.any():  # every process resumes from the same checkpoint
+      reason = f"process {int(np.argmax(refused))} cannot resume from it"
+    return reason
+
+  def _covered_here(self, meta: dict) -> Optional[str]:
     if meta.get("run_id") != self.run_id:
       return (f"it belongs to another run (run id {meta.get('run_id')}, this workdir's "
               f"{self.run_id}): checkpoints copied from another workdir are not resumed")
     path = self._file("metrics.jsonl")
-    size, rows = meta["metrics"]["bytes"], meta["metrics"]["rows"]
+    size, rows = self._position(meta)
     if not os.path.isfile(path) or os.path.getsize(path) < size:
       have = os.path.getsize(path) if os.path.isfile(path) else 0
       return (f"metrics.jsonl holds {have} bytes, fewer than the {size} bytes ({rows} rows) "
@@ -351,10 +392,20 @@ class RunDirectory:
         return f"metrics.jsonl's first {size} bytes do not hold the {rows} rows it recorded"
     return None
 
+  def _position(self, meta: Optional[dict]) -> tuple[int, int]:
+    """(bytes, rows) of this process's metrics.jsonl when the checkpoint ``meta`` was saved."""
+    if meta is None:
+      return 0, 0
+    metrics = meta["metrics"]
+    if "processes" in metrics:
+      size, rows = metrics["processes"][self.process]
+      return size, rows
+    return metrics["bytes"], metrics["rows"]
+
   def _open_metrics(self, meta: Optional[dict]) -> None:
     """metrics.jsonl for appending: emptied for a new run, cut back to the checkpoint's rows."""
     path = self._file("metrics.jsonl")
-    size, rows = (0, 0) if meta is None else (meta["metrics"]["bytes"], meta["metrics"]["rows"])
+    size, rows = self._position(meta)
     safe_files.truncate(path, size)  # created if missing; cut back to what the checkpoint saw
     # Append-only: every write lands at the end of the file, wherever it is.
     self._metrics, self.rows_written = safe_files.open_append(path), rows
@@ -375,7 +426,10 @@ class RunDirectory:
     self.lock.check()
     os.fsync(self._metrics.fileno())
     arrays, meta = engine.checkpoint_state()
-    meta["metrics"] = {"bytes": self._metrics.tell(), "rows": self.rows_written}
+    positions = _every_process([self._metrics.tell(), self.rows_written]).tolist()
+    meta["metrics"] = {"bytes": positions[0][0], "rows": positions[0][1]}
+    if len(positions) > 1:  # process 0 writes the metadata: where each process's rows end
+      meta["metrics"]["processes"] = positions
     meta["run_id"] = self.run_id
     self.checkpointer.save(engine.version, arrays, meta)
 

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -82,3 +83,53 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
                              [r["train_loss"] for r in trained[1]], rtol=2e-3)
   summary = json.loads((dist / "summary.json").read_text())
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3
+
+
+def _start(workdir, args, env):
+  """The 2 processes of a jax.distributed run of ``args`` in ``workdir``, started."""
+  common = [sys.executable, "-m", "heloco_jax.train", f"--workdir={workdir}", *args,
+            "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
+            "--config.distributed.num_processes=2"]
+  return [[*common, f"--config.distributed.process_id={i}"] for i in range(2)]
+
+
+@pytest.mark.parametrize("method, extra", [
+    ("palsgd", ["--config.model.sharding=fsdp"]),  # DDP warm-up, then rounds; θ FSDP-sharded
+    pytest.param("diloco", [], marks=pytest.mark.slow),  # θ replicated, replicas over workers
+])
+def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, extra, tmp_path):
+  """Both processes SIGKILLed once the first checkpoint is complete (each process wrote its
+  shards into DIR/checkpoints); the same commands, on another coordinator port, resume it
+  and end with the uninterrupted run's rows, on process 0 and in process 1's copy."""
+  args = [f"--config.method={method}", "--config.num_workers=2", "--config.budget.tokens=3072",
+          *TINY[:-1], "--config.checkpoint_every=4", *extra]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
+  codes, outputs = run_processes(_start(tmp_path / "whole", args, env), env)
+  assert codes == [0, 0], outputs
+
+  killed = tmp_path / "killed"
+  procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL) for command in _start(killed, args, env)]
+  try:
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoints" / "4" / "commit_success.txt").exists():
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.05)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  assert not (killed / "summary.json").exists()  # stopped mid-run
+  codes, outputs = run_processes(_start(killed, args, env), env)
+  assert codes == [0, 0], outputs
+  assert all("resuming from checkpoint" in output for output in outputs), outputs
+
+  def rows(path):
+    return [(r["event"], r["tokens"], r.get("val_loss"), r.get("train_loss"))
+            for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
+            if r["event"] in ("eval", "train")]
+  whole = rows(tmp_path / "whole")
+  assert len(whole) > 8
+  assert rows(killed) == whole
+  assert rows(killed / "process_1") == whole

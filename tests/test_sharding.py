@@ -190,9 +190,59 @@ def test_the_cli_gpt_sharded_over_4_devices_ends_as_the_unsharded_run(tmp_path):
   assert (tmp_path / "fsdp" / "checkpoints").is_dir()  # a sharded checkpoint was written
 
 
-def test_ray_with_the_cli_gpt_sharded_is_refused_in_one_line(tmp_path):
+RAY_SHARDED = ["--config.model.sharding=fsdp", "--config.runtime=ray", "--config.ray.num_cpus=2",
+               "--config.num_workers=1", "--config.budget.tokens=3000",
+               "--config.checkpoint_every=5", "--config.eval_every_tokens=512"]
+
+
+def _eval_losses(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [row["val_loss"] for row in map(json.loads, f) if row["event"] == "eval"]
+
+
+def test_the_cli_gpt_sharded_on_ray_actors_equals_the_sharded_simulated_run(tmp_path):
+  """HeLoCo with θ FSDP-sharded over 4 devices in the driver, in the server actor and in the
+  worker actor (one worker: the arrival order is the simulated one) gives the sharded
+  simulated run's evaluations bit for bit; checkpoints are written (by the driver, from θ's
+  shards)."""
   pytest.importorskip("ray")
-  out = _cli(tmp_path, "--config.model.sharding=fsdp", "--config.runtime=ray")
-  assert out.returncode == 2, out.stderr[-3000:]
-  last = out.stderr.strip().splitlines()[-1]
-  assert "runtime=ray takes params on one device" in last and "Traceback" not in out.stderr
+  ray_run = _cli(tmp_path / "ray", *RAY_SHARDED)
+  assert ray_run.returncode == 0, ray_run.stderr[-3000:]
+  assert "θ sharded over {'fsdp': 4} in each actor" in ray_run.stderr
+  simulated = _cli(tmp_path / "simulated", RAY_SHARDED[0], *RAY_SHARDED[3:])
+  assert simulated.returncode == 0, simulated.stderr[-3000:]
+  ray_losses, simulated_losses = _eval_losses(tmp_path / "ray"), _eval_losses(tmp_path / "simulated")
+  assert len(ray_losses) == len(simulated_losses) > 3
+  assert ray_losses == simulated_losses  # the same programs on a mesh of the same shape
+  assert ray_losses[-1] < ray_losses[0] - 1.0
+  assert sorted(os.listdir(tmp_path / "ray" / "checkpoints"))
+
+
+@pytest.mark.slow
+def test_a_sharded_ray_run_stopped_after_a_checkpoint_resumes_to_the_same_end(tmp_path):
+  """SIGTERM after the first checkpoint stops the run at its next arrival (exit 143); the same
+  command resumes it (θ and the outer state back into the server actor, the worker's state
+  into its actor, shard by shard) and it ends with the uninterrupted run's evaluations."""
+  pytest.importorskip("ray")
+  whole = _cli(tmp_path / "whole", *RAY_SHARDED)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+         "JAX_PLATFORMS": "cpu"}
+  stopped = tmp_path / "stopped"
+  proc = subprocess.Popen([sys.executable, "-m", "heloco_jax.train", f"--workdir={stopped}",
+                           *CLI_TINY, *RAY_SHARDED], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 600
+    while not (stopped / "checkpoints" / "5" / "meta").exists():
+      assert time.monotonic() < deadline and proc.poll() is None
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=300) == 143
+  finally:
+    proc.kill()
+  assert not (stopped / "summary.json").exists()
+  resumed = _cli(stopped, *RAY_SHARDED)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resuming from checkpoint" in resumed.stderr
+  assert _eval_losses(stopped) == _eval_losses(tmp_path / "whole")

@@ -163,7 +163,8 @@ KEYS: tuple[Key, ...] = (
         "tokens per training sequence (learned positions)"),
     Key("model.sharding", "none", one_of(("none", "fsdp", "fsdp_tp")),
         "fsdp: θ and every copy of it split over the devices (simulated: all of this "
-        "process's; devices: each worker's group); fsdp_tp: also tensor parallel over "
+        "process's; devices: each worker's group; ray: this process's, rebuilt in each "
+        "actor); fsdp_tp: also tensor parallel over "
         "model.tensor_parallel of them; docs/DESIGN.md 'Scaling out'"),
     Key("model.tensor_parallel", 2, integer(1, note=" that divides the devices θ spans"),
         "the tp axis's size with model.sharding=fsdp_tp"),

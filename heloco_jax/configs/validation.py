@@ -95,7 +95,7 @@ _RUNTIME_KEYS = {"simulated": lambda config, method: None, "devices": _validate_
 def validate_distributed(config: ml_collections.ConfigDict) -> None:
   """The ``distributed.*`` keys; runs before ``jax.distributed.initialize`` (no JAX calls)."""
   dist = config.distributed
-  check_keys(config, ("method", "runtime", "checkpoint_every", "distributed.coordinator",
+  check_keys(config, ("method", "runtime", "distributed.coordinator",
                       "distributed.num_processes", "distributed.process_id"))
   if not dist.coordinator:
     return
@@ -104,9 +104,6 @@ def validate_distributed(config: ml_collections.ConfigDict) -> None:
     _fail("distributed.coordinator", dist.coordinator, "'' (one process) with "
           f"runtime={config.runtime!r} and method={config.method!r}; several processes run "
           "the synchronous methods (ddp, local_sgd, diloco, palsgd) on runtime='devices'")
-  if config.checkpoint_every:
-    _fail("checkpoint_every", config.checkpoint_every, "0 with distributed.coordinator set "
-          "(checkpoints of multi-process runs are not supported yet)")
   if dist.coordinator != "auto":
     if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", dist.coordinator):
       _fail("distributed.coordinator", dist.coordinator, "'', 'auto' or HOST:PORT")

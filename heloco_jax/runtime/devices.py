@@ -216,6 +216,7 @@ class DeviceExecutor(base.OneProcess):
     self._server_layout = self._rounds if self.multiprocess else self.layout
     self._round_delta = jax.jit(simulated.round_delta)
     self._by_worker = NamedSharding(self._round_mesh, P("workers"))
+    self._ddp_batches = NamedSharding(self._round_mesh, P(None, "workers"))  # (H, K·B, ...)
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
     layout = self._server_layout if self.layout is not None else None
@@ -320,9 +321,9 @@ class DeviceExecutor(base.OneProcess):
         None if anchor is None else self.to_rounds(anchor))
 
   def run_ddp(self, state, batches, key):
-    if self.layout is not None:  # on the round mesh, θ's specs, the batch on every group
-      state, metrics = self.inner.run_jit(self.to_rounds(state), self.to_rounds(batches),
-                                          self.to_rounds(key))
+    if self.layout is not None:  # on the round mesh, θ's specs, the batch split over workers
+      state, metrics = self.inner.run_jit(
+          self.to_rounds(state), self._put(batches, self._ddp_batches), self.to_rounds(key))
       return state, inner_lib.train_loss(metrics)
     replicated, split = self._ddp
     state, metrics = self.inner.run_jit(self._put(state, replicated), self._put(batches, split),

@@ -101,8 +101,5 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), base.RealClock,
                         ray.ray_arrivals)
-  def one_device(k: int) -> Sequence[Any]:
-    del k
-    raise ValueError(ray.SHARDED_PARAMS_REFUSED)
-  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
-                        worker_devices=one_device)
+  # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
+  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from heloco_jax import inner as inner_lib, server as server_lib
+from heloco_jax import inner as inner_lib, server as server_lib, sharding
 from heloco_jax.runtime import base, devices as devices_lib, simulated
 
 INSTALL_HINT = "pip install 'heloco-jax[ray]'"
@@ -62,25 +62,58 @@ def import_ray():
 
 
 class ServerActor(server_lib.OuterServer):
-  """The parameter server as a Ray actor: what it returns goes to the host first."""
+  """The parameter server as a Ray actor: what it returns goes to the host first (sharded
+  arrays as ``sharding.HostShards``).
 
-  def __init__(self, outer_tx: Any, params: Any, options: dict[str, Any]):
-    super().__init__(outer_tx, params, place=jax.device_put, **options)
+  Args:
+    outer_tx: the outer rule.
+    params: θ on the host (``HostShards`` when sharded).
+    options: ``OuterServer``'s keywords.
+    recipe: θ's ``Layout.recipe`` when θ is sharded: θ, the outer state and the
+      outer step take θ's specs on a mesh of this actor's devices.
+  """
+
+  def __init__(self, outer_tx: Any, params: Any, options: dict[str, Any],
+               recipe: Optional[tuple] = None):
+    if recipe is None:
+      super().__init__(outer_tx, params, place=jax.device_put, **options)
+      return
+    layout = sharding.layout_on(*recipe, jax.devices())
+    super().__init__(outer_tx, layout.from_host(params), place=layout.from_host,
+                     layout=layout, **options)
 
   def dispatch_point(self) -> Any:
-    return jax.device_get(super().dispatch_point())
+    return sharding.to_host(super().dispatch_point())
 
   def get_params(self) -> Any:
-    return jax.device_get(self.params)
+    return sharding.to_host(self.params)
+
+  def get(self) -> tuple[Any, Any]:
+    return sharding.to_host(super().get())
+
+  def update(self, taus: list[int], *deltas: Any, fetch: bool = True) -> list[dict]:
+    if self.layout is not None:  # the workers' shards, onto this actor's mesh
+      deltas = tuple(self._place(delta) for delta in deltas)
+    return super().update(taus, *deltas, fetch=fetch)
 
 
 class WorkerActor:
-  """One Ray worker: the compiled inner loop of ``loss_fn`` and ``inner_tx`` on its devices."""
+  """One Ray worker: the compiled inner loop of ``loss_fn`` and ``inner_tx`` on its devices.
 
-  def __init__(self, loss_fn: Any, inner_tx: Any, reset_optimizer: bool, batch_size: int):
+  With θ's ``Layout.recipe`` (θ sharded), its devices form a mesh of θ's mesh's shape and
+  axis names, and its states keep θ's specs there; it receives and returns them as
+  ``sharding.HostShards``.
+  """
+
+  def __init__(self, loss_fn: Any, inner_tx: Any, reset_optimizer: bool, batch_size: int,
+               recipe: Optional[tuple] = None):
     inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
     devices = jax.devices()
-    if len(devices) > 1 and batch_size % len(devices) == 0:  # data-parallel inside
+    self._layout = None
+    if recipe is not None:
+      self._layout = sharding.layout_on(*recipe, devices)
+      self._inner = inner.with_layout(self._layout)
+    elif len(devices) > 1 and batch_size % len(devices) == 0:  # data-parallel inside
       groups = devices_lib.group_devices(1, batch_size, devices=devices)
       self._executor = devices_lib.DeviceExecutor(inner, groups)
     else:
@@ -97,6 +130,14 @@ class WorkerActor:
           fresh: bool) -> tuple[inner_lib.InnerState, Any, Any, int]:
     """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
     process's id)."""
+    if self._layout is not None:
+      put = self._layout.from_host
+      previous = put(previous)
+      if fresh and previous is not None:
+        previous = self._inner.fresh_moments(previous)
+      state, delta, loss = simulated.compute_worker(
+          self._inner, previous, put(start), put(batches), put(jax.random.wrap_key_data(key_data)))
+      return sharding.to_host(state), sharding.to_host(delta), jax.device_get(loss), os.getpid()
     if fresh and previous is not None:
       previous = self._executor.fresh_moments(previous)
     state, delta, loss = self._executor.run_worker(worker, previous, start, batches,
@@ -105,27 +146,35 @@ class WorkerActor:
 
 
 class RayServer:
-  """The engine's handle on the parameter-server actor (``OuterServer``'s interface)."""
+  """The engine's handle on the parameter-server actor (``OuterServer``'s interface).
 
-  layout = None  # θ on one device (sharded θ is refused: docs/DESIGN.md, "Scaling out")
+  Args:
+    actor: the ``ServerActor``.
+    layout: θ's layout in this process (the user's mesh) when θ is sharded: what
+      it reads back (to evaluate, to checkpoint) is placed there, shard by shard.
+  """
 
-  def __init__(self, actor: Any):
+  def __init__(self, actor: Any, layout: Optional[sharding.Layout] = None):
     self.actor = actor
+    self.layout = layout
     self._ray = import_ray()
+
+  def _here(self, tree: Any) -> Any:
+    return tree if self.layout is None else self.layout.from_host(tree)
 
   @property
   def params(self) -> Any:  # θ alone: what an evaluation needs
-    return self._ray.get(self.actor.get_params.remote())
+    return self._here(self._ray.get(self.actor.get_params.remote()))
 
   @property
   def outer_state(self) -> Any:
     return self.get()[1]
 
   def get(self) -> tuple[Any, Any]:
-    return self._ray.get(self.actor.get.remote())
+    return self._here(self._ray.get(self.actor.get.remote()))
 
   def set(self, params: Any, outer_state: Any) -> None:
-    self._ray.get(self.actor.set.remote(params, outer_state))
+    self._ray.get(self.actor.set.remote(*sharding.to_host((params, outer_state))))
 
   def dispatch_point(self) -> Any:
     """An object ref: workers fetch it from the server's node, not from here."""
@@ -134,7 +183,7 @@ class RayServer:
   def update(self, taus: list[int], *deltas: Any,
              fetch: bool = True) -> list[dict]:
     del fetch  # the actor returns Python numbers: its rows come over Ray anyway
-    refs = [d.delta if isinstance(d, Dispatch) else d for d in deltas]
+    refs = [d.delta if isinstance(d, Dispatch) else sharding.to_host(d) for d in deltas]
     return self._ray.get(self.actor.update.remote(taus, *refs))
 
 
@@ -213,10 +262,6 @@ def _check_reachable(address: str) -> None:
         "instance") from None
 
 
-SHARDED_PARAMS_REFUSED = ("runtime=ray takes params on one device; allowed for sharded params: "
-                          "the simulated or devices runtime (docs/DESIGN.md, \"Scaling out\")")
-
-
 def _check_local_instance_authenticated() -> None:
   """A ValueError in one line when a local instance would run without Ray's token
   authentication: its servers listen on every network interface (Ray 2.60 has no
@@ -245,9 +290,9 @@ class RayExecutor(base.OneProcess):
 
   def __init__(self, inner: inner_lib.InnerLoop, num_workers: int,
                options: RayOptions = RayOptions()):
-    if inner.layout is not None:
-      raise ValueError(SHARDED_PARAMS_REFUSED)
     self.inner = inner
+    self.layout = inner.layout
+    recipe = self.layout.recipe if self.layout is not None else None
     self.concurrency = num_workers
     ray = self._ray = import_ray()
     self._started = not ray.is_initialized()
@@ -269,7 +314,7 @@ class RayExecutor(base.OneProcess):
         max_restarts=options.max_restarts, max_task_retries=options.max_restarts,
         **resources(options.cpus_per_worker, options.gpus_per_worker))
     self.actors = [worker.remote(inner.loss_fn, inner.tx, inner.reset_optimizer,
-                                 options.batch_size) for _ in range(num_workers)]
+                                 options.batch_size, recipe) for _ in range(num_workers)]
     # Started (JAX imported, loop built) before the clock starts.
     self.actor_devices = ray.get([actor.devices.remote() for actor in self.actors])
     self._pids = ray.get([actor.pid.remote() for actor in self.actors])
@@ -281,8 +326,9 @@ class RayExecutor(base.OneProcess):
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
     actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
-        outer_tx, jax.device_get(params), options)
-    return RayServer(actor)
+        outer_tx, sharding.to_host(params), options,
+        self.layout.recipe if self.layout is not None else None)
+    return RayServer(actor, self.layout)
 
   synchronies = frozenset({"async"})
 
@@ -291,8 +337,10 @@ class RayExecutor(base.OneProcess):
     self._clock, self._emit = clock, emit
 
   def describe(self) -> str:
+    sharded = (f", θ sharded over {dict(self.layout.mesh.shape)} in each actor"
+               if self.layout is not None else "")
     return (f"Ray worker actors ({'/'.join(str(len(d)) for d in self.actor_devices)} "
-            f"{self.actor_devices[0][0].split(':')[0]} devices each)")
+            f"{self.actor_devices[0][0].split(':')[0]} devices each{sharded})")
 
   def run_worker(self, worker, previous, start, batches, key):
     """Sends the dispatch to worker ``worker``'s actor; returns its Dispatch three times (the
@@ -300,6 +348,8 @@ class RayExecutor(base.OneProcess):
     fresh = isinstance(previous, Dispatch) and previous.fresh
     if isinstance(previous, Dispatch):
       previous = previous.state
+    else:  # a restored state, on this process's devices
+      previous = sharding.to_host(previous)
     dispatch = Dispatch(args=(worker, start, previous, batches,
                               np.asarray(jax.random.key_data(key)), fresh))
     self._submit(dispatch, self._assigned[worker])
@@ -358,13 +408,15 @@ class RayExecutor(base.OneProcess):
   def fetch(self, tree: Any, what: str) -> Any:
     """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
     (``"train_loss"``) as values, waiting for them."""
+    here = (self.layout.from_host if self.layout is not None and what != "train_loss"
+            else lambda tree: tree)
     def value(dispatch):
       if not isinstance(dispatch, Dispatch):
         return dispatch
       while True:
         done = dispatch.done
         try:
-          return self._ray.get(getattr(dispatch, what))
+          return here(self._ray.get(getattr(dispatch, what)))
         except self._ray.exceptions.RayActorError:
           self.redispatch(dispatch, done)
     return [value(d) for d in tree] if isinstance(tree, list) else value(tree)
