@@ -297,3 +297,169 @@ class HeLoCo(MLA):
             G = [rho * x for x in d_hat]
         self.G = G
         return self._momentum_step(theta, G)
+
+
+# --------------------------------------------------------------------------------------------
+# compression of pseudo-gradients (ALGORITHMS.md, "Compression of pseudo-gradients")
+# --------------------------------------------------------------------------------------------
+# Written from the formulas of that section alone.  Every function takes one leaf x (any
+# shape) and works in float32 where the formulas do (the scales, x / s, the products
+# code * s), so that codes, scales and decompressed values can be compared bit for bit; the
+# float8 and bfloat16 roundings are done here by hand (bit and power-of-two arithmetic), not
+# by ml_dtypes.  ``*_roundtrip(x)`` returns D(C(x)) as float32: what the server gets, before
+# the cast back to x's dtype.
+
+E4M3_MAX = 448.0
+COMPRESSION_KINDS = ("none", "bf16", "fp8", "int8", "int4", "int2", "top_k")
+INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def round_bfloat16(x) -> np.ndarray:
+    """Nearest bfloat16 value of float32 x (ties to even), as float32: keep the top 16 bits."""
+    bits = np.array(x, np.float32).view(np.uint32).astype(np.uint64)
+    bias = 0x7FFF + ((bits >> 16) & 1)
+    return ((bits + bias) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def round_e4m3(y) -> np.ndarray:
+    """Nearest float8 e4m3fn value of y, |y| <= 448 (ties to even), as float32.
+
+    e4m3fn: 3 mantissa bits, normal exponents -6..8, subnormals spaced 2^-9: the spacing
+    around |y| in [2^e, 2^(e+1)) is 2^(max(e, -6) - 3).
+    """
+    y = np.array(y, np.float64)
+    assert np.all(np.abs(y) <= E4M3_MAX)
+    _, e = np.frexp(y)                      # |y| = m 2^e with m in [0.5, 1): floor(log2|y|) = e - 1
+    quantum = np.ldexp(1.0, np.maximum(e - 1, -6) - 3)
+    out = np.rint(y / quantum) * quantum    # division by a power of two: exact; rint: ties to even
+    assert np.all(np.abs(out) <= E4M3_MAX)
+    return out.astype(np.float32)
+
+
+def bf16_roundtrip(x) -> np.ndarray:
+    return round_bfloat16(x)
+
+
+def fp8_compress(x) -> Tuple[np.ndarray, np.float32]:
+    """(codes as float32 values, scale): s = max|x| / 448 (1 when 0), codes = e4m3(x / s)."""
+    x = np.array(x, np.float32)
+    amax = np.float32(np.max(np.abs(x), initial=0.0))
+    scale = np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(E4M3_MAX))
+    codes = round_e4m3(np.clip(x / scale, -E4M3_MAX, E4M3_MAX))
+    return codes, scale
+
+
+def fp8_roundtrip(x) -> np.ndarray:
+    codes, scale = fp8_compress(x)
+    return (codes * scale).astype(np.float32)
+
+
+def int_levels(bits: int) -> int:
+    """L = 2^(bits-1) - 1."""
+    return 2 ** (bits - 1) - 1
+
+
+def int_compress(x, bits: int, block: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(codes int8 of shape (num_blocks, block), scales float32 of shape (num_blocks,)).
+
+    The flat leaf, zero-padded to a multiple of block; s_b = max|x_b| / L (1 for an all-zero
+    block); codes = clip(round_half_even(x / s_b), -L, L).
+    """
+    flat = np.array(x, np.float32).ravel()
+    n = flat.size
+    num_blocks = -(-n // block)
+    padded = np.zeros(num_blocks * block, np.float32)
+    padded[:n] = flat
+    blocks = padded.reshape(num_blocks, block)
+    levels = np.float32(int_levels(bits))
+    amax = np.max(np.abs(blocks), axis=1, initial=0.0).astype(np.float32)
+    scales = np.where(amax == 0, np.float32(1.0), amax / levels).astype(np.float32)
+    codes = np.clip(np.rint(blocks / scales[:, None]), -levels, levels).astype(np.int8)
+    return codes, scales
+
+
+def int_decompress(codes: np.ndarray, scales: np.ndarray, shape) -> np.ndarray:
+    n = int(np.prod(shape, dtype=np.int64))
+    values = (codes.astype(np.float32) * scales[:, None].astype(np.float32)).ravel()[:n]
+    return values.reshape(shape).astype(np.float32)
+
+
+def int_roundtrip(x, bits: int, block: int) -> np.ndarray:
+    codes, scales = int_compress(x, bits, block)
+    return int_decompress(codes, scales, np.shape(x))
+
+
+def top_k_count(n: int, fraction: float) -> int:
+    """k = max(1, ceil(f n)), at most n, with f n exact for the decimal f as written."""
+    from decimal import Decimal
+    k = math.ceil(Decimal(repr(float(fraction))) * n)
+    return min(n, max(1, k))
+
+
+def top_k_compress(x, fraction: float) -> Tuple[np.ndarray, np.ndarray]:
+    """(values float32, flat indices int32) of the k entries of largest |x|; ties: lower index
+    first."""
+    flat = np.array(x, np.float32).ravel()
+    order = np.argsort(-np.abs(flat), kind="stable")[:top_k_count(flat.size, fraction)]
+    return flat[order], order.astype(np.int32)
+
+
+def top_k_roundtrip(x, fraction: float) -> np.ndarray:
+    values, indices = top_k_compress(x, fraction)
+    flat = np.zeros(int(np.size(x)), np.float32)
+    flat[indices] = values
+    return flat.reshape(np.shape(x))
+
+
+def roundtrip(kind: str, x, *, block: int = 256, fraction: float = 0.01) -> np.ndarray:
+    """D(C(x)) for one leaf, as float32 (x as it is for "none")."""
+    if kind == "none":
+        return np.array(x, copy=True)
+    if kind == "bf16":
+        return bf16_roundtrip(x)
+    if kind == "fp8":
+        return fp8_roundtrip(x)
+    if kind in INT_BITS:
+        return int_roundtrip(x, INT_BITS[kind], block)
+    if kind == "top_k":
+        return top_k_roundtrip(x, fraction)
+    raise ValueError(f"unknown compression kind {kind!r}")
+
+
+def compressed_nbytes(kind: str, shape, itemsize: int = 4, *, block: int = 256,
+                      fraction: float = 0.01) -> int:
+    """Bytes on the wire for one leaf of the given shape (itemsize: of the leaf's dtype)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if kind == "none":
+        return n * itemsize
+    if kind == "bf16":
+        return 2 * n
+    if kind == "fp8":
+        return n + 4
+    if kind in INT_BITS:
+        return math.ceil(n * INT_BITS[kind] / 8) + 4 * (-(-n // block))
+    if kind == "top_k":
+        return 8 * top_k_count(n, fraction)
+    raise ValueError(f"unknown compression kind {kind!r}")
+
+
+def error_feedback(leaf_roundtrip, deltas: Sequence[Tree], dtype=np.float64
+                   ) -> Tuple[List[Tree], List[Tree], List[Tree]]:
+    """Error feedback over a sequence of pseudo-gradients (each a list of leaves).
+
+    e_0 = 0; v_t = Delta_t + e_{t-1}; p_t = C(v_t); e_t = v_t - D(p_t), all in ``dtype``
+    (``leaf_roundtrip`` is D(C(.)) of one leaf).  Returns the lists of v_t, D(p_t) and e_t.
+    """
+    corrected, sent, residuals = [], [], []
+    e = None
+    for delta in deltas:
+        delta = [np.asarray(d, dtype) for d in delta]
+        if e is None:
+            e = [np.zeros_like(d) for d in delta]
+        v = [d + ei for d, ei in zip(delta, e)]
+        d_hat = [np.asarray(leaf_roundtrip(vi), dtype) for vi in v]
+        e = [vi - di for vi, di in zip(v, d_hat)]
+        corrected.append(v)
+        sent.append(d_hat)
+        residuals.append(e)
+    return corrected, sent, residuals

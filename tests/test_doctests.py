@@ -24,6 +24,7 @@ MODULES = [
     "heloco_jax.outer.correction",
     "heloco_jax.outer.lookahead",
     "heloco_jax.outer.weighting",
+    "heloco_jax.compress",
 ]
 
 # The public functions that must carry a runnable example.
