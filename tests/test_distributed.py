@@ -93,17 +93,19 @@ def _start(workdir, args, env):
   return [[*common, f"--config.distributed.process_id={i}"] for i in range(2)]
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("palsgd", ["--config.model.sharding=fsdp"]),  # DDP warm-up, then rounds; θ FSDP-sharded
-    pytest.param("diloco", [], marks=pytest.mark.slow),  # θ replicated, replicas over workers
+@pytest.mark.parametrize("method, devices, extra", [
+    # DDP warm-up, then rounds; θ FSDP-sharded over each worker's 4 devices (its process's)
+    ("palsgd", 4, ["--config.model.sharding=fsdp"]),
+    pytest.param("diloco", 2, [], marks=pytest.mark.slow),  # θ replicated, replicas over workers
 ])
-def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, extra, tmp_path):
-  """Both processes SIGKILLed once the first checkpoint is complete (each process wrote its
-  shards into DIR/checkpoints); the same commands, on another coordinator port, resume it
+def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, devices, extra,
+                                                                     tmp_path):
+  """2 processes × ``devices`` CPU devices, both SIGKILLed once the first checkpoint is
+  complete (each process wrote its shards into DIR/checkpoints); the same commands, on another coordinator port, resume it
   and end with the uninterrupted run's rows, on process 0 and in process 1's copy."""
   args = [f"--config.method={method}", "--config.num_workers=2", "--config.budget.tokens=3072",
           *TINY[:-1], "--config.checkpoint_every=4", *extra]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
          "JAX_PLATFORMS": "cpu"}
   codes, outputs = run_processes(_start(tmp_path / "whole", args, env), env)
   assert codes == [0, 0], outputs
