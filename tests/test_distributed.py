@@ -44,6 +44,14 @@ def _rows(workdir, event="eval"):
     return [row for row in map(json.loads, f) if row["event"] == event]
 
 
+def _commands(workdir, args):
+  """The commands of the 2 processes of a jax.distributed run of ``args`` in ``workdir``."""
+  common = [sys.executable, "-m", "heloco_jax.train", f"--workdir={workdir}", *args,
+            "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
+            "--config.distributed.num_processes=2"]
+  return [[*common, f"--config.distributed.process_id={i}"] for i in range(2)]
+
+
 @pytest.mark.parametrize("method, num_workers, extra", [
     ("diloco", 2, []),  # a worker per process, its batch split over the process's 2 devices
     ("palsgd", 4, []),  # 2 workers per process: the workers axis spans the processes
@@ -60,11 +68,7 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
   # below runs there too, so that both sides compute on the same platform.
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
          "JAX_PLATFORMS": "cpu"}
-  common = [sys.executable, "-m", "heloco_jax.train", f"--workdir={dist}", *args,
-            "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
-            "--config.distributed.num_processes=2"]
-  codes, outputs = run_processes(
-      [[*common, f"--config.distributed.process_id={i}"] for i in range(2)], env)
+  codes, outputs = run_processes(_commands(dist, args), env)
   assert codes == [0, 0], outputs
   assert "workers on devices (" in outputs[0] and "done:" in outputs[0]
 
@@ -85,13 +89,6 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3
 
 
-def _start(workdir, args, env):
-  """The 2 processes of a jax.distributed run of ``args`` in ``workdir``, started."""
-  common = [sys.executable, "-m", "heloco_jax.train", f"--workdir={workdir}", *args,
-            "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
-            "--config.distributed.num_processes=2"]
-  return [[*common, f"--config.distributed.process_id={i}"] for i in range(2)]
-
 
 @pytest.mark.parametrize("method, devices, extra", [
     # DDP warm-up, then rounds; θ FSDP-sharded over each worker's 4 devices (its process's)
@@ -101,18 +98,19 @@ def _start(workdir, args, env):
 def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, devices, extra,
                                                                      tmp_path):
   """2 processes × ``devices`` CPU devices, both SIGKILLed once the first checkpoint is
-  complete (each process wrote its shards into DIR/checkpoints); the same commands, on another coordinator port, resume it
-  and end with the uninterrupted run's rows, on process 0 and in process 1's copy."""
+  complete (each process wrote its shards into DIR/checkpoints); the same commands, on another
+  coordinator port, resume it and end with the uninterrupted run's rows, on process 0 and in
+  process 1's copy."""
   args = [f"--config.method={method}", "--config.num_workers=2", "--config.budget.tokens=3072",
           *TINY[:-1], "--config.checkpoint_every=4", *extra]
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
          "JAX_PLATFORMS": "cpu"}
-  codes, outputs = run_processes(_start(tmp_path / "whole", args, env), env)
+  codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
   assert codes == [0, 0], outputs
 
   killed = tmp_path / "killed"
   procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL) for command in _start(killed, args, env)]
+                            stderr=subprocess.DEVNULL) for command in _commands(killed, args)]
   try:
     deadline = time.monotonic() + 300
     while not (killed / "checkpoints" / "4" / "commit_success.txt").exists():
@@ -123,7 +121,7 @@ def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, dev
       p.kill()
       p.wait()
   assert not (killed / "summary.json").exists()  # stopped mid-run
-  codes, outputs = run_processes(_start(killed, args, env), env)
+  codes, outputs = run_processes(_commands(killed, args), env)
   assert codes == [0, 0], outputs
   assert all("resuming from checkpoint" in output for output in outputs), outputs
 
