@@ -16,7 +16,11 @@ things live changes:
     start point (an object ref of the server's dispatch point), the worker's
     previous inner state, its batches and a PRNG key;
   * the engine's asyncio loop awaits the actors' object refs and takes arrivals
-    in the order they finish, on the real clock.
+    in the order they finish, on the real clock;
+  * sharded θ (docs/DESIGN.md, "Scaling out"): every actor rebuilds θ's mesh
+    on its own devices from ``Layout.recipe``, and arrays cross between
+    processes as their distinct shards (``sharding.HostShards``); the driver
+    keeps θ on the user's mesh.
 
 Worker death (``kill -9``, a node lost, an out-of-memory kill): Ray restarts
 the actor (up to ``RayOptions.max_restarts`` times) and runs its task again
