@@ -133,3 +133,38 @@ def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, dev
   assert len(whole) > 8
   assert rows(killed) == whole
   assert rows(killed / "process_1") == whole
+
+
+@pytest.mark.slow
+def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
+  """Killed after checkpoint 8 with process 1's copy of the rows cut below what checkpoint 8
+  recorded: both processes resume from checkpoint 4 (process 0 says process 1 cannot use 8)
+  and end with the uninterrupted run's evaluations."""
+  args = ["--config.method=diloco", "--config.num_workers=2", "--config.budget.tokens=3072",
+          *TINY[:-1], "--config.checkpoint_every=4"]
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "JAX_PLATFORMS": "cpu"}
+  codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
+  assert codes == [0, 0], outputs
+  killed = tmp_path / "killed"
+  procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL) for command in _commands(killed, args)]
+  try:
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoints" / "8" / "commit_success.txt").exists():
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.05)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  copy = killed / "process_1" / "metrics.jsonl"
+  copy.write_bytes(b"".join(copy.read_bytes().splitlines(keepends=True)[:8]))
+  codes, outputs = run_processes(_commands(killed, args), env)
+  assert codes == [0, 0], outputs
+  assert "checkpoint 8: process 1 cannot resume from it" in outputs[0], outputs[0]
+  assert all("resuming from checkpoint 4" in output for output in outputs), outputs
+  assert _rows(killed) and [r["val_loss"] for r in _rows(killed)] == [
+      r["val_loss"] for r in _rows(tmp_path / "whole")]
+  assert [r["val_loss"] for r in _rows(killed / "process_1")] == [
+      r["val_loss"] for r in _rows(tmp_path / "whole")]
