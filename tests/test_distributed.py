@@ -90,6 +90,22 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
 
 
 
+def _kill_after_checkpoint(workdir, args, env, step):
+  """Starts the 2 processes of a run of ``args`` in ``workdir`` and SIGKILLs both once
+  checkpoint ``step`` is complete."""
+  procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL) for command in _commands(workdir, args)]
+  try:
+    deadline = time.monotonic() + 300
+    while not (workdir / "checkpoints" / str(step) / "commit_success.txt").exists():
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+      time.sleep(0.05)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
 @pytest.mark.parametrize("method, devices, extra", [
     # DDP warm-up, then rounds; θ FSDP-sharded over each worker's 4 devices (its process's)
     ("palsgd", 4, ["--config.model.sharding=fsdp"]),
@@ -109,17 +125,7 @@ def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, dev
   assert codes == [0, 0], outputs
 
   killed = tmp_path / "killed"
-  procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL) for command in _commands(killed, args)]
-  try:
-    deadline = time.monotonic() + 300
-    while not (killed / "checkpoints" / "4" / "commit_success.txt").exists():
-      assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-      time.sleep(0.05)
-  finally:
-    for p in procs:
-      p.kill()
-      p.wait()
+  _kill_after_checkpoint(killed, args, env, 4)
   assert not (killed / "summary.json").exists()  # stopped mid-run
   codes, outputs = run_processes(_commands(killed, args), env)
   assert codes == [0, 0], outputs
@@ -147,17 +153,7 @@ def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
   codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
   assert codes == [0, 0], outputs
   killed = tmp_path / "killed"
-  procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL) for command in _commands(killed, args)]
-  try:
-    deadline = time.monotonic() + 300
-    while not (killed / "checkpoints" / "8" / "commit_success.txt").exists():
-      assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-      time.sleep(0.05)
-  finally:
-    for p in procs:
-      p.kill()
-      p.wait()
+  _kill_after_checkpoint(killed, args, env, 8)
   copy = killed / "process_1" / "metrics.jsonl"
   copy.write_bytes(b"".join(copy.read_bytes().splitlines(keepends=True)[:8]))
   codes, outputs = run_processes(_commands(killed, args), env)
