@@ -29,8 +29,8 @@ import jax
 import numpy as np
 import optax
 
-from heloco_jax import clock, determinism, inner as inner_lib, methods, workdir as workdir_lib
-from heloco_jax import problem, sharding
+from heloco_jax import clock, compress as compress_lib, determinism, inner as inner_lib
+from heloco_jax import methods, problem, sharding, workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
@@ -156,6 +156,7 @@ def make_engine(
     deterministic: Optional[bool] = None,
     palsgd_coins: str = "shared",
     palsgd_warmup_steps: Optional[int] = None,
+    compress: Optional[compress_lib.Compressor] = None,
 ) -> engine_lib.Engine:
   """The engine of a run, for ``summary = await engine.run()`` (e.g. in a notebook).
 
@@ -182,6 +183,9 @@ def make_engine(
     raise ValueError(f"seed={seed!r} is not allowed; allowed: an integer in [0, 2**32)")
   _positive_int("inner_steps", inner_steps)
   _positive_int("metrics_fetch_every", metrics_fetch_every)
+  if compress is not None and not isinstance(compress, compress_lib.Compressor):
+    raise ValueError(f"compress={compress!r} is not allowed; allowed: None (Δ sent as it is) "
+                     "or a heloco_jax.compress.Compressor, e.g. hj.compress.int8()")
   if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
     raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
                      "integer >= 0 (0 = off)")
@@ -217,14 +221,14 @@ def make_engine(
   built = factory(inner, spec)
   try:
     engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
-                               eval_fn=eval_fn, lookahead=lookahead)
+                               eval_fn=eval_fn, lookahead=lookahead, compressor=compress)
   except BaseException:
     built.close()  # e.g. Ray's actors, started for a run that cannot be built
     raise
   if workdir is not None:
     try:
       run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
-                                outer_tx, inner_tx)
+                                outer_tx, inner_tx, compress)
       _open_workdir(engine, workdir if isinstance(workdir, Workdir) else Workdir(str(workdir)),
                     settings=dict(outer_options=outer_options, lookahead_dispatch=lookahead,
                                   reset_optimizer=reset, deterministic=deterministic, run=run))
@@ -283,6 +287,7 @@ def simulate(
     deterministic: Optional[bool] = None,
     palsgd_coins: str = "shared",
     palsgd_warmup_steps: Optional[int] = None,
+    compress: Optional[compress_lib.Compressor] = None,
     on_row: Optional[Callable[[Row], None]] = None,
     handle_signals: bool = False,
 ) -> RunResult:
@@ -345,6 +350,11 @@ def simulate(
     palsgd_coins: "shared" (all workers pseudo-sync on the same steps, as the
       authors' code) or "independent".
     palsgd_warmup_steps: DDP steps before PALSGD's rounds; None: H.
+    compress: workers compress their pseudo-gradients before sending them
+      (``hj.compress.int8()``, ``hj.compress.error_feedback(hj.compress.top_k(0.01))``,
+      ...; the error-feedback residuals are checkpointed), and the simulated
+      clock charges the compressed bytes (docs/ALGORITHMS.md, "Compression in
+      a run"); None: Δ is sent as it is. Not with ddp; simulated runtime only.
     on_row: called with every history row as it is emitted (progress).
     handle_signals: SIGTERM and Ctrl-C stop the run at the next outer update,
       after a checkpoint (with ``workdir``), raising ``hj.Stopped``; the same

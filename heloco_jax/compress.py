@@ -582,3 +582,48 @@ def by_name(
   }
   compressor = builders[kind]()
   return _error_feedback(compressor) if error_feedback else compressor
+
+
+# --------------------------------------------------------------------------------------------
+# in a run: how a worker's Δ reaches the server
+# --------------------------------------------------------------------------------------------
+def transmit(compressor: Compressor, delta: Any, state: Any) -> tuple[Any, Any]:
+  """What the server receives of a worker's Δ, and the worker's next compressor state.
+
+  D(C(Δ)) in Δ's dtypes (ALGORITHMS.md, "Compression in a run"). A Δ that is
+  not finite is received as it is, and one whose compression is not finite
+  (e.g. bf16 overflow) as compressed: the server rejects both
+  (``heloco_jax.rejection``); the worker's state is then left as it was, so
+  that an error-feedback residual never holds NaN. Pure: ``jax.jit`` and
+  ``jax.vmap`` (over stacked workers) take it.
+
+  Args:
+    compressor: the ``Compressor``.
+    delta: the worker's pseudo-gradient Δ (a tree of float arrays).
+    state: the worker's compressor state (``compressor.init(params)`` at first).
+
+  Returns:
+    (received, state): a tree like Δ, and the state for the worker's next Δ.
+  """
+  payload, new_state = compressor.compress(delta, state)
+  received = jax.tree.map(lambda r, d: jnp.asarray(r, d.dtype),
+                          compressor.decompress(payload), delta)
+  sent_finite = _all_finite(delta)
+  received = jax.tree.map(lambda r, d: jnp.where(sent_finite, r, d), received, delta)
+  ok = sent_finite & _all_finite(received)
+  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+  return received, new_state
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def payload_nbytes(compressor: Compressor | None, params: Any) -> int:
+  """Bytes of one worker's Δ on the wire: ``compressor.nbytes`` of its payload for a
+  Δ like ``params`` (shapes and dtypes only; no device work), or Δ's own bytes for None."""
+  if compressor is None:
+    return sum(_nbytes(x) for x in jax.tree.leaves(params))
+  state = jax.eval_shape(compressor.init, params)
+  payload, _ = jax.eval_shape(compressor.compress, params, state)
+  return int(compressor.nbytes(payload))

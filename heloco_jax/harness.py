@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from heloco_jax import clock, data as data_lib, evaluate, inner as inner_lib, methods
+from heloco_jax import clock, compress, data as data_lib, evaluate, inner as inner_lib, methods
 from heloco_jax import model as model_lib, sharding
 from heloco_jax.runtime import factories
 
@@ -163,7 +163,18 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       rejection_limit=config.rejection_limit,
       deterministic=config.deterministic,
       palsgd_coins=config.inner.palsgd_coins,
-      palsgd_warmup_steps=config.palsgd_warmup_steps)
+      palsgd_warmup_steps=config.palsgd_warmup_steps,
+      compress=compressor(config))
+
+
+def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:
+  """The workers' compressor of ``config.compression`` (None for kind "none" without error
+  feedback: Δ is sent as it is, today's runs bit for bit)."""
+  c = config.compression
+  if c.kind == "none" and not c.error_feedback:
+    return None
+  return compress.by_name(c.kind, block=c.block, fraction=c.fraction,
+                          error_feedback=c.error_feedback)
 
 
 def make_engine(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,

@@ -392,7 +392,8 @@ def _main(argv: list[str]) -> int:
   rejected = (f" ({summary['rejected_tokens']} of them rejected: {summary['rejected']} "
               "non-finite pseudo-gradients)" if summary["rejected"] else "")
   print(f"heloco-jax train: done: {summary['tokens']} tokens{rejected}, "
-        f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} {seconds}, val_loss "
+        f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} {seconds}, "
+        f"{summary['bytes_sent'] / 1e6:,.1f} MB sent, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "
         f"({summary['wall_seconds']:.0f} s, {summary['tokens_per_second']:.0f} tokens/s)",
         file=sys.stderr)

@@ -76,6 +76,9 @@ _BAD = [
     ("rejection_limit=-1", "config.rejection_limit=-1"),
     ("rejection_limit=0", "config.rejection_limit=0"),
     ("palsgd_warmup_steps=-1", "config.palsgd_warmup_steps=-1"),
+    ("compression.kind=int3", "config.compression.kind='int3'"),
+    ("compression.block=0", "config.compression.block=0"),
+    ("compression.fraction=0", "config.compression.fraction=0"),
 ]
 
 
@@ -97,6 +100,21 @@ def test_every_invalid_config_value_fails_before_any_work(override, named, tmp_p
   assert named in err and "allowed:" in err, err
   assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
   assert not workdir.exists()  # nothing was written
+
+
+@pytest.mark.parametrize("override, named", [
+    ("method=ddp", "config.compression.kind='int8' is not allowed; allowed: 'none' with "
+                   "method='ddp'"),
+    ("runtime=devices", "config.compression.kind='int8' is not allowed; allowed: 'none' with "
+                        "runtime='devices'"),
+])
+def test_compression_where_it_cannot_run_fails_in_one_line(override, named, tmp_path, capsys):
+  workdir = tmp_path / "run"
+  assert cli.main(["train", f"--workdir={workdir}", "--config.compression.kind=int8",
+                   f"--config.{override}"]) == 2
+  err = capsys.readouterr().err
+  assert named in err and len(err.strip().splitlines()) == 1, err
+  assert not workdir.exists()
 
 
 def test_unknown_key_and_bad_type_are_one_line_errors(tmp_path, capsys):

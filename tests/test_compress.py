@@ -16,6 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from heloco_jax import compress
@@ -391,3 +392,138 @@ def test_module_examples_pass():
                "error_feedback", "by_name"):
     doc = getattr(compress, name).__doc__
     assert "\n  Examples:\n" in doc and ">>> " in doc, name
+
+
+# ---------------------------------------------------------------------------------------------
+# in a run (ALGORITHMS.md, "Compression in a run"): the engine's uplink, bytes and clock
+# ---------------------------------------------------------------------------------------------
+import heloco_jax as hj  # noqa: E402
+from heloco_jax.runtime import state as state_lib  # noqa: E402
+
+ASYNC_METHODS = ("async_nesterov", "delayed_nesterov", "mla", "heloco")
+ROUND_METHODS = ("local_sgd", "diloco", "palsgd")
+
+
+def _loss(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def _stream(worker):
+  rng = np.random.default_rng(worker)
+  while True:
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    yield x, (x @ np.arange(1.0, 9.0, dtype=np.float32)[:, None] + worker)
+
+
+PARAMS = {"w": jnp.zeros((8, 1)), "b": jnp.zeros((1,))}
+EVAL_BATCH = next(_stream(7))
+
+
+def _run(method, compressor=None, **options):
+  options = {"inner_steps": 4, "budget_steps": 240, "speeds": [1.0, 2.0, 3.0],
+             "eval_every_steps": 60, **options}
+  if method == "palsgd":
+    options["inner_tx"] = hj.palsgd_inner(optax.identity(), 0.05)
+  return hj.simulate(_loss, PARAMS, [_stream(i) for i in range(3)], method=method,
+                     eval_fn=lambda p: _loss(p, EVAL_BATCH), compress=compressor, **options)
+
+
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_compress_none_is_the_uncompressed_run_bit_for_bit(method):
+  plain, none = _run(method), _run(method, compress.none())
+  assert [r for r in none.history] == plain.history
+  assert jax.tree.map(np.array_equal, none.params, plain.params) == {"w": True, "b": True}
+
+
+@pytest.mark.parametrize("method", ROUND_METHODS)
+def test_compress_none_in_rounds_averages_the_workers_deltas(method):
+  """Rounds average θ − end_i per worker with a compressor (θ − mean end_i without one): the
+  same up to float rounding."""
+  plain, none = _run(method), _run(method, compress.none())
+  np.testing.assert_allclose(none.params["w"], plain.params["w"], rtol=1e-5, atol=1e-6)
+  assert [r["event"] for r in none.history] == [r["event"] for r in plain.history]
+
+
+def test_a_round_of_compressed_deltas_against_numpy():
+  """``Uplink.round_delta``: the mean of the accepted workers' D(C(θ − end_i)) with error
+  feedback's first residuals e_i = Δ_i − D(C(Δ_i)); the NaN worker is rejected and keeps its
+  state (ALGORITHMS.md, "Compression in a run")."""
+  rng = np.random.default_rng(3)
+  params = {"a": jnp.asarray(rng.standard_normal((5, 60)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(7), jnp.float32)}
+  ends = jax.tree.map(lambda p: p[None] - jnp.asarray(
+      rng.standard_normal((3, *p.shape)), jnp.float32), params)
+  ends["b"] = ends["b"].at[1, 0].set(jnp.nan)
+  accepted = np.array([True, False, True])
+  uplink = state_lib.Uplink(compress.error_feedback(compress.int4(block=16)), params)
+  states = uplink.init(params, 3, stacked=True)
+  delta, states = uplink.round_delta(params, ends, accepted, states)
+  for name in params:
+    deltas = np.asarray(params[name])[None] - np.asarray(ends[name])
+    sent = {i: ref.int_roundtrip(deltas[i], 4, 16) for i in (0, 2)}
+    # the mean rounds once more under jit (XLA may fuse D(p)·½ + ...): a few ulps
+    np.testing.assert_allclose(delta[name], (sent[0] + sent[2]) / 2, rtol=1e-5, atol=1e-7)
+    for i in (0, 2):
+      np.testing.assert_array_equal(states.residual[name][i], deltas[i] - sent[i])
+    np.testing.assert_array_equal(states.residual[name][1], 0.0)
+
+
+@pytest.mark.parametrize("compressor", [compress.error_feedback(compress.int8()),
+                                        compress.error_feedback(compress.top_k(0.1))],
+                         ids=["int8", "top_k"])
+def test_a_non_finite_delta_reaches_the_server_and_keeps_the_residual(compressor):
+  """top_k alone would send only finite entries of a Δ holding NaN, and the residual would
+  hold NaN for ever: ``transmit`` sends such a Δ as it is (the server rejects it) and keeps
+  the worker's state."""
+  delta = {"w": jnp.arange(1.0, 41.0).at[3].set(jnp.nan)}
+  state = compressor.init(delta)
+  state = compressor.compress({"w": jnp.full(40, 0.3)}, state)[1]
+  received, kept = compress.transmit(compressor, delta, state)
+  assert np.isnan(received["w"][3])
+  np.testing.assert_array_equal(kept.residual["w"], state.residual["w"])
+
+
+def test_the_clock_charges_the_compressed_bytes_and_the_rows_count_them():
+  """A dispatch takes latency + θ's bytes/bandwidth, H·t compute and latency + the payload's
+  bytes/bandwidth; every arrival row and the summary count the bytes; ALGORITHMS.md, "Time and
+  cost model"."""
+  comm = hj.CommModel(latency=0.5, bandwidth=100.0)
+  compressor = compress.error_feedback(compress.int8(block=4))
+  result = _run("heloco", compressor, comm=comm)
+  up = compress.payload_nbytes(compressor, PARAMS)
+  down = compress.payload_nbytes(None, PARAMS)
+  assert (up, down) == (2 * 4 + 4 * 2 + 1 + 4, 36)  # w: 2 blocks of 4 codes + 2 scales; b: 1 + 1
+  arrivals = [r for r in result.history if r["event"] == "arrival"]
+  assert arrivals[0]["sim_time"] == 0.5 + down / 100.0 + 4 * 1.0 + 0.5 + up / 100.0
+  assert {(r["bytes_up"], r["bytes_down"]) for r in arrivals} == {(up, down)}
+  summary = result.summary
+  assert summary["bytes_sent"] == len(arrivals) * (up + down)
+  assert summary["peak_bytes_per_sync"] == up + down
+  np.testing.assert_allclose(summary["network_seconds"],
+                             len(arrivals) * (1.0 + (up + down) / 100.0))
+  plain = _run("heloco", comm=comm).summary  # Δ in float32: θ's bytes each way
+  assert plain["bytes_sent"] == plain["outer_updates"] * 2 * down
+  np.testing.assert_allclose(plain["network_seconds"],
+                             plain["outer_updates"] * (1.0 + 2 * down / 100.0))
+
+
+def test_a_compressed_round_all_reduces_every_workers_payload():
+  comm = hj.CommModel(latency=0.25, bandwidth=50.0)
+  compressor = compress.bf16()
+  result = _run("diloco", compressor, comm=comm)
+  up = compress.payload_nbytes(compressor, PARAMS)
+  assert up == 2 * 9
+  rounds = [r for r in result.history if r["event"] == "train"]
+  assert {(r["bytes_up"], r["bytes_down"]) for r in rounds} == {(3 * up, 3 * up)}
+  allreduce = 0.25 + 2 * 2 / 3 * up / 50.0
+  assert rounds[0]["sim_time"] == 4 * 3.0 + allreduce  # the slowest worker, then the all-reduce
+  assert result.summary["peak_bytes_per_sync"] == 6 * up
+  np.testing.assert_allclose(result.summary["network_seconds"], len(rounds) * 3 * allreduce)
+
+
+def test_compression_is_refused_where_it_cannot_run_in_one_line():
+  with pytest.raises(ValueError, match=r"^compress='int8' is not allowed; allowed: None"):
+    _run("heloco", "int8")
+  with pytest.raises(ValueError, match=r"^compression is not allowed with method='ddp'"):
+    _run("ddp", compress.int8())

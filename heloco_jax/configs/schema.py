@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from heloco_jax import clock, data, methods, model
+from heloco_jax import clock, compress, data, methods, model
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
 from heloco_jax.outer.heloco import WEIGHT_ORDERS
 from heloco_jax.outer.weighting import WEIGHTINGS
@@ -275,6 +275,15 @@ KEYS: tuple[Key, ...] = (
     Key("comm.ddp_overlap", 0.0, number(0.0, 1.0, high_open=True),
         "fraction of a DDP step's compute that its all-reduce hides behind (0 = none; "
         "2/3 ~ PyTorch DDP)"),
+    # compression
+    Key("compression.kind", "none", one_of(compress.KINDS, " (none: Δ sent as it is)"),
+        "how workers compress their pseudo-gradients before sending them (not with ddp; "
+        "runtime=simulated)"),
+    Key("compression.block", 256, integer(1), "int8/int4/int2: entries per scale"),
+    Key("compression.fraction", 0.01, number(0.0, 1.0, low_open=True),
+        "top_k: the fraction of entries sent"),
+    Key("compression.error_feedback", False, BOOLEAN,
+        "keep what the compression drops and add it to the next pseudo-gradient"),
 )
 
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
@@ -290,7 +299,9 @@ SECTIONS: dict[str, str] = {
     "devices": "devices: runtime=devices, workers on groups of real devices (real clock)",
     "distributed": "distributed: synchronous methods across processes (jax.distributed)",
     "ray": "ray: runtime=ray, a parameter-server actor and one actor per worker",
-    "comm": "comm: simulated communication cost per model-sized message or all-reduce",
+    "comm": "comm: simulated communication cost per message or all-reduce (its bytes)",
+    "compression": "compression: pseudo-gradients compressed before they are sent "
+                   "(docs/ALGORITHMS.md)",
 }
 
 

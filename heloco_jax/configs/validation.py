@@ -163,6 +163,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f"runtime={config.runtime!r} runs the asynchronous methods (async_nesterov, "
           "delayed_nesterov, mla, heloco). Synchronous methods run across processes with "
           "jax.distributed: runtime='devices' and the distributed.* keys")
+  compressing = config.compression.kind != "none" or config.compression.error_feedback
+  if compressing and method.synchrony == "step":
+    _fail("compression.kind", config.compression.kind, "'none' with method='ddp' (it sends "
+          "gradients every step, not pseudo-gradients)")
+  if compressing and config.runtime != "simulated":
+    _fail("compression.kind", config.compression.kind, f"'none' with runtime="
+          f"{config.runtime!r}; compression runs on runtime='simulated'")
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch)

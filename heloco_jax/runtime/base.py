@@ -58,6 +58,8 @@ class Executor(Protocol):
     synchronies: what the executor runs: "async" always; "round" and "step"
       (synchronous methods) for a ``RoundExecutor``.
     concurrency: how many workers' steps can run at once.
+    compresses: whether workers can compress their Δ (``compress=``); absent:
+      they cannot.
   """
 
   inner: inner_lib.InnerLoop
@@ -138,7 +140,9 @@ class Clock(Protocol):
 
   Attributes:
     eager: start a dispatch's work at once (real hardware) or when it is needed.
-    simulated: time is simulated (runs replay bit for bit) rather than real.
+    simulated: time is simulated (runs replay bit for bit) rather than real; a
+      simulated clock also has ``download``, ``upload`` and ``allreduce``, the
+      seconds of a dispatch's transfers and of a round's all-reduce.
   """
 
   eager: bool
@@ -161,14 +165,20 @@ class ClockSettings:
   seed: int
   comm: clock_lib.CommModel
   model_bytes: int
+  upload_bytes: Optional[int] = None  # one worker's Δ on the wire; None: ``model_bytes``
 
 
 class SimulatedClock:
   """Deterministic simulated seconds (docs/ALGORITHMS.md, "Time and cost model").
 
-  A dispatch takes message + compute + message; a round its slowest worker
-  plus one ring all-reduce; a DDP step the slowest worker's step plus one
-  all-reduce, less what ``comm.ddp_overlap`` hides. Work is computed lazily (``eager`` False).
+  A dispatch takes θ's download + compute + Δ's upload (its compressed bytes);
+  a round its slowest worker plus one ring all-reduce of the (compressed) Δ;
+  a DDP step the slowest worker's step plus one all-reduce of the gradient,
+  less what ``comm.ddp_overlap`` hides. Work is computed lazily (``eager`` False).
+
+  Attributes:
+    download, upload: seconds of a dispatch's θ download and Δ upload.
+    allreduce: seconds of a round's all-reduce.
   """
 
   eager = False
@@ -178,15 +188,19 @@ class SimulatedClock:
     del executor
     self.steps = clock_lib.StepClock(settings.seconds_per_step, settings.jitter, settings.seed)
     self.num_workers = len(settings.seconds_per_step)
-    self.message = settings.comm.message_seconds(settings.model_bytes)
-    self.allreduce = settings.comm.allreduce_seconds(settings.model_bytes, self.num_workers)
+    upload_bytes = (settings.model_bytes if settings.upload_bytes is None
+                    else settings.upload_bytes)
+    self.download = settings.comm.message_seconds(settings.model_bytes)
+    self.upload = settings.comm.message_seconds(upload_bytes)
+    self.allreduce = settings.comm.allreduce_seconds(upload_bytes, self.num_workers)
+    self._ddp_allreduce = settings.comm.allreduce_seconds(settings.model_bytes, self.num_workers)
     self.comm = settings.comm
 
   def start(self, elapsed: float) -> None:
     del elapsed
 
   def finish(self, worker: int, steps: int, now: float) -> float:
-    return now + self.message + self.steps.duration(worker, steps) + self.message
+    return now + self.download + self.steps.duration(worker, steps) + self.upload
 
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float:
     del start
@@ -194,18 +208,18 @@ class SimulatedClock:
             + self.allreduce)
 
   def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]:
-    """(steps to run, their seconds): only the steps that end within ``limit`` (0 = none)."""
-    seconds = [self.comm.ddp_step_seconds(
-        max(self.steps.duration(i, 1) for i in range(self.num_workers)), self.allreduce)
-               for _ in range(chunk)]
+    """(steps to run, their (seconds, exposed all-reduce seconds)): only the steps that end
+    within ``limit`` (0 = none)."""
+    computes = [max(self.steps.duration(i, 1) for i in range(self.num_workers))
+                for _ in range(chunk)]
+    seconds = [self.comm.ddp_step_seconds(c, self._ddp_allreduce) for c in computes]
     if limit > 0:
       chunk = int(np.sum(start + np.cumsum(seconds) <= limit))
-      seconds = seconds[:chunk]
-    return chunk, seconds
+    return chunk, [(t, t - c) for t, c in zip(seconds[:chunk], computes[:chunk])]
 
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
     del start, params
-    return sum(planned)
+    return sum(t for t, _ in planned)
 
   def get_state(self) -> Any:
     return self.steps.get_state()

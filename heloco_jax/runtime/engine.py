@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from heloco_jax import problem, rejection
+from heloco_jax import compress, problem, rejection
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
 from heloco_jax.runtime.state import Recorder, Run, RunSpec, RunState, WorkerStream
@@ -75,11 +75,13 @@ class Engine:
     outer_tx: the outer rule (None for DDP).
     eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}``; None: no evaluations.
     lookahead: dispatch from θ − η·μ·m.
+    compressor: workers compress their Δ (``heloco_jax.compress``); None: sent as it is.
   """
 
   def __init__(self, spec: RunSpec, runtime: base.Runtime, params: Any,
                data: Sequence[Iterable[Any]], outer_tx: Any = None,
-               eval_fn: Optional[Callable[[Any], Any]] = None, lookahead: bool = False):
+               eval_fn: Optional[Callable[[Any], Any]] = None, lookahead: bool = False,
+               compressor: Optional[compress.Compressor] = None):
     if len(data) != spec.num_workers:
       raise ValueError(f"data holds {len(data)} worker streams; allowed: one per worker "
                        f"(num_workers={spec.num_workers})")
@@ -94,6 +96,12 @@ class Engine:
           f"method={spec.method.name!r} is not allowed on {executor.describe()}; allowed: "
           f"methods whose synchrony is one of {sorted(executor.synchronies)} (this one's is "
           f"{spec.method.synchrony!r})")
+    if compressor is not None and spec.method.synchrony == "step":
+      raise ValueError(f"compression is not allowed with method={spec.method.name!r}; "
+                       "allowed: methods that send pseudo-gradients (all but ddp)")
+    if compressor is not None and not getattr(executor, "compresses", False):
+      raise ValueError(f"compression is not allowed on {executor.describe()}; allowed: the "
+                       "simulated runtime (runtime=None or hj.simulated_runtime())")
     self.spec = spec
     self.method = spec.method
     if 0 < spec.budget.units < self._smallest_work(spec):
@@ -104,12 +112,13 @@ class Engine:
                       for x in jax.tree.leaves(params))
     self.eval_fn = eval_fn
     server = executor.make_server(outer_tx, params, lookahead=lookahead)
+    uplink = state_lib.Uplink(compressor, params)
     clock = runtime.clock(base.ClockSettings(np.asarray(spec.seconds_per_step, float),
-                                             spec.jitter, spec.seed, spec.comm, model_bytes),
-                          executor)
+                                             spec.jitter, spec.seed, spec.comm, model_bytes,
+                                             uplink.bytes_up), executor)
     recorder = Recorder(spec.metrics_fetch_every)
     self._run = Run(
-        spec=spec, executor=executor, clock=clock, server=server,
+        spec=spec, executor=executor, clock=clock, server=server, uplink=uplink,
         arrivals=lambda: runtime.arrivals(clock, executor, recorder.emit),
         streams=streams, recorder=recorder,
         state=RunState(next_checkpoint=spec.checkpoint_every),
@@ -188,6 +197,8 @@ class Engine:
               "key": jax.random.key_data(run.key),
               "workers": fetch(s.workers, "state"),
               "pending": [fetch(s.jobs[w].delta, "delta") for w in sorted(s.jobs)]}
+    if s.compression is not None:  # the key only then: earlier checkpoints stay readable
+      arrays["compression"] = s.compression
     meta = s.meta()
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
       loss = fetch(s.jobs[w].train_loss, "train_loss")
@@ -206,6 +217,11 @@ class Engine:
     template = {"params": self.params, "outer_state": self.outer_state,
                 "key": jax.random.key_data(self._run.key), "workers": workers,
                 "pending": [self.params] * len(meta["jobs"])}
+    if self._run.uplink.compressor is not None and meta["phase"] in ("rounds", "async"):
+      state = jax.eval_shape(self._run.uplink.compressor.init, self.params)
+      template["compression"] = (
+          jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
+          if meta["phase"] == "rounds" else [state] * k)
     if self.layout is None:
       return template
     # Sharded θ: restored where an uninterrupted run holds each array.
@@ -218,9 +234,10 @@ class Engine:
     run.server.set(arrays["params"], arrays["outer_state"])
     run.key = jax.random.wrap_key_data(arrays["key"])
     pending, workers = arrays["pending"], arrays["workers"]
+    compression = arrays.get("compression")
     if self.layout is not None:  # back where an uninterrupted run holds them
-      pending, workers = self.layout.put((pending, workers))
-    run.state.load(meta, pending, workers)
+      pending, workers, compression = self.layout.put((pending, workers, compression))
+    run.state.load(meta, pending, workers, compression)
     run.streak.set_state(run.state.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):
@@ -337,6 +354,8 @@ class Engine:
       summary["final_val_loss"] = s.last_eval["val_loss"]
     summary.update({
         "mean_staleness": float(np.mean(s.staleness)) if s.staleness else 0.0,
+        "bytes_sent": s.bytes_sent, "peak_bytes_per_sync": s.peak_bytes_per_sync,
+        **({"network_seconds": s.network_seconds} if self.clock.simulated else {}),
         "wall_seconds": wall, f"{unit}_per_second": s.units / wall,
         "num_params": self.num_params})
     return summary

@@ -41,11 +41,12 @@ def _stack_copies(tree, k: int):
   return jax.tree.map(lambda x: jnp.stack([x] * k), tree)
 
 
-def _emit_train(run: Run, loss) -> None:
-  """The ``train`` row of a round or a DDP chunk: its steps' mean training loss."""
+def _emit_train(run: Run, loss, **transfers: int) -> None:
+  """The ``train`` row of a round or a DDP chunk: its steps' mean training loss and the
+  bytes its workers sent and received."""
   s = run.state
   run.emit({"event": "train", run.spec.unit: s.units, "sim_time": s.sim_time,
-            "outer_updates": s.version, **run.train_loss(loss)})
+            "outer_updates": s.version, **transfers, **run.train_loss(loss)})
 
 
 def steps_per_dispatch(spec) -> np.ndarray:
@@ -76,6 +77,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     queue.push(worker, s.jobs[worker])
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
+    s.compression = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
     for worker in range(spec.num_workers):
       dispatch(worker, 0.0)
   try:
@@ -110,13 +112,23 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
       s.workers[w] = run.executor.fresh_moments(s.workers[w])
   if any(reason is None for reason in reasons):
     s.version += 1
+  up, down = run.uplink.bytes_up, run.uplink.bytes_down
+  s.sync(len(group) * (up + down), _transfer_seconds(run.clock, "dispatch", len(group)))
   for w, tau, reason, result, job in zip(group, taus, reasons, results, arrived):
     if reason is None:
       s.staleness.append(tau)
       run.emit({"event": "arrival", "worker": w, "staleness": tau, spec.unit: s.units,
-                "sim_time": now, "outer_updates": s.version,
-                **run.train_loss(job.train_loss), **result})
+                "sim_time": now, "outer_updates": s.version, "bytes_up": up,
+                "bytes_down": down, **run.train_loss(job.train_loss), **result})
   run.streak.update(reasons, group)
+
+
+def _transfer_seconds(clock: base.Clock, what: str, count: int) -> Optional[float]:
+  """``count`` workers' seconds on the network for a dispatch each (θ down, Δ up) or a
+  round (its all-reduce), on a simulated clock; None on real time (not known)."""
+  if not clock.simulated:
+    return None
+  return count * (clock.download + clock.upload if what == "dispatch" else clock.allreduce)
 
 
 def _launch_ahead(run: Run, queue: base.Arrivals) -> None:
@@ -146,6 +158,8 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
         return
       # The first round continues the warm-up's step count and optimizer state.
       s.workers = _stack_copies(s.workers, k)
+  if s.phase != "rounds":
+    s.compression = run.uplink.init(executor.to_rounds(run.server.params), k, stacked=True)
   s.phase = "rounds"
   while True:
     # Every worker restarts from θ, keeping its own step count (and its optimizer
@@ -174,10 +188,18 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     if not accepted.all():
       states = inner.reset_moments(states, executor.to_rounds(~accepted))
     s.workers = states
+    if s.compression is not None:  # every worker sends, and keeps its residual
+      delta, s.compression = run.uplink.round_delta(run.server.params, states.params, accepted,
+                                                    s.compression)
+    elif accepted.any():
+      delta = executor.round_delta(run.server.params, states.params, accepted)
     if accepted.any():
-      run.server.apply(executor.round_delta(run.server.params, states.params, accepted), 0)
+      run.server.apply(delta, 0)
       s.version += 1
-    _emit_train(run, inner_lib.train_loss(metrics))
+    moved = 2 * k * run.uplink.bytes_up  # all-reduce: each worker's Δ out, the mean back
+    s.sync(moved, _transfer_seconds(run.clock, "round", k))
+    _emit_train(run, inner_lib.train_loss(metrics), bytes_up=k * run.uplink.bytes_up,
+                bytes_down=k * run.uplink.bytes_up)
     yield
 
 
@@ -205,12 +227,16 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
     s.workers, loss = run.executor.run_ddp(s.workers, batches, run.next_key())
     run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
     seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params)
+    # Every step all-reduces the gradient: each worker's out, the mean back.
+    gradient = run.uplink.bytes_down
+    for step in range(chunk):
+      s.sync(2 * k * gradient, None if planned is None else k * planned[step][1])
     s.version += chunk
     s.units += chunk * step_units
     s.sim_time += seconds
     if s.ddp_remaining is not None:
       s.ddp_remaining -= chunk
-    _emit_train(run, loss)
+    _emit_train(run, loss, bytes_up=chunk * k * gradient, bytes_down=chunk * k * gradient)
     yield
 
 

@@ -99,6 +99,7 @@ class LocalExecutor(base.OneProcess):
   """
 
   synchronies = base.SYNCHRONIES
+  compresses = True
 
   def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None):
     self.inner = inner

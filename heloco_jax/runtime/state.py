@@ -11,14 +11,16 @@ and the server: what the loops (``runtime.loops``) read and change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Iterable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import clock as clock_lib, methods as methods_lib, problem
-from heloco_jax import server as server_lib
+from heloco_jax import clock as clock_lib, compress as compress_lib, methods as methods_lib
+from heloco_jax import problem, server as server_lib
 
 Row = dict[str, Any]
 PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
@@ -213,6 +215,69 @@ class Recorder:
       self.on_row(row)
 
 
+class Uplink:
+  """How a worker's Δ reaches the server: compressed or not, and the bytes each way
+  (ALGORITHMS.md, "Compression in a run").
+
+  Args:
+    compressor: a ``heloco_jax.compress.Compressor``, or None: Δ is sent as it is.
+    params: θ (shapes and dtypes: the bytes of a message).
+
+  Attributes:
+    bytes_up: one worker's Δ on the wire (the compressor's payload).
+    bytes_down: θ sent to a worker (its own bytes).
+  """
+
+  def __init__(self, compressor: Optional[compress_lib.Compressor], params: Any):
+    self.compressor = compressor
+    self.bytes_up = compress_lib.payload_nbytes(compressor, params)
+    self.bytes_down = compress_lib.payload_nbytes(None, params)
+    if compressor is not None:
+      self._send = jax.jit(functools.partial(compress_lib.transmit, compressor))
+      self._init = jax.jit(compressor.init)
+      self._round = jax.jit(functools.partial(_compressed_round_delta, compressor))
+
+  def init(self, params: Any, num_workers: int, stacked: bool) -> Any:
+    """The K workers' first compressor states (None without a compressor): a list, or one
+    tree stacked on a leading axis (rounds)."""
+    if self.compressor is None:
+      return None
+    state = self._init(params)
+    if stacked:
+      return jax.tree.map(lambda x: jnp.stack([x] * num_workers), state)
+    return [state] * num_workers  # never changed in place: a new tree per arrival
+
+  def send(self, delta: Any, state: Any) -> tuple[Any, Any]:
+    """(what the server receives of Δ, the worker's next state): ``compress.transmit``."""
+    if self.compressor is None:
+      return delta, state
+    return self._send(delta, state)
+
+  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray,
+                  states: Any) -> tuple[Any, Any]:
+    """A round in which every worker sends its compressed Δ_i = θ − end_i: (the mean of the
+    accepted workers' received Δ_i, the workers' next states, stacked on axis 0)."""
+    return self._round(params, ends, accepted, states)
+
+
+def _compressed_round_delta(compressor: compress_lib.Compressor, params: Any, ends: Any,
+                            accepted: jax.Array, states: Any) -> tuple[Any, Any]:
+  """``Uplink.round_delta`` (ALGORITHMS.md, "Compression in a run"); a rejected worker keeps
+  its state (``compress.transmit``)."""
+  k = len(accepted)
+  sent = [compress_lib.transmit(compressor,
+                                jax.tree.map(lambda theta, end: theta - end[i], params, ends),
+                                jax.tree.map(lambda x: x[i], states)) for i in range(k)]
+  # Worker by worker, not jax.vmap: batched, XLA rounds the quantizers' scaling differently
+  # (a few ulps off the unbatched compressor and the NumPy reference).
+  received, states = jax.tree.map(lambda *xs: jnp.stack(xs), *sent)
+  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
+  def mean(r):  # a rejected worker's Δ may hold NaN: 0·NaN is NaN, so it is dropped first
+    kept = jnp.where(accepted.reshape((-1,) + (1,) * (r.ndim - 1)), r, 0)
+    return jnp.tensordot(weights.astype(r.dtype), kept, axes=1)
+  return jax.tree.map(mean, received), states
+
+
 @dataclasses.dataclass
 class Job:
   """A dispatched worker's result, waiting for its finish time.
@@ -234,8 +299,11 @@ class RunState:
   """The host side of a run's state: counters, cadences and the loop's position.
 
   ``phase`` says which loop runs (None before the first, "ddp", "rounds",
-  "async"); ``workers`` holds the workers' inner states and ``jobs`` the
-  work in flight.
+  "async"); ``workers`` holds the workers' inner states, ``compression`` their
+  compressor states (``Uplink``; None without a compressor) and ``jobs`` the
+  work in flight. ``bytes_sent``, ``peak_bytes_per_sync`` and ``network_seconds``
+  add up the transfers of the work that reached the server (docs/DESIGN.md,
+  summary.json).
   """
   units: int = 0
   sim_time: float = 0.0
@@ -243,6 +311,7 @@ class RunState:
   staleness: list = dataclasses.field(default_factory=list)
   phase: Optional[str] = None
   workers: Any = None
+  compression: Any = None
   jobs: dict = dataclasses.field(default_factory=dict)
   ddp_remaining: Optional[int] = None
   rejected: int = 0
@@ -253,10 +322,14 @@ class RunState:
   next_eval: float = 0
   next_checkpoint: int = 0
   wall_before: float = 0.0
+  bytes_sent: int = 0
+  peak_bytes_per_sync: int = 0
+  network_seconds: float = 0.0
 
   META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining",
           "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
-          "next_eval", "next_checkpoint", "wall_before")
+          "next_eval", "next_checkpoint", "wall_before", "bytes_sent", "peak_bytes_per_sync",
+          "network_seconds")
 
   def meta(self) -> dict[str, Any]:
     """The JSON-serialisable fields (a checkpoint's meta)."""
@@ -266,7 +339,14 @@ class RunState:
                     for w, job in sorted(self.jobs.items())]
     return meta
 
-  def load(self, meta: dict[str, Any], pending: list[Any], workers: Any) -> None:
+  def sync(self, bytes_moved: int, network_seconds: Optional[float]) -> None:
+    """Counts one outer update's transfers (``network_seconds`` None: not known)."""
+    self.bytes_sent += bytes_moved
+    self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, bytes_moved)
+    self.network_seconds += network_seconds or 0.0
+
+  def load(self, meta: dict[str, Any], pending: list[Any], workers: Any,
+           compression: Any = None) -> None:
     for name in self.META:  # keys added since a checkpoint was written keep their defaults
       setattr(self, name, meta.get(name, getattr(self, name)))
     self.staleness = list(self.staleness)
@@ -274,7 +354,7 @@ class RunState:
     # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
     self.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])
                  for entry, delta in zip(meta["jobs"], pending)}
-    self.workers = workers
+    self.workers, self.compression = workers, compression
 
 
 @dataclasses.dataclass
@@ -287,6 +367,7 @@ class Run:
     clock: the run's clock.
     arrivals: builds the queue of asynchronous work in flight.
     server: θ, the outer state and the outer rule (``server.OuterServer``).
+    uplink: how Δ reaches the server (``Uplink``).
     streams: the K workers' ``WorkerStream``s.
     recorder: the metrics rows.
     state: the host side of where the run stands.
@@ -298,6 +379,7 @@ class Run:
   clock: Any
   arrivals: Callable[[], Any]
   server: Any
+  uplink: Uplink
   streams: list[WorkerStream]
   recorder: Recorder
   state: RunState
@@ -314,7 +396,8 @@ class Run:
     return key
 
   def compute(self, worker: int) -> Any:
-    """``worker``'s pending Δ, running its deferred inner steps first if needed."""
+    """``worker``'s pending Δ as the server receives it, running its deferred inner steps
+    (and compressing their Δ) first if needed."""
     job = self.state.jobs[worker]
     if job.work is not None:
       try:
@@ -323,6 +406,9 @@ class Run:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "
                           f"{job.version}) failed in loss_fn or inner_tx: {first}") from error
+      if self.state.compression is not None:
+        job.delta, self.state.compression[worker] = self.uplink.send(
+            job.delta, self.state.compression[worker])
       job.work = None
     return job.delta
 
