@@ -36,8 +36,8 @@ class Result:
 
 
 # The arrival fields the tables and figures read; a digest keeps only these.
-ARRIVAL_FIELDS = ("worker", "staleness", "sim_time", "outer_updates", "cosine_mean",
-                  "rotation_mean", "shrinkage_mean",
+ARRIVAL_FIELDS = ("worker", "staleness", "sim_time", "outer_updates", "fragment",
+                  "cosine_mean", "rotation_mean", "shrinkage_mean",
                   *(f"branch_count/{name}" for name in outer.BRANCH_NAMES))
 
 

@@ -222,6 +222,8 @@ def family(name: str) -> list[Run]:
     return grid(name)
   if name in SKEPTIC:
     return grid("science") + grid("skeptic")
+  if name == "streaming":  # issue 34's own report
+    return grid("streaming")
   if name in SCIENCE:
     return grid("science")
   return grid("all")
@@ -655,3 +657,74 @@ GRIDS.update({"jitter": jitter_grid, "lr_sweep": lr_sweep_grid, "vocab": vocab_g
 # family for now).
 SKEPTIC = ("jitter", "lr_sweep", "vocab", "heldout", "palsgd_fair", "skeptic")
 SCALES.update({name: AUTHORS for name in SKEPTIC})
+
+
+# Issue 34 (streaming and compression), at a small scale on the shipped synthetic languages (no
+# corpus to build): a 137k-parameter GPT (byte vocabulary), 5 workers, H = 20, 204,800 tokens
+# (8 DiLoCo rounds at homogeneous speeds), 3 seeds.
+STREAMING = Scale(d_model=64, num_layers=2, num_heads=4, context=64, batch_size=4,
+                  inner_steps=20, tokens=204_800, eval_every_tokens=25_600,
+                  inner_total_steps=2_000, inner_learning_rate=3e-3, seeds=(0, 1, 2),
+                  data=(("data.source", "synthetic"),))
+# A link on which θ in float32 (136,961 parameters, 547,844 bytes) takes 4 s each way: four
+# inner steps at speed 1.
+STREAMING_BANDWIDTH = 136_961.0
+STREAMING_FRAGMENTS = (1, 2, 4)
+STREAMING_OVERLAP = {"streaming.overlap_steps": 2, "streaming.alpha": 0.5}
+# (name, config changes): what each worker sends.
+COMPRESSIONS = (
+    ("fp32", {}), ("bf16", {"compression.kind": "bf16"}), ("int8", {"compression.kind": "int8"}),
+    ("int4", {"compression.kind": "int4"}),
+    ("int4_ef", {"compression.kind": "int4", "compression.error_feedback": True}),
+    ("int2", {"compression.kind": "int2"}),
+    ("int2_ef", {"compression.kind": "int2", "compression.error_feedback": True}),
+    ("top1pct_ef", {"compression.kind": "top_k", "compression.fraction": 0.01,
+                    "compression.error_feedback": True}))
+# Which paces each method of the compression question runs at: synchronous DiLoCo at equal
+# speeds, HeLoCo where it is meant to work (severe).
+COMPRESSION_PRESETS = {"diloco": "homogeneous", "heloco": "severe"}
+BANDWIDTH_PRESET = "mild"
+# (name, method, config changes) of the bandwidth-limited question (all with the link above).
+BANDWIDTH_VARIANTS = (
+    ("diloco", "diloco", {}),
+    ("streaming_p4", "diloco", {"streaming.fragments": 4, **STREAMING_OVERLAP}),
+    ("heloco", "heloco", {}),
+    ("heloco_p4_int8_ef", "heloco", {"streaming.fragments": 4, **STREAMING_OVERLAP,
+                                     "compression.kind": "int8",
+                                     "compression.error_feedback": True}))
+
+
+def streaming_grid(scale: Scale = STREAMING, seeds: Sequence[int] | None = None) -> list[Run]:
+  """Issue 34's questions seed by seed (every question's seed 0 first): Streaming DiLoCo's
+  fragments at equal tokens ("fragments"), the compressors for DiLoCo and HeLoCo at equal
+  tokens ("compression"), and time on a bandwidth-limited link ("bandwidth")."""
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    base = {**scale.overrides(), "seed": seed}
+    tokens = {**base, "budget.tokens": scale.tokens}
+    for p in STREAMING_FRAGMENTS:
+      runs.append(Run(f"streaming/fragments/p{p}/diloco/seed{seed}", "fragments",
+                      "homogeneous", "diloco", seed, tuple({
+                          **tokens, "method": "diloco", "speeds": "homogeneous",
+                          "streaming.fragments": p}.items())))
+    runs.append(Run(f"streaming/fragments/p4_overlap/diloco/seed{seed}", "fragments",
+                    "homogeneous", "diloco", seed, tuple({
+                        **tokens, "method": "diloco", "speeds": "homogeneous",
+                        "streaming.fragments": 4, **STREAMING_OVERLAP}.items())))
+    for method, preset in COMPRESSION_PRESETS.items():
+      for name, changes in COMPRESSIONS:
+        runs.append(Run(f"streaming/compression/{name}/{method}/seed{seed}", "compression",
+                        preset, method, seed, tuple({
+                            **tokens, "method": method, "speeds": preset, **changes}.items())))
+    seconds = time_budget(scale, BANDWIDTH_PRESET)
+    for name, method, changes in BANDWIDTH_VARIANTS:
+      runs.append(Run(f"streaming/bandwidth/{name}/{method}/seed{seed}", "bandwidth",
+                      BANDWIDTH_PRESET, method, seed, tuple({
+                          **base, "method": method, "speeds": BANDWIDTH_PRESET,
+                          "budget.tokens": 0, "budget.sim_seconds": seconds,
+                          "comm.bandwidth": STREAMING_BANDWIDTH, **changes}.items())))
+  return runs
+
+
+GRIDS["streaming"] = streaming_grid
+SCALES["streaming"] = STREAMING

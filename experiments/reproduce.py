@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from experiments import analysis, grids, science
+from experiments import analysis, grids, science, streaming
 from heloco_jax import clock
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -419,12 +419,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
   issue18 = args.grid in grids.SCIENCE + grids.SKEPTIC  # issue 36's grids: the same report
+  own = {"streaming": ("RESULTS_streaming.md", "streaming", streaming.write_results)}.get(
+      args.grid)  # issue 34's grid: its own report
+  default_name = "RESULTS.md" if issue18 else "RESULTS_small_scale.md"
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
-      _HERE, "RESULTS.md" if issue18 else "RESULTS_small_scale.md"))
+      _HERE, own[0] if own else default_name))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
-                         *(["science"] if issue18 else []))
+                         *(["science"] if issue18 else [own[1]] if own else []))
   command = f"python -m experiments.reproduce --grid={args.grid} --out=DIR"
-  writer = science.write_results if issue18 else analysis.write_results
+  writer = own[2] if own else science.write_results if issue18 else analysis.write_results
   writer(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
         file=sys.stderr)

@@ -31,7 +31,7 @@ from heloco_jax.outer import (
     scale_by_arrival_weight,
 )
 
-from heloco_jax import compress
+from heloco_jax import compress, fragments
 from heloco_jax.api import SimulationResult, Workdir, make_engine, simulate
 from heloco_jax.runtime.factories import devices_runtime, ray_runtime, simulated_runtime
 from heloco_jax.clock import CommModel
@@ -49,7 +49,8 @@ from heloco_jax.writers import TensorBoardWriter, Writers
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "BudgetError", "compress", "CommModel", "DeterminismError", "DivergenceError", "Stopped",
+    "METHODS", "BudgetError", "compress", "fragments", "CommModel", "DeterminismError",
+    "DivergenceError", "Stopped",
     "PalsgdState", "Server", "SimulationResult", "TensorBoardWriter", "WorkdirError",
     "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",

@@ -30,7 +30,8 @@ import numpy as np
 import optax
 
 from heloco_jax import clock, compress as compress_lib, determinism, inner as inner_lib
-from heloco_jax import methods, problem, sharding, workdir as workdir_lib
+from heloco_jax import fragments as fragments_lib, methods, problem, sharding
+from heloco_jax import workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
@@ -157,6 +158,10 @@ def make_engine(
     palsgd_coins: str = "shared",
     palsgd_warmup_steps: Optional[int] = None,
     compress: Optional[compress_lib.Compressor] = None,
+    fragments: int = 1,
+    fragment_layout: fragments_lib.Layout = "contiguous",
+    overlap_steps: int = 0,
+    fragment_alpha: float = 1.0,
 ) -> engine_lib.Engine:
   """The engine of a run, for ``summary = await engine.run()`` (e.g. in a notebook).
 
@@ -208,7 +213,18 @@ def make_engine(
                      "allowed: one of them (outer_options sets the method's own rule)")
   else:
     problem.check_outer_tx(outer_tx, params, spec_method, lookahead)
+  fragments_lib.split(params, fragments, fragment_layout)  # P and the layout
+  refused = fragments_lib.refusal(
+      method=spec_method, fragments=fragments, overlap_steps=overlap_steps, alpha=fragment_alpha,
+      inner_steps=inner_steps, simulated=factory.simulated_clock,
+      sharded=sharding.layout_of(params) is not None, reset_optimizer=reset_optimizer,
+      grace_window=grace_window, dylu=dylu)
+  if refused:
+    name, value, allowed = refused
+    raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
   reset = spec_method.reset_optimizer if reset_optimizer is None else bool(reset_optimizer)
+  if fragments > 1:  # workers never restart as a whole (ALGORITHMS.md, "Fragments")
+    reset = False
   inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset, layout=sharding.layout_of(params))
   spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
@@ -217,7 +233,8 @@ def make_engine(
       eval_every=eval_every, units_per_step=units_per_step, unit=unit,
       checkpoint_every=checkpoint_every if workdir is not None else 0,
       metrics_fetch_every=metrics_fetch_every, rejection_limit=rejection_limit or 0,
-      palsgd_coins=palsgd_coins, seed=seed)
+      palsgd_coins=palsgd_coins, fragments=fragments, fragment_layout=fragment_layout,
+      overlap_steps=overlap_steps, fragment_alpha=float(fragment_alpha), seed=seed)
   built = factory(inner, spec)
   try:
     engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
@@ -288,6 +305,10 @@ def simulate(
     palsgd_coins: str = "shared",
     palsgd_warmup_steps: Optional[int] = None,
     compress: Optional[compress_lib.Compressor] = None,
+    fragments: int = 1,
+    fragment_layout: fragments_lib.Layout = "contiguous",
+    overlap_steps: int = 0,
+    fragment_alpha: float = 1.0,
     on_row: Optional[Callable[[Row], None]] = None,
     handle_signals: bool = False,
 ) -> RunResult:
@@ -355,6 +376,17 @@ def simulate(
       ...; the error-feedback residuals are checkpointed), and the simulated
       clock charges the compressed bytes (docs/ALGORITHMS.md, "Compression in
       a run"); None: Δ is sent as it is. Not with ddp; simulated runtime only.
+    fragments: P: θ's leaves split into P fragments, fragment p synced every H
+      steps at offset p·H/P, each with its own outer state and staleness
+      (docs/ALGORITHMS.md, "Fragments"): Streaming DiLoCo for diloco and
+      local_sgd, per-fragment rules for the asynchronous methods. 1: θ whole.
+      P must divide H; not with ddp or palsgd; simulated runtime only.
+    fragment_layout: "contiguous", "strided", "balanced", or a function
+      ``(path, leaf) -> fragment`` (``heloco_jax.fragments.split``).
+    overlap_steps: τ: inner steps a worker takes while its fragment's sync is
+      in flight, in [0, H/P) (with fragments).
+    fragment_alpha: α in (0, 1]: the worker keeps α·(θ_p as it arrives) + (1 −
+      α)·(its own θ_p) (with fragments; 1: the arrived θ_p).
     on_row: called with every history row as it is emitted (progress).
     handle_signals: SIGTERM and Ctrl-C stop the run at the next outer update,
       after a checkpoint (with ``workdir``), raising ``hj.Stopped``; the same

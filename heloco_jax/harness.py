@@ -164,7 +164,9 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       deterministic=config.deterministic,
       palsgd_coins=config.inner.palsgd_coins,
       palsgd_warmup_steps=config.palsgd_warmup_steps,
-      compress=compressor(config))
+      compress=compressor(config), fragments=config.streaming.fragments,
+      fragment_layout=config.streaming.layout, overlap_steps=config.streaming.overlap_steps,
+      fragment_alpha=config.streaming.alpha)
 
 
 def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:

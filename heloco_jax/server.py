@@ -262,6 +262,55 @@ class OuterServer:
             "version": self.version, **result}
 
 
+class FragmentServers:
+  """θ in P fragments, each with its own outer state and rule (ALGORITHMS.md, "Fragments").
+
+  Fragment p's server is an ``OuterServer`` over ``fragments.take(θ, p)``: its
+  outer state (the momentum HeLoCo checks against, MLA's look-ahead) holds the
+  fragment's leaves only, and its cosine check, correction and weights see
+  that fragment alone.
+
+  Args:
+    make_server: ``(outer_tx, params, lookahead=...) -> OuterServer`` (the executor's).
+    outer_tx: the outer rule, one copy per fragment.
+    params: the initial θ.
+    fragments: the split (``heloco_jax.fragments.Fragments``).
+    lookahead: each fragment dispatches from its own θ_p − η·μ·m_p.
+  """
+
+  layout = None  # fragments run with θ on one device
+
+  def __init__(self, make_server: Callable[..., OuterServer], outer_tx: Any, params: Any,
+               fragments: Any, *, lookahead: bool = False):
+    self.fragments = fragments
+    self.servers = [make_server(outer_tx, fragments.take(params, p), lookahead=lookahead)
+                    for p in range(fragments.num)]
+
+  @property
+  def params(self) -> Any:
+    return self.fragments.merge([server.params for server in self.servers])
+
+  @property
+  def outer_state(self) -> list[Any]:
+    return [server.outer_state for server in self.servers]
+
+  def get(self) -> tuple[Any, list[Any]]:
+    """(θ, the fragments' outer states) on the host."""
+    parts = [server.get() for server in self.servers]
+    return self.fragments.merge([params for params, _ in parts]), [state for _, state in parts]
+
+  def set(self, params: Any, outer_state: list[Any]) -> None:
+    for p, server in enumerate(self.servers):
+      server.set(self.fragments.take(params, p), outer_state[p])
+
+  def dispatch_point(self) -> Any:
+    """θ's dispatch point, fragment by fragment."""
+    return self.fragments.merge([server.dispatch_point() for server in self.servers])
+
+  def fragment(self, p: int) -> OuterServer:
+    return self.servers[p]
+
+
 def _check_like(delta: Any, params: Any, where: str) -> None:
   """``delta`` has θ's tree structure and leaf shapes, or a ValueError naming the leaf."""
   if jax.tree.structure(delta) != jax.tree.structure(params):

@@ -79,6 +79,11 @@ _BAD = [
     ("compression.kind=int3", "config.compression.kind='int3'"),
     ("compression.block=0", "config.compression.block=0"),
     ("compression.fraction=0", "config.compression.fraction=0"),
+    ("streaming.fragments=0", "config.streaming.fragments=0"),
+    ("streaming.fragments=3", "config.streaming.fragments=3"),  # does not divide H = 20
+    ("streaming.layout=random", "config.streaming.layout='random'"),
+    ("streaming.alpha=0", "config.streaming.alpha=0"),
+    ("streaming.overlap_steps=1", "config.streaming.overlap_steps=1"),  # with one fragment
 ]
 
 

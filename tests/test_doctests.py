@@ -25,6 +25,7 @@ MODULES = [
     "heloco_jax.outer.lookahead",
     "heloco_jax.outer.weighting",
     "heloco_jax.compress",
+    "heloco_jax.fragments",
 ]
 
 # The public functions that must carry a runnable example.

@@ -72,6 +72,17 @@ def _kill_after_second_checkpoint(args, workdir, timeout=300):
                             "--config.compression.fraction=0.05",
                             "--config.compression.error_feedback=true"],
                  marks=pytest.mark.slow),
+    # Fragments in flight with their residuals, anchors and overlapped syncs.
+    ("heloco", ["--config.speeds=severe", "--config.jitter=0.2", "--config.budget.tokens=8000",
+                "--config.checkpoint_every=3", "--config.inner_steps=4",
+                "--config.streaming.fragments=2", "--config.streaming.overlap_steps=1",
+                "--config.streaming.alpha=0.5", "--config.compression.kind=int4",
+                "--config.compression.error_feedback=true"]),
+    pytest.param("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
+                            "--config.checkpoint_every=2", "--config.inner_steps=4",
+                            "--config.streaming.fragments=2",
+                            "--config.streaming.overlap_steps=1",
+                            "--config.streaming.alpha=0.5"], marks=pytest.mark.slow),
 ])
 def test_sigkill_then_the_same_command_gives_the_uninterrupted_run(tmp_path, method, extra):
   args = [*TINY, f"--config.method={method}", *extra]

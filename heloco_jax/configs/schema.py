@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from heloco_jax import clock, compress, data, methods, model
+from heloco_jax import clock, compress, data, fragments, methods, model
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
 from heloco_jax.outer.heloco import WEIGHT_ORDERS
 from heloco_jax.outer.weighting import WEIGHTINGS
@@ -275,6 +275,15 @@ KEYS: tuple[Key, ...] = (
     Key("comm.ddp_overlap", 0.0, number(0.0, 1.0, high_open=True),
         "fraction of a DDP step's compute that its all-reduce hides behind (0 = none; "
         "2/3 ~ PyTorch DDP)"),
+    # streaming
+    Key("streaming.fragments", 1, integer(1), "P: θ split into P fragments, fragment p synced "
+        "every inner_steps at offset p·inner_steps/P (1 = θ whole; P divides inner_steps)"),
+    Key("streaming.layout", "contiguous", one_of(fragments.LAYOUTS),
+        "how θ's leaves are split into fragments"),
+    Key("streaming.overlap_steps", 0, integer(0), "τ: inner steps a worker takes while a "
+        "fragment's sync is in flight (< inner_steps/P)"),
+    Key("streaming.alpha", 1.0, number(0.0, 1.0, low_open=True),
+        "α: the weight of the arrived fragment against the worker's own (1 = replace it)"),
     # compression
     Key("compression.kind", "none", one_of(compress.KINDS, " (none: Δ sent as it is)"),
         "how workers compress their pseudo-gradients before sending them (not with ddp; "
@@ -300,6 +309,8 @@ SECTIONS: dict[str, str] = {
     "distributed": "distributed: synchronous methods across processes (jax.distributed)",
     "ray": "ray: runtime=ray, a parameter-server actor and one actor per worker",
     "comm": "comm: simulated communication cost per message or all-reduce (its bytes)",
+    "streaming": "streaming: θ in fragments with staggered syncs (Streaming DiLoCo; "
+                 "docs/ALGORITHMS.md)",
     "compression": "compression: pseudo-gradients compressed before they are sent "
                    "(docs/ALGORITHMS.md)",
 }

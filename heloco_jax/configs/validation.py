@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from heloco_jax import clock, inner, model, writers
+from heloco_jax import clock, fragments, inner, model, writers
 from heloco_jax.configs import schema
 from heloco_jax.methods import METHODS
 from heloco_jax.runtime import devices
@@ -145,6 +145,11 @@ def _check_fits(config: ml_collections.ConfigDict, model_config: Any) -> None:
           f"GiB of float32 copies, and this machine has {memory / 2**30:,.0f} GiB")
 
 
+# ``fragments.refusal``'s names -> config keys.
+_STREAMING_KEYS = {"fragments": "streaming.fragments", "overlap_steps": "streaming.overlap_steps",
+                   "fragment_alpha": "streaming.alpha", "reset_optimizer": "inner.reset_optimizer"}
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   check_keys(config)
@@ -170,6 +175,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if compressing and config.runtime != "simulated":
     _fail("compression.kind", config.compression.kind, f"'none' with runtime="
           f"{config.runtime!r}; compression runs on runtime='simulated'")
+  refused = fragments.refusal(
+      method=method, fragments=config.streaming.fragments,
+      overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
+      inner_steps=config.inner_steps, simulated=config.runtime == "simulated",
+      sharded=config.model.sharding != "none", reset_optimizer=config.inner.reset_optimizer,
+      grace_window=config.grace_window, dylu=config.dylu)
+  if refused:
+    name, value, allowed = refused
+    _fail(_STREAMING_KEYS.get(name, name), value, allowed)
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
@@ -165,7 +165,10 @@ class ClockSettings:
   seed: int
   comm: clock_lib.CommModel
   model_bytes: int
-  upload_bytes: Optional[int] = None  # one worker's Δ on the wire; None: ``model_bytes``
+  # Per fragment: one worker's Δ on the wire, and the fragment's θ; None: θ as one fragment.
+  upload_bytes: Optional[Sequence[int]] = None
+  download_bytes: Optional[Sequence[int]] = None
+  overlap_steps: int = 0
 
 
 class SimulatedClock:
@@ -176,9 +179,14 @@ class SimulatedClock:
   a DDP step the slowest worker's step plus one all-reduce of the gradient,
   less what ``comm.ddp_overlap`` hides. Work is computed lazily (``eager`` False).
 
+  With fragments (ALGORITHMS.md, "Fragments") a worker sends a fragment every
+  H/P steps and, with overlap τ, keeps computing while it is in flight
+  (``fragment_arrival``); a round's all-reduce hides behind τ steps.
+
   Attributes:
     download, upload: seconds of a dispatch's θ download and Δ upload.
     allreduce: seconds of a round's all-reduce.
+    downloads, uploads, allreduces: the same per fragment.
   """
 
   eager = False
@@ -188,11 +196,16 @@ class SimulatedClock:
     del executor
     self.steps = clock_lib.StepClock(settings.seconds_per_step, settings.jitter, settings.seed)
     self.num_workers = len(settings.seconds_per_step)
-    upload_bytes = (settings.model_bytes if settings.upload_bytes is None
-                    else settings.upload_bytes)
-    self.download = settings.comm.message_seconds(settings.model_bytes)
-    self.upload = settings.comm.message_seconds(upload_bytes)
-    self.allreduce = settings.comm.allreduce_seconds(upload_bytes, self.num_workers)
+    comm, k = settings.comm, self.num_workers
+    ups = settings.upload_bytes or [settings.model_bytes]
+    downs = settings.download_bytes or [settings.model_bytes]
+    self.uploads = [comm.message_seconds(b) for b in ups]
+    self.downloads = [comm.message_seconds(b) for b in downs]
+    self.allreduces = [comm.allreduce_seconds(b, k) for b in ups]
+    self.download = comm.message_seconds(settings.model_bytes)
+    self.upload, self.allreduce = self.uploads[0], self.allreduces[0]
+    self.overlap_steps = settings.overlap_steps
+    self._slowest = float(np.max(settings.seconds_per_step))
     self._ddp_allreduce = settings.comm.allreduce_seconds(settings.model_bytes, self.num_workers)
     self.comm = settings.comm
 
@@ -206,6 +219,40 @@ class SimulatedClock:
     del start
     return (max(self.steps.duration(i, int(real_steps[i])) for i in range(self.num_workers))
             + self.allreduce)
+
+  def fragment_arrival(self, worker: int, steps: int, now: float, received: Optional[int],
+                       sent: int) -> float:
+    """When a worker's next fragment reaches the server (ALGORITHMS.md, "Fragments").
+
+    The worker's last fragment arrived at ``now``; it then receives fragment
+    ``received`` (None: all of θ, a first dispatch), takes ``steps`` inner
+    steps (the first τ of them while the download is in flight, from when it
+    sent its last fragment, ``now`` − that fragment's upload) and sends
+    fragment ``sent``.
+    """
+    down = self.download if received is None else self.downloads[received]
+    tau = min(self.overlap_steps, steps) if received is not None else 0
+    if tau == 0:
+      return now + down + self.steps.duration(worker, steps) + self.uploads[sent]
+    sent_at = now - self.uploads[received]  # it sent `received`'s Δ then, and went on
+    resume = max(sent_at + self.steps.duration(worker, tau), now + down)
+    return resume + self.steps.duration(worker, steps - tau) + self.uploads[sent]
+
+  def fragment_wait(self, worker: int, received: Optional[int], sent: int) -> float:
+    """The seconds a worker waits on the network for one fragment sync (network_seconds):
+    without overlap θ's or the fragment's download and the upload of what it sends; with
+    overlap the round trip of the fragment less τ steps at the worker's nominal speed."""
+    if received is None or self.overlap_steps == 0:
+      down = self.download if received is None else self.downloads[received]
+      return down + self.uploads[sent]
+    return max(0.0, self.uploads[received] + self.downloads[received]
+               - self.overlap_steps * float(self.steps.seconds[worker]))
+
+  def fragment_round_seconds(self, steps: int, fragment: int) -> float:
+    """A round of ``steps`` steps that ends in fragment ``fragment``'s all-reduce, less the τ
+    steps of the next round it runs behind (at the slowest worker's speed)."""
+    compute = max(self.steps.duration(i, steps) for i in range(self.num_workers))
+    return compute + max(0.0, self.allreduces[fragment] - self.overlap_steps * self._slowest)
 
   def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]:
     """(steps to run, their (seconds, exposed all-reduce seconds)): only the steps that end

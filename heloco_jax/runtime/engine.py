@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from heloco_jax import compress, problem, rejection
+from heloco_jax import compress, fragments as fragments_lib, problem, rejection
+from heloco_jax import server as server_lib
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
 from heloco_jax.runtime.state import Recorder, Run, RunSpec, RunState, WorkerStream
@@ -111,14 +112,20 @@ class Engine:
     model_bytes = sum(int(np.size(x)) * np.dtype(x.dtype).itemsize
                       for x in jax.tree.leaves(params))
     self.eval_fn = eval_fn
-    server = executor.make_server(outer_tx, params, lookahead=lookahead)
-    uplink = state_lib.Uplink(compressor, params)
-    clock = runtime.clock(base.ClockSettings(np.asarray(spec.seconds_per_step, float),
-                                             spec.jitter, spec.seed, spec.comm, model_bytes,
-                                             uplink.bytes_up), executor)
+    fragments = fragments_lib.split(params, spec.fragments, spec.fragment_layout)
+    if spec.streaming:
+      server = server_lib.FragmentServers(executor.make_server, outer_tx, params, fragments,
+                                          lookahead=lookahead)
+    else:
+      server = executor.make_server(outer_tx, params, lookahead=lookahead)
+    uplink = state_lib.Uplink(compressor, params, fragments)
+    clock = runtime.clock(base.ClockSettings(
+        np.asarray(spec.seconds_per_step, float), spec.jitter, spec.seed, spec.comm,
+        model_bytes, uplink.bytes_up, uplink.bytes_down, spec.overlap_steps), executor)
     recorder = Recorder(spec.metrics_fetch_every)
     self._run = Run(
         spec=spec, executor=executor, clock=clock, server=server, uplink=uplink,
+        fragments=fragments,
         arrivals=lambda: runtime.arrivals(clock, executor, recorder.emit),
         streams=streams, recorder=recorder,
         state=RunState(next_checkpoint=spec.checkpoint_every),
@@ -197,8 +204,10 @@ class Engine:
               "key": jax.random.key_data(run.key),
               "workers": fetch(s.workers, "state"),
               "pending": [fetch(s.jobs[w].delta, "delta") for w in sorted(s.jobs)]}
-    if s.compression is not None:  # the key only then: earlier checkpoints stay readable
+    if s.compression is not None:  # the keys only then: earlier checkpoints stay readable
       arrays["compression"] = s.compression
+    if s.anchors is not None:
+      arrays["anchors"] = s.anchors
     meta = s.meta()
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
       loss = fetch(s.jobs[w].train_loss, "train_loss")
@@ -217,11 +226,19 @@ class Engine:
     template = {"params": self.params, "outer_state": self.outer_state,
                 "key": jax.random.key_data(self._run.key), "workers": workers,
                 "pending": [self.params] * len(meta["jobs"])}
-    if self._run.uplink.compressor is not None and meta["phase"] in ("rounds", "async"):
-      state = jax.eval_shape(self._run.uplink.compressor.init, self.params)
+    if self.spec.streaming and meta["phase"] == "async":  # each job's Δ: one fragment's
+      template["pending"] = [self._run.fragments.take(self.params, meta["syncs"][entry[0]]
+                                                      % self.spec.fragments)
+                             for entry in meta["jobs"]]
+    run = self._run
+    if run.uplink.compressor is not None and meta["phase"] in ("rounds", "async"):
+      states = [jax.eval_shape(run.uplink.compressor.init, run.fragments.take(self.params, p))
+                for p in range(run.fragments.num)]
       template["compression"] = (
-          jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
-          if meta["phase"] == "rounds" else [state] * k)
+          [jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
+           for state in states] if meta["phase"] == "rounds" else [states] * k)
+    if self.spec.streaming and meta["phase"] == "async":
+      template["anchors"] = [self.params] * k
     if self.layout is None:
       return template
     # Sharded θ: restored where an uninterrupted run holds each array.
@@ -234,10 +251,10 @@ class Engine:
     run.server.set(arrays["params"], arrays["outer_state"])
     run.key = jax.random.wrap_key_data(arrays["key"])
     pending, workers = arrays["pending"], arrays["workers"]
-    compression = arrays.get("compression")
+    compression, anchors = arrays.get("compression"), arrays.get("anchors")
     if self.layout is not None:  # back where an uninterrupted run holds them
       pending, workers, compression = self.layout.put((pending, workers, compression))
-    run.state.load(meta, pending, workers, compression)
+    run.state.load(meta, pending, workers, compression, anchors)
     run.streak.set_state(run.state.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):

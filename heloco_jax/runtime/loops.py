@@ -24,13 +24,14 @@ on at each yield, in one place.
 from __future__ import annotations
 
 import functools
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import clock as clock_lib, inner as inner_lib, rejection
+from heloco_jax import clock as clock_lib, fragments as fragments_lib, inner as inner_lib
+from heloco_jax import rejection
 from heloco_jax.runtime import base
 from heloco_jax.runtime.state import Job, Run
 
@@ -41,12 +42,12 @@ def _stack_copies(tree, k: int):
   return jax.tree.map(lambda x: jnp.stack([x] * k), tree)
 
 
-def _emit_train(run: Run, loss, **transfers: int) -> None:
+def _emit_train(run: Run, loss, **fields: int) -> None:
   """The ``train`` row of a round or a DDP chunk: its steps' mean training loss and the
-  bytes its workers sent and received."""
+  bytes its workers sent and received (and a round's fragment)."""
   s = run.state
   run.emit({"event": "train", run.spec.unit: s.units, "sim_time": s.sim_time,
-            "outer_updates": s.version, **transfers, **run.train_loss(loss)})
+            "outer_updates": s.version, **fields, **run.train_loss(loss)})
 
 
 def steps_per_dispatch(spec) -> np.ndarray:
@@ -63,21 +64,30 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   queue = run.arrivals()
 
   def dispatch(worker: int, now: float) -> None:
-    work = functools.partial(
-        run.executor.run_worker, worker, s.workers[worker], run.server.dispatch_point(),
-        run.batches(worker, int(steps[worker])), run.next_key())
-    finish = clock.finish(worker, int(steps[worker]), now)
-    s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
-                         finish, work)
+    if spec.streaming:
+      s.jobs[worker] = _dispatch_fragment(run, worker, now)
+    else:
+      work = functools.partial(
+          run.executor.run_worker, worker, s.workers[worker], run.server.dispatch_point(),
+          run.batches(worker, int(steps[worker])), run.next_key())
+      finish = clock.finish(worker, int(steps[worker]), now)
+      s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
+                           finish, work)
     if clock.eager:
       run.compute(worker)
     queue.push(worker, s.jobs[worker])
 
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
+    if spec.streaming:
+      s.jobs[worker].fragment = s.syncs[worker] % spec.fragments
     queue.push(worker, s.jobs[worker])
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
     s.compression = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
+    if spec.streaming:
+      s.fragment_versions = [0] * spec.fragments
+      s.syncs, s.received = [0] * spec.num_workers, [None] * spec.num_workers
+      s.anchors = [None] * spec.num_workers
     for worker in range(spec.num_workers):
       dispatch(worker, 0.0)
   try:
@@ -97,30 +107,125 @@ async def run_async(run: Run) -> AsyncIterator[None]:
 
 
 def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
-  """One arrival group: at most one outer update, its rows, rejected workers reset."""
+  """One arrival group: at most one outer update, its rows, rejected workers reset. With
+  fragments a group is one arrival, of one fragment, applied by its server."""
   s, spec = run.state, run.spec
   for w in group:
     run.compute(w)
   arrived = [s.jobs.pop(w) for w in group]
   s.units, s.sim_time = units, now
-  taus = [s.version - job.version for job in arrived]
-  results = run.server.update(taus, *(job.delta for job in arrived), fetch=False)
+  p = arrived[0].fragment
+  server, version = ((run.server.fragment(p), s.fragment_versions[p]) if spec.streaming
+                     else (run.server, s.version))
+  taus = [version - job.version for job in arrived]
+  received = [_received(run, w) for w in group]  # before a rejection restarts the worker
+  downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
+  if spec.streaming and run.clock.simulated:
+    network = run.clock.fragment_wait(group[0], received[0], p)
+  else:
+    network = _transfer_seconds(run.clock, "dispatch", len(group))
+  results = server.update(taus, *(job.delta for job in arrived), fetch=False)
   reasons = [result.pop("reason") for result in results]
   for w, tau, reason, job in zip(group, taus, reasons, arrived):
     if reason is not None:
       run.reject(w, reason, tau, job.units)
       s.workers[w] = run.executor.fresh_moments(s.workers[w])
+      if spec.streaming:  # it starts again from θ as a whole
+        s.syncs[w] = 0
   if any(reason is None for reason in reasons):
     s.version += 1
-  up, down = run.uplink.bytes_up, run.uplink.bytes_down
-  s.sync(len(group) * (up + down), _transfer_seconds(run.clock, "dispatch", len(group)))
-  for w, tau, reason, result, job in zip(group, taus, reasons, results, arrived):
+    if spec.streaming:
+      s.fragment_versions[p] += 1
+  up = run.uplink.bytes_up[p]
+  s.sync(len(group) * up + sum(downs), network)
+  for w, tau, reason, result, job, down in zip(group, taus, reasons, results, arrived, downs):
     if reason is None:
       s.staleness.append(tau)
       run.emit({"event": "arrival", "worker": w, "staleness": tau, spec.unit: s.units,
-                "sim_time": now, "outer_updates": s.version, "bytes_up": up,
+                "sim_time": now, "outer_updates": s.version, "fragment": p, "bytes_up": up,
                 "bytes_down": down, **run.train_loss(job.train_loss), **result})
   run.streak.update(reasons, group)
+
+
+def _received(run: Run, worker: int) -> Optional[int]:
+  """What the worker whose work arrives received when it was dispatched: None for θ as a
+  whole, or with fragments the fragment it had sent before."""
+  syncs = run.state.syncs[worker] if run.spec.streaming else 0
+  return None if syncs <= 1 else (syncs - 1) % run.spec.fragments
+
+
+def _dispatch_fragment(run: Run, worker: int, now: float) -> Job:
+  """A worker's next H/P steps, which end in its next fragment's Δ (ALGORITHMS.md,
+  "Fragments"). It first receives the fragment it sent last (its server's dispatch point;
+  all of θ at a first dispatch), which replaces (α = 1) or blends into its own after τ
+  steps; the Δ of fragment p is its anchor (p as last received) − the end's p."""
+  s, spec, fragments = run.state, run.spec, run.fragments
+  steps = spec.inner_steps // spec.fragments
+  last = s.syncs[worker]
+  if last == 0:  # θ as a whole: a first dispatch, or after a rejection
+    start = run.server.dispatch_point()
+    s.anchors[worker], s.received[worker] = start, list(s.fragment_versions)
+    received, arrived = None, None
+  else:
+    received = last % spec.fragments
+    arrived = run.server.fragment(received).dispatch_point()
+    s.anchors[worker] = fragments.put(s.anchors[worker], arrived, received)
+    s.received[worker][received] = s.fragment_versions[received]
+    start = None
+  s.syncs[worker] = last + 1
+  sent = s.syncs[worker] % spec.fragments
+  work = functools.partial(_fragment_work, run, worker, s.workers[worker], start, arrived,
+                           received, fragments.take(s.anchors[worker], sent), sent,
+                           run.batches(worker, steps), run.next_key())
+  finish = run.clock.fragment_arrival(worker, steps, now, received, sent)
+  return Job(None, s.received[worker][sent], steps * spec.units_per_step, finish, work,
+             fragment=sent)
+
+
+def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: Any,
+                   received: Optional[int], anchor: Any, sent: int, batches: Any,
+                   key: jax.Array) -> tuple[Any, Any, Any]:
+  """``_dispatch_fragment``'s steps: (end state, Δ of fragment ``sent``, mean training
+  loss)."""
+  executor, fragments = run.executor, run.fragments
+  alpha, tau = run.spec.fragment_alpha, run.spec.overlap_steps
+  steps = jax.tree.leaves(batches)[0].shape[0]
+
+  def merged(params):  # the arrived fragment in the worker's params
+    local = fragments.take(params, received)
+    return fragments.put(params, fragments_lib.merge_arrived(alpha, _on(arrived, local), local),
+                         received)
+
+  if start is not None:
+    state, _, loss = executor.run_worker(worker, previous, start, batches, key)
+  elif tau == 0:
+    state, _, loss = executor.run_worker(worker, previous, merged(previous.params), batches, key)
+  else:  # τ steps while the fragment is in flight, then the rest
+    head, tail = _split_steps(batches, tau, axis=0)
+    first, second = jax.random.split(key)
+    state, _, head_loss = executor.run_worker(worker, previous, previous.params, head, first)
+    state, _, tail_loss = executor.run_worker(worker, state, merged(state.params), tail, second)
+    loss = (tau * head_loss + (steps - tau) * tail_loss) / steps
+  return state, _subtract(anchor, _on(fragments.take(state.params, sent), anchor)), loss
+
+
+def _split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
+  """``batches`` cut after ``tau`` steps along ``axis``."""
+  head = jax.tree.map(lambda x: np.take(x, np.arange(tau), axis=axis), batches)
+  tail = jax.tree.map(lambda x: np.take(x, np.arange(tau, x.shape[axis]), axis=axis), batches)
+  return head, tail
+
+
+def _on(tree: Any, like: Any) -> Any:
+  """``tree`` on the device of ``like``'s first leaf (workers may compute on other devices
+  than the server's)."""
+  device = next(iter(jax.tree.leaves(like)[0].devices()))
+  return jax.device_put(tree, device)
+
+
+@jax.jit
+def _subtract(a: Any, b: Any) -> Any:
+  return jax.tree.map(jnp.subtract, a, b)
 
 
 def _transfer_seconds(clock: base.Clock, what: str, count: int) -> Optional[float]:
@@ -160,6 +265,10 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       s.workers = _stack_copies(s.workers, k)
   if s.phase != "rounds":
     s.compression = run.uplink.init(executor.to_rounds(run.server.params), k, stacked=True)
+  if spec.streaming:
+    async for _ in _streaming_rounds(run):
+      yield
+    return
   s.phase = "rounds"
   while True:
     # Every worker restarts from θ, keeping its own step count (and its optimizer
@@ -178,28 +287,111 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     if spec.budget.over(units, s.sim_time + duration):
       return
     s.units, s.sim_time = units, s.sim_time + duration
-    reasons = rejection.reasons(*map(executor.to_host,
-                                     rejection.nonfinite(states.params, per_worker=True)))
-    accepted = np.array([reason is None for reason in reasons])
-    for i, reason in enumerate(reasons):
-      if reason is not None:
-        run.reject(i, reason, 0, int(real_steps[i]) * spec.units_per_step)
-    run.streak.update(reasons)
+    accepted = _screen_round(run, states, real_steps)
     if not accepted.all():
       states = inner.reset_moments(states, executor.to_rounds(~accepted))
     s.workers = states
     if s.compression is not None:  # every worker sends, and keeps its residual
-      delta, s.compression = run.uplink.round_delta(run.server.params, states.params, accepted,
-                                                    s.compression)
+      delta, s.compression[0] = run.uplink.round_delta(run.server.params, states.params,
+                                                       accepted, s.compression[0])
     elif accepted.any():
       delta = executor.round_delta(run.server.params, states.params, accepted)
     if accepted.any():
       run.server.apply(delta, 0)
       s.version += 1
-    moved = 2 * k * run.uplink.bytes_up  # all-reduce: each worker's Δ out, the mean back
-    s.sync(moved, _transfer_seconds(run.clock, "round", k))
-    _emit_train(run, inner_lib.train_loss(metrics), bytes_up=k * run.uplink.bytes_up,
-                bytes_down=k * run.uplink.bytes_up)
+    _count_round(run, 0, inner_lib.train_loss(metrics))
+    yield
+
+
+def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray) -> np.ndarray:
+  """Which workers of a round are accepted (finite params); a ``rejected`` row for each other
+  (its ``real_steps`` counted), and the rejection streak updated."""
+  reasons = rejection.reasons(*map(run.executor.to_host,
+                                   rejection.nonfinite(states.params, per_worker=True)))
+  for i, reason in enumerate(reasons):
+    if reason is not None:
+      run.reject(i, reason, 0, int(real_steps[i]) * run.spec.units_per_step)
+  run.streak.update(reasons)
+  return np.array([reason is None for reason in reasons])
+
+
+def _count_round(run: Run, fragment: int, loss: Any) -> None:
+  """The bytes and network seconds of a round's all-reduce of ``fragment``, and its row."""
+  s, k, up = run.state, run.spec.num_workers, run.uplink.bytes_up[fragment]
+  clock = run.clock
+  if not clock.simulated:
+    network = None
+  elif run.spec.streaming:  # what τ steps do not hide
+    network = k * max(0.0, clock.allreduces[fragment]
+                      - run.spec.overlap_steps * float(np.max(run.spec.seconds_per_step)))
+  else:
+    network = _transfer_seconds(clock, "round", k)
+  s.sync(2 * k * up, network)  # all-reduce: each worker's Δ out, the mean back
+  _emit_train(run, loss, fragment=fragment, bytes_up=k * up, bytes_down=k * up)
+
+
+async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
+  """Streaming DiLoCo (ALGORITHMS.md, "Fragments"): every H/P steps the workers all-reduce
+  fragment j mod P's Δ_p = θ_p − mean_i θ_{i,p} and the outer rule of fragment p applies
+  it; the new θ_p replaces (α = 1) or blends into each worker's fragment, τ steps later.
+  Workers never restart as a whole: their steps and optimizer states carry on."""
+  s, spec, k = run.state, run.spec, run.spec.num_workers
+  executor, inner, fragments = run.executor, run.executor.inner, run.fragments
+  steps, tau, alpha = spec.inner_steps // spec.fragments, spec.overlap_steps, spec.fragment_alpha
+  if s.phase != "rounds":
+    s.phase = "rounds"
+    s.workers = inner.start_many(executor.to_rounds(run.server.params), None, k)
+    s.fragment_versions, s.syncs = [0] * spec.fragments, [0]
+
+  def merged(states, p):  # fragment p's new θ_p in every worker's params
+    local = fragments.take(states.params, p)
+    arrived = jax.tree.map(lambda x, y: jnp.broadcast_to(x, y.shape),
+                           executor.to_rounds(run.server.fragment(p).params), local)
+    return states._replace(params=fragments.put(
+        states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
+
+  while True:
+    j = s.syncs[0] + 1
+    p = j % spec.fragments
+    batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, steps) for i in range(k)])
+    keys = jnp.stack([run.next_key()] * k)
+    if tau == 0 or j == 1:
+      states, metrics = executor.run_round(s.workers, batches, keys, None)
+      loss = inner_lib.train_loss(metrics)
+    else:  # τ steps while fragment j − 1's sync is in flight, then it lands
+      head, tail = _split_steps(batches, tau, axis=1)
+      states, first = executor.run_round(s.workers, head, keys, None)
+      states, second = executor.run_round(merged(states, (j - 1) % spec.fragments), tail,
+                                          keys, None)
+      loss = (tau * inner_lib.train_loss(first)
+              + (steps - tau) * inner_lib.train_loss(second)) / steps
+    units = s.units + k * steps * spec.units_per_step
+    duration = run.clock.fragment_round_seconds(steps, p)
+    if spec.budget.over(units, s.sim_time + duration):
+      return
+    s.units, s.sim_time = units, s.sim_time + duration
+    accepted = _screen_round(run, states, np.full(k, steps))
+    if not accepted.all():  # a rejected worker starts again from θ, with fresh moments
+      theta = executor.to_rounds(run.server.params)
+      keep = executor.to_rounds(accepted)
+      states = inner.reset_moments(states, executor.to_rounds(~accepted))
+      states = states._replace(params=jax.tree.map(
+          lambda x, t: jnp.where(keep.reshape((-1,) + (1,) * t.ndim), x, t[None]),
+          states.params, theta))
+    server = run.server.fragment(p)
+    ends = fragments.take(states.params, p)
+    if s.compression is not None:
+      delta, s.compression[p] = run.uplink.round_delta(server.params, ends, accepted,
+                                                       s.compression[p])
+    elif accepted.any():
+      delta = executor.round_delta(server.params, ends, accepted)
+    if accepted.any():
+      server.apply(delta, 0)
+      s.version += 1
+      s.fragment_versions[p] += 1
+    s.workers = merged(states, p) if tau == 0 else states
+    s.syncs[0] = j
+    _count_round(run, p, loss)
     yield
 
 
@@ -228,7 +420,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
     run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
     seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params)
     # Every step all-reduces the gradient: each worker's out, the mean back.
-    gradient = run.uplink.bytes_down
+    gradient = run.uplink.model_bytes
     for step in range(chunk):
       s.sync(2 * k * gradient, None if planned is None else k * planned[step][1])
     s.version += chunk

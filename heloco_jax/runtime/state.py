@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import clock as clock_lib, compress as compress_lib, methods as methods_lib
-from heloco_jax import problem, server as server_lib
+from heloco_jax import clock as clock_lib, compress as compress_lib, fragments as fragments_lib
+from heloco_jax import methods as methods_lib, problem, server as server_lib
 
 Row = dict[str, Any]
 PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
@@ -75,6 +75,12 @@ class RunSpec:
       all pseudo-sync on the same steps, as the PALSGD authors' code) or
       "independent" (a key per worker).
     metrics_fetch_every: arrival rows whose device scalars are fetched together.
+    fragments: P, θ's fragments, each synced every H steps at offset p·H/P
+      (ALGORITHMS.md, "Fragments"); 1: θ syncs as a whole.
+    fragment_layout: how leaves are split (``heloco_jax.fragments.split``).
+    overlap_steps: τ, inner steps a worker takes while a fragment's sync is in
+      flight (with fragments).
+    fragment_alpha: α, the weight of the arrived fragment against the local one.
     seed: PRNG seed of dispatch keys and the clock's jitter.
   """
   method: methods_lib.Method
@@ -94,7 +100,16 @@ class RunSpec:
   rejection_limit: int = 0
   palsgd_coins: str = "shared"
   metrics_fetch_every: int = 16
+  fragments: int = 1
+  fragment_layout: Any = "contiguous"
+  overlap_steps: int = 0
+  fragment_alpha: float = 1.0
   seed: int = 0
+
+  @property
+  def streaming(self) -> bool:
+    """θ syncs fragment by fragment (``runtime.loops``' streaming path)."""
+    return self.fragments > 1
 
 
 class WorkerStream:
@@ -216,36 +231,42 @@ class Recorder:
 
 
 class Uplink:
-  """How a worker's Δ reaches the server: compressed or not, and the bytes each way
-  (ALGORITHMS.md, "Compression in a run").
+  """How a worker's Δ reaches the server: compressed or not, fragment by fragment, and the
+  bytes each way (ALGORITHMS.md, "Compression in a run" and "Fragments").
 
   Args:
     compressor: a ``heloco_jax.compress.Compressor``, or None: Δ is sent as it is.
     params: θ (shapes and dtypes: the bytes of a message).
+    fragments: θ's split (``heloco_jax.fragments.Fragments``).
 
   Attributes:
-    bytes_up: one worker's Δ on the wire (the compressor's payload).
-    bytes_down: θ sent to a worker (its own bytes).
+    bytes_up: per fragment, one worker's Δ of it on the wire (the compressor's payload).
+    bytes_down: per fragment, its θ sent to a worker (its own bytes).
+    model_bytes: θ's bytes (a first dispatch sends all of θ).
   """
 
-  def __init__(self, compressor: Optional[compress_lib.Compressor], params: Any):
+  def __init__(self, compressor: Optional[compress_lib.Compressor], params: Any,
+               fragments: fragments_lib.Fragments):
     self.compressor = compressor
-    self.bytes_up = compress_lib.payload_nbytes(compressor, params)
-    self.bytes_down = compress_lib.payload_nbytes(None, params)
+    self.fragments = fragments
+    parts = [fragments.take(params, p) for p in range(fragments.num)]
+    self.bytes_up = [compress_lib.payload_nbytes(compressor, part) for part in parts]
+    self.bytes_down = [compress_lib.payload_nbytes(None, part) for part in parts]
+    self.model_bytes = compress_lib.payload_nbytes(None, params)
     if compressor is not None:
       self._send = jax.jit(functools.partial(compress_lib.transmit, compressor))
       self._init = jax.jit(compressor.init)
       self._round = jax.jit(functools.partial(_compressed_round_delta, compressor))
 
   def init(self, params: Any, num_workers: int, stacked: bool) -> Any:
-    """The K workers' first compressor states (None without a compressor): a list, or one
-    tree stacked on a leading axis (rounds)."""
+    """The K workers' first compressor states, per fragment (None without a compressor):
+    ``[worker][fragment]``, or for rounds ``[fragment]`` stacked over workers on axis 0."""
     if self.compressor is None:
       return None
-    state = self._init(params)
+    states = [self._init(self.fragments.take(params, p)) for p in range(self.fragments.num)]
     if stacked:
-      return jax.tree.map(lambda x: jnp.stack([x] * num_workers), state)
-    return [state] * num_workers  # never changed in place: a new tree per arrival
+      return [jax.tree.map(lambda x: jnp.stack([x] * num_workers), state) for state in states]
+    return [list(states) for _ in range(num_workers)]  # never changed in place
 
   def send(self, delta: Any, state: Any) -> tuple[Any, Any]:
     """(what the server receives of Δ, the worker's next state): ``compress.transmit``."""
@@ -284,7 +305,8 @@ class Job:
 
   ``delta`` is None while the work is deferred: ``work`` then computes
   (end state, Δ, mean training loss) from the inputs fixed at dispatch
-  (simulated clock).
+  (simulated clock). With fragments, Δ is that of ``fragment`` and ``version``
+  the fragment's version when the worker last received it.
   """
   delta: Any
   version: int
@@ -292,6 +314,7 @@ class Job:
   finish: float
   work: Optional[Callable[[], tuple[Any, Any, Any]]] = None
   train_loss: Any = None
+  fragment: int = 0
 
 
 @dataclasses.dataclass
@@ -325,11 +348,18 @@ class RunState:
   bytes_sent: int = 0
   peak_bytes_per_sync: int = 0
   network_seconds: float = 0.0
+  # Fragments: each fragment's version; per worker, its syncs so far and the version of each
+  # fragment when it last received it; the round loop's syncs so far; the anchors (per worker,
+  # θ as it last received each fragment: the start of the fragment's Δ).
+  fragment_versions: list = dataclasses.field(default_factory=list)
+  syncs: list = dataclasses.field(default_factory=list)
+  received: list = dataclasses.field(default_factory=list)
+  anchors: Any = None
 
   META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining",
           "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
           "next_eval", "next_checkpoint", "wall_before", "bytes_sent", "peak_bytes_per_sync",
-          "network_seconds")
+          "network_seconds", "fragment_versions", "syncs", "received")
 
   def meta(self) -> dict[str, Any]:
     """The JSON-serialisable fields (a checkpoint's meta)."""
@@ -346,7 +376,7 @@ class RunState:
     self.network_seconds += network_seconds or 0.0
 
   def load(self, meta: dict[str, Any], pending: list[Any], workers: Any,
-           compression: Any = None) -> None:
+           compression: Any = None, anchors: Any = None) -> None:
     for name in self.META:  # keys added since a checkpoint was written keep their defaults
       setattr(self, name, meta.get(name, getattr(self, name)))
     self.staleness = list(self.staleness)
@@ -354,7 +384,7 @@ class RunState:
     # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
     self.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])
                  for entry, delta in zip(meta["jobs"], pending)}
-    self.workers, self.compression = workers, compression
+    self.workers, self.compression, self.anchors = workers, compression, anchors
 
 
 @dataclasses.dataclass
@@ -368,6 +398,7 @@ class Run:
     arrivals: builds the queue of asynchronous work in flight.
     server: θ, the outer state and the outer rule (``server.OuterServer``).
     uplink: how Δ reaches the server (``Uplink``).
+    fragments: θ's split (``heloco_jax.fragments.Fragments``; one fragment: θ).
     streams: the K workers' ``WorkerStream``s.
     recorder: the metrics rows.
     state: the host side of where the run stands.
@@ -380,6 +411,7 @@ class Run:
   arrivals: Callable[[], Any]
   server: Any
   uplink: Uplink
+  fragments: fragments_lib.Fragments
   streams: list[WorkerStream]
   recorder: Recorder
   state: RunState
@@ -407,8 +439,8 @@ class Run:
         raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "
                           f"{job.version}) failed in loss_fn or inner_tx: {first}") from error
       if self.state.compression is not None:
-        job.delta, self.state.compression[worker] = self.uplink.send(
-            job.delta, self.state.compression[worker])
+        states = self.state.compression[worker]
+        job.delta, states[job.fragment] = self.uplink.send(job.delta, states[job.fragment])
       job.work = None
     return job.delta
 
