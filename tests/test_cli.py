@@ -151,6 +151,7 @@ def test_a_run_writes_config_metrics_and_summary(tmp_path, capsys):
   assert set(summary) == {"method", "seed", "tokens", "applied_tokens", "rejected_tokens",
                           "rejected", "sim_time", "outer_updates",
                           "initial_val_loss", "final_val_loss", "mean_staleness",
+                          "bytes_sent", "peak_bytes_per_sync", "network_seconds",
                           "wall_seconds", "tokens_per_second", "num_params"}
   assert summary["final_val_loss"] < summary["initial_val_loss"]
   assert "done:" in capsys.readouterr().err

@@ -398,6 +398,7 @@ def test_module_examples_pass():
 # in a run (ALGORITHMS.md, "Compression in a run"): the engine's uplink, bytes and clock
 # ---------------------------------------------------------------------------------------------
 import heloco_jax as hj  # noqa: E402
+from heloco_jax import fragments  # noqa: E402
 from heloco_jax.runtime import state as state_lib  # noqa: E402
 
 ASYNC_METHODS = ("async_nesterov", "delayed_nesterov", "mla", "heloco")
@@ -456,8 +457,9 @@ def test_a_round_of_compressed_deltas_against_numpy():
       rng.standard_normal((3, *p.shape)), jnp.float32), params)
   ends["b"] = ends["b"].at[1, 0].set(jnp.nan)
   accepted = np.array([True, False, True])
-  uplink = state_lib.Uplink(compress.error_feedback(compress.int4(block=16)), params)
-  states = uplink.init(params, 3, stacked=True)
+  uplink = state_lib.Uplink(compress.error_feedback(compress.int4(block=16)), params,
+                            fragments.split(params, 1))
+  [states] = uplink.init(params, 3, stacked=True)  # one fragment: θ
   delta, states = uplink.round_delta(params, ends, accepted, states)
   for name in params:
     deltas = np.asarray(params[name])[None] - np.asarray(ends[name])

@@ -94,7 +94,7 @@ def test_sections_group_the_keys():
   titles = [line for line in TEXT.splitlines() if line and not line.startswith(" ")]
   assert [t.split(":")[0] for t in titles] == ["run", "budget", "model", "data", "inner",
                                                "outer", "devices", "distributed",
-                                               "ray", "comm"]
+                                               "ray", "comm", "streaming", "compression"]
   assert TEXT.index("\n  outer.keep_threshold ") > TEXT.index("\nouter:")
 
 

@@ -172,13 +172,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if compressing and method.synchrony == "step":
     _fail("compression.kind", config.compression.kind, "'none' with method='ddp' (it sends "
           "gradients every step, not pseudo-gradients)")
-  if compressing and config.runtime != "simulated":
+  if compressing and not _runtime_factory(config).simulated_clock:
     _fail("compression.kind", config.compression.kind, f"'none' with runtime="
           f"{config.runtime!r}; compression runs on runtime='simulated'")
   refused = fragments.refusal(
       method=method, fragments=config.streaming.fragments,
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
-      inner_steps=config.inner_steps, simulated=config.runtime == "simulated",
+      inner_steps=config.inner_steps, simulated=_runtime_factory(config).simulated_clock,
       sharded=config.model.sharding != "none", reset_optimizer=config.inner.reset_optimizer,
       grace_window=config.grace_window, dylu=config.dylu)
   if refused:
