@@ -65,6 +65,7 @@ def test_cpu_and_tpu_programs_need_nothing(no_flag, monkeypatch):
   assert not determinism.flag_set()
 
 
+@pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_the_cli_sets_the_flag_before_jax_starts(tmp_path):
   # In a fresh process the CLI's default (on, simulated runtime) reaches XLA_FLAGS before
   # the backend starts; --config.deterministic=false leaves it out.

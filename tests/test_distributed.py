@@ -54,11 +54,13 @@ def _commands(workdir, args):
 
 @pytest.mark.parametrize("method, num_workers, extra", [
     ("diloco", 2, []),  # a worker per process, its batch split over the process's 2 devices
-    ("palsgd", 4, []),  # 2 workers per process: the workers axis spans the processes
-    ("ddp", 4, []),
+    # (the default suite's time, < 15 min: the other cases run under -m slow)
+    # 2 workers per process: the workers axis spans the processes
+    pytest.param("palsgd", 4, [], marks=pytest.mark.slow),
+    pytest.param("ddp", 4, [], marks=pytest.mark.slow),
     # θ FSDP-sharded over each worker's 2 devices (its process's); the replicas over workers
-    ("diloco", 2, ["--config.model.sharding=fsdp"]),
-    ("palsgd", 2, ["--config.model.sharding=fsdp"]),
+    pytest.param("diloco", 2, ["--config.model.sharding=fsdp"], marks=pytest.mark.slow),
+    pytest.param("palsgd", 2, ["--config.model.sharding=fsdp"], marks=pytest.mark.slow),
 ])
 def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra, tmp_path):
   args = [f"--config.method={method}", f"--config.num_workers={num_workers}",
@@ -107,8 +109,9 @@ def _kill_after_checkpoint(workdir, args, env, step):
 
 
 @pytest.mark.parametrize("method, devices, extra", [
-    # DDP warm-up, then rounds; θ FSDP-sharded over each worker's 4 devices (its process's)
-    ("palsgd", 4, ["--config.model.sharding=fsdp"]),
+    # DDP warm-up, then rounds; θ FSDP-sharded over each worker's 4 devices (its process's);
+    # 185 s on 2 idle cores: -m slow keeps the default suite under 15 minutes
+    pytest.param("palsgd", 4, ["--config.model.sharding=fsdp"], marks=pytest.mark.slow),
     pytest.param("diloco", 2, [], marks=pytest.mark.slow),  # θ replicated, replicas over workers
 ])
 def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, devices, extra,

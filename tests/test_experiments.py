@@ -73,6 +73,7 @@ def test_improvement_is_relative_to_the_baseline():
   assert analysis._improvement(3.0, 3.3) == pytest.approx(-10.0)
 
 
+@pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_smoke_grid_runs_writes_results_and_skips_finished_runs(tmp_path, capsys):
   out = str(tmp_path / "out")
   assert reproduce.main(["--grid=smoke", f"--out={out}", "--jobs=1"]) == 0

@@ -234,6 +234,7 @@ def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouc
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
 
 
+@pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_resumes(
     tmp_path):
   """K = 2 with no restarts: both actor processes are killed; the run stops (exit 1) with one

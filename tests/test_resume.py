@@ -64,9 +64,11 @@ def _kill_after_second_checkpoint(args, workdir, timeout=300):
     ("palsgd", ["--config.speeds=mild", "--config.budget.tokens=12000",
                 "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"]),
     # Error-feedback residuals: in flight with the asynchronous work, stacked in rounds.
-    ("heloco", ["--config.speeds=severe", "--config.jitter=0.2", "--config.budget.tokens=8000",
-                "--config.checkpoint_every=3", "--config.compression.kind=int4",
-                "--config.compression.error_feedback=true"]),
+    pytest.param("heloco", ["--config.speeds=severe", "--config.jitter=0.2",
+                            "--config.budget.tokens=8000", "--config.checkpoint_every=3",
+                            "--config.compression.kind=int4",
+                            "--config.compression.error_feedback=true"],
+                 marks=pytest.mark.slow),  # the fragments case below holds residuals too
     pytest.param("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
                             "--config.checkpoint_every=2", "--config.compression.kind=top_k",
                             "--config.compression.fraction=0.05",

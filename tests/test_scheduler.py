@@ -226,6 +226,7 @@ print(json.dumps({{"rows": engine.rows, "where": where,
 """
 
 
+@pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_workers_on_two_host_devices_give_the_numbers_of_one():
   """In-flight workers spread over 2 host devices (run concurrently) change nothing."""
   runs = []

@@ -174,6 +174,7 @@ def _cli(workdir, *args):
                         timeout=600, check=False)
 
 
+@pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_the_cli_gpt_sharded_over_4_devices_ends_as_the_unsharded_run(tmp_path):
   runs = {sharding_: _cli(tmp_path / sharding_, f"--config.model.sharding={sharding_}")
           for sharding_ in ("none", "fsdp", "fsdp_tp")}
