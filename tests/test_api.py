@@ -294,6 +294,7 @@ def test_the_same_user_code_runs_on_real_devices():
 
 
 @pytest.mark.xdist_group("ray")  # with test_ray.py: one local Ray cluster at a time
+@pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_the_same_user_code_runs_on_ray():
   """In a process of its own, as test_ray.py's runs (its ``_train`` says why)."""
   pytest.importorskip("ray")

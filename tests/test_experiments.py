@@ -495,6 +495,7 @@ def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_
       [*runs[3:5], palsgd], jobs=2, timed=[(runs[0], 800.0)]).eta()
 
 
+@pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
   out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
   args = ["--grid=smoke", f"--out={out}", f"--digests={digests}", "--jobs=2",

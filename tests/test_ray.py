@@ -209,6 +209,7 @@ def _train_while_killing(thread, run_ended, args):
     thread.join()
 
 
+@pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouched(tmp_path):
   """K = 2: each of the two actor processes is killed with SIGKILL (as `kill -9` would), one
   after the other; the run survives both, and only the killed actors restart.

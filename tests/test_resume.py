@@ -61,8 +61,9 @@ def _kill_after_second_checkpoint(args, workdir, timeout=300):
                 "--config.checkpoint_every=3"]),
     ("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
                 "--config.checkpoint_every=2"]),
-    ("palsgd", ["--config.speeds=mild", "--config.budget.tokens=12000",
-                "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"]),
+    pytest.param("palsgd", ["--config.speeds=mild", "--config.budget.tokens=12000",
+                            "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"],
+                 marks=pytest.mark.slow),
     # Error-feedback residuals: in flight with the asynchronous work, stacked in rounds.
     pytest.param("heloco", ["--config.speeds=severe", "--config.jitter=0.2",
                             "--config.budget.tokens=8000", "--config.checkpoint_every=3",

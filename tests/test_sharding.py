@@ -201,6 +201,7 @@ def _eval_losses(workdir):
     return [row["val_loss"] for row in map(json.loads, f) if row["event"] == "eval"]
 
 
+@pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_the_cli_gpt_sharded_on_ray_actors_equals_the_sharded_simulated_run(tmp_path):
   """HeLoCo with θ FSDP-sharded over 4 devices in the driver, in the server actor and in the
   worker actor (one worker: the arrival order is the simulated one) gives the sharded
