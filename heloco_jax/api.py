@@ -432,6 +432,8 @@ def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
   """The run's settings as JSON (a workdir's config.json): what a resume must match."""
   spec = dataclasses.asdict(engine.spec)
   spec["method"] = engine.spec.method.name
+  if callable(engine.spec.fragment_layout):  # its code, not its address: a resume matches
+    spec["fragment_layout"] = problem.function_fingerprint(engine.spec.fragment_layout)
   spec["comm"] = {"latency": engine.spec.comm.latency,
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
                   else engine.spec.comm.bandwidth,
