@@ -434,11 +434,12 @@ def curves(results: Sequence[Result], fig_dir: str) -> list[str]:
   return paths
 
 
-def _section(title: str, body: str, intro: str = "") -> list[str]:
-  """A RESULTS.md section's lines; none when ``body`` is empty (no runs for it)."""
+def _section(title: str, body: str, intro: str = "", level: int = 2) -> list[str]:
+  """A RESULTS.md section's lines (a heading of ``level``); none when ``body`` is empty (no
+  runs for it)."""
   if not body:
     return []
-  return [f"## {title}", "", *([intro, ""] if intro else []), body, ""]
+  return [f"{'#' * level} {title}", "", *([intro, ""] if intro else []), body, ""]
 
 
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,

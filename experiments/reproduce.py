@@ -418,17 +418,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # ablations; or the issue-18 grids), whichever grid this command ran.
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
-  issue18 = args.grid in grids.SCIENCE + grids.SKEPTIC  # issue 36's grids: the same report
-  own = {"streaming": ("RESULTS_streaming.md", "streaming", streaming.write_results)}.get(
-      args.grid)  # issue 34's grid: its own report
-  default_name = "RESULTS.md" if issue18 else "RESULTS_small_scale.md"
+  # Issues 18, 36 and 34's grids: one RESULTS.md, issue 34's runs in sections of their own.
+  one_report = args.grid in grids.SCIENCE + grids.SKEPTIC + ("streaming",)
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
-      _HERE, own[0] if own else default_name))
+      _HERE, "RESULTS.md" if one_report else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
-                         *(["science"] if issue18 else [own[1]] if own else []))
+                         *(["science"] if one_report else []))
   command = f"python -m experiments.reproduce --grid={args.grid} --out=DIR"
-  writer = own[2] if own else science.write_results if issue18 else analysis.write_results
-  writer(results, path, fig_dir, command, _scale_note(args.grid))
+  if one_report:
+    streamed = set(grids.grid("streaming"))
+    science.write_results([r for r in results if r.run not in streamed], path, fig_dir, command,
+                          _scale_note("science"), sections=streaming.sections(
+                              [r for r in results if r.run in streamed], fig_dir, path))
+  else:
+    analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
         file=sys.stderr)
   return 0

@@ -745,8 +745,10 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
 
 
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
-                  scale_note: str, small_scale: str = "RESULTS_small_scale.md") -> None:
-  """Writes RESULTS.md for issue 18's grids with its figures under ``fig_dir``."""
+                  scale_note: str, small_scale: str = "RESULTS_small_scale.md",
+                  sections: Sequence[str] = ()) -> None:
+  """Writes RESULTS.md for issue 18's and 36's grids with its figures under ``fig_dir``, and
+  ``sections`` (markdown lines: other grids' sections) before the small-scale note."""
   authors = [r for r in _authors(results) if r.run.table == "tokens"]
   figures = (curves(results, fig_dir) + palsgd_figure(results, fig_dir)
              + analysis.diagnostics_figures(authors, fig_dir, presets=grids.AUTHORS_PRESETS,
@@ -759,7 +761,7 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       "# Results", "",
       f"Regenerate from the committed digests (`experiments/results/`) with `{command} "
       f"--report-only`; without `--report-only` the runs missing there are run first. "
-      f"{len(results)} of {len(grids.grid('science'))} runs "
+      f"{len(results)} of {len(grids.grid('science')) + len(grids.grid('skeptic'))} runs "
       f"are finished ({core_hours:.1f} core-hours, one core per run).", "", scale_note, "",
       *analysis._section(  # pylint: disable=protected-access
           "The claims, measured", claims_table(results),
@@ -813,7 +815,7 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "constant inner lr; nothing else changes. Losses at T (7,895 s), mean over seeds; "
           "the lowest on de is over the run's evaluations."),
       "## Figures", "",
-      *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "",
+      *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "", *sections,
       "## Small scale", "",
       f"The earlier byte-level grid (0.28M-parameter GPT, 1M tokens per run): "
       f"[{small_scale}]({small_scale}).", ""]

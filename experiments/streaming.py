@@ -1,6 +1,6 @@
-"""RESULTS_streaming.md: issue 34's grid (``grids.streaming_grid``), from its digests.
+"""RESULTS.md's sections of issue 34's grid (``grids.streaming_grid``), from its digests.
 
-Four questions, each over the seeds a variant has (mean, and for differences with its
+Five questions, each over the seeds a variant has (mean, and for differences with its
 baseline the paired 95% CI of ``science.paired_ci``: Student's t, sample std):
 
 1. Fragments: Streaming DiLoCo's peak bytes per sync against P at equal tokens, and its loss
@@ -13,10 +13,13 @@ baseline the paired 95% CI of ``science.paired_ci``: Student's t, sample std):
 4. HeLoCo's branches under quantized pseudo-gradients: the share of blocks kept, rotated,
    shrunk or passed per compressor (the runs' trajectories differ, so this compares
    frequencies, not the same decisions on the same inputs).
+5. ... and on the same inputs: how often a block's branch changes when Δ is quantized
+   (``experiments.branches``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Sequence
@@ -26,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
 import numpy as np  # noqa: E402
 
-from experiments import analysis, grids, science  # noqa: E402
+from experiments import analysis, branches, grids, science  # noqa: E402
 from heloco_jax import outer  # noqa: E402
 
 Result = analysis.Result
@@ -180,34 +183,45 @@ def figure(results: Sequence[Result], fig_dir: str) -> list[str]:
   return [path]
 
 
-def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
-                  scale_note: str) -> None:
-  """Writes RESULTS_streaming.md with its figure under ``fig_dir``."""
+def sections(results: Sequence[Result], fig_dir: str, results_path: str) -> list[str]:
+  """RESULTS.md's sections of issue 34's grid (its figure under ``fig_dir``; links relative to
+  ``results_path``), and the shadowed HeLoCo runs of ``branches`` (their digests); nothing
+  when no run is finished."""
+  if not results:
+    return []
   figures = figure(results, fig_dir)
-  rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
+  rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(results_path)))
   core_hours = sum(r.summary.get("wall_seconds", 0.0) for r in results) / 3600
-  parts = [
-      "# Streaming and compression (issue 34)", "",
-      f"Regenerate from the committed digests (`experiments/results/streaming/`) with "
-      f"`{command} --report-only`. {len(results)} of {len(grids.grid('streaming'))} runs are "
-      f"finished ({core_hours:.1f} core-hours).", "", scale_note, "",
-      *analysis._section(  # pylint: disable=protected-access
-          "Streaming DiLoCo: fragments at equal tokens", fragments_table(results),
-          "DiLoCo at homogeneous paces, θ in P contiguous fragments, fragment p synced every "
-          "H steps at offset p·H/P; p4_overlap: τ = 2 inner steps of overlap, α = 0.5."),
-      *analysis._section(  # pylint: disable=protected-access
-          "Compressed pseudo-gradients at equal tokens", compression_table(results),
-          "_ef: with error feedback; top1pct: the 1% largest entries."),
-      *analysis._section(  # pylint: disable=protected-access
-          "A bandwidth-limited link", bandwidth_table(results),
-          f"Paces {grids.BANDWIDTH_PRESET}; θ in float32 takes 4 s each way "
-          f"({grids.STREAMING_BANDWIDTH:,.0f} bytes/s); the time budget is the one in which "
-          "non-waiting workers read the token budget. p4: 4 fragments, τ = 2, α = 0.5."),
-      *analysis._section(  # pylint: disable=protected-access
-          "HeLoCo's branches under compression", branches_table(results),
-          "Share of blocks per branch over all arrivals of the compression runs (severe). "
-          "The runs' trajectories differ, so these are frequencies, not the same decision on "
-          "the same input."),
+  scale = grids.STREAMING
+  section = functools.partial(analysis._section, level=3)  # pylint: disable=protected-access
+  return [
+      "## Streaming and compression", "",
+      f"Issue 34's grid (`--grid=streaming`, {len(results)} of "
+      f"{len(grids.grid('streaming'))} runs finished, {core_hours:.1f} core-hours): "
+      f"{scale.num_layers}-layer GPT, d_model {scale.d_model}, context {scale.context}, batch "
+      f"{scale.batch_size}, H = {scale.inner_steps}, {scale.tokens:,} tokens per run, 5 "
+      "workers, one synthetic language each; outer learning rates and momenta from "
+      "ALGORITHMS.md. Means over seeds ± sample std; differences paired by seed with their "
+      "95% CI (Student's t).", "",
+      *section("Streaming DiLoCo: fragments at equal tokens", fragments_table(results),
+               "DiLoCo at homogeneous paces, θ in P contiguous fragments, fragment p synced "
+               "every H steps at offset p·H/P; p4_overlap: τ = 2 inner steps of overlap, "
+               "α = 0.5."),
+      *section("Compressed pseudo-gradients at equal tokens", compression_table(results),
+               "_ef: with error feedback; top1pct: the 1% largest entries. HeLoCo's bytes "
+               "include θ's downloads, which are not compressed."),
+      *section("A bandwidth-limited link", bandwidth_table(results),
+               f"Paces {grids.BANDWIDTH_PRESET}; θ in float32 takes 4 s each way "
+               f"({grids.STREAMING_BANDWIDTH:,.0f} bytes/s); the time budget is the one in "
+               "which non-waiting workers read the token budget. p4: 4 fragments, τ = 2, "
+               "α = 0.5."),
+      *section("HeLoCo's branches under compression", branches_table(results),
+               "Share of blocks per branch over all arrivals of the compression runs "
+               "(severe). The runs' trajectories differ, so these are frequencies, not the "
+               "same decision on the same input: that is the next table."),
+      *section("HeLoCo's branch on the same input, quantized", branches.table(branches.load()),
+               "At every arrival of the fp32 HeLoCo runs above, the outer rule also ran from "
+               "the same state on D(C(Δ)) of each compressor (no error feedback), and each "
+               "block's branch was compared with its branch on Δ "
+               "(`python -m experiments.branches`; the runs themselves are unchanged)."),
       *[f"![{os.path.basename(p)}]({rel(p)})" for p in figures], ""]
-  with open(path, "w") as f:
-    f.write("\n".join(parts))

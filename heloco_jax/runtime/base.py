@@ -248,11 +248,15 @@ class SimulatedClock:
     return max(0.0, self.uploads[received] + self.downloads[received]
                - self.overlap_steps * float(self.steps.seconds[worker]))
 
+  def exposed_allreduce(self, fragment: int) -> float:
+    """The seconds of fragment ``fragment``'s all-reduce that the τ steps of the next round
+    (at the slowest worker's speed) do not hide: all of it without overlap."""
+    return max(0.0, self.allreduces[fragment] - self.overlap_steps * self._slowest)
+
   def fragment_round_seconds(self, steps: int, fragment: int) -> float:
-    """A round of ``steps`` steps that ends in fragment ``fragment``'s all-reduce, less the τ
-    steps of the next round it runs behind (at the slowest worker's speed)."""
+    """A round of ``steps`` steps that ends in fragment ``fragment``'s exposed all-reduce."""
     compute = max(self.steps.duration(i, steps) for i in range(self.num_workers))
-    return compute + max(0.0, self.allreduces[fragment] - self.overlap_steps * self._slowest)
+    return compute + self.exposed_allreduce(fragment)
 
   def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]:
     """(steps to run, their (seconds, exposed all-reduce seconds)): only the steps that end

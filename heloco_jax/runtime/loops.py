@@ -123,7 +123,7 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
   if spec.streaming and run.clock.simulated:
     network = run.clock.fragment_wait(group[0], received[0], p)
   else:
-    network = _transfer_seconds(run.clock, "dispatch", len(group))
+    network = _dispatch_seconds(run.clock, len(group))
   results = server.update(taus, *(job.delta for job in arrived), fetch=False)
   reasons = [result.pop("reason") for result in results]
   for w, tau, reason, job in zip(group, taus, reasons, arrived):
@@ -228,12 +228,10 @@ def _subtract(a: Any, b: Any) -> Any:
   return jax.tree.map(jnp.subtract, a, b)
 
 
-def _transfer_seconds(clock: base.Clock, what: str, count: int) -> Optional[float]:
-  """``count`` workers' seconds on the network for a dispatch each (θ down, Δ up) or a
-  round (its all-reduce), on a simulated clock; None on real time (not known)."""
-  if not clock.simulated:
-    return None
-  return count * (clock.download + clock.upload if what == "dispatch" else clock.allreduce)
+def _dispatch_seconds(clock: base.Clock, count: int) -> Optional[float]:
+  """``count`` workers' seconds on the network for a dispatch each (θ down, Δ up), on a
+  simulated clock; None on real time (not known)."""
+  return count * (clock.download + clock.upload) if clock.simulated else None
 
 
 def _launch_ahead(run: Run, queue: base.Arrivals) -> None:
@@ -318,14 +316,7 @@ def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray
 def _count_round(run: Run, fragment: int, loss: Any) -> None:
   """The bytes and network seconds of a round's all-reduce of ``fragment``, and its row."""
   s, k, up = run.state, run.spec.num_workers, run.uplink.bytes_up[fragment]
-  clock = run.clock
-  if not clock.simulated:
-    network = None
-  elif run.spec.streaming:  # what τ steps do not hide
-    network = k * max(0.0, clock.allreduces[fragment]
-                      - run.spec.overlap_steps * float(np.max(run.spec.seconds_per_step)))
-  else:
-    network = _transfer_seconds(clock, "round", k)
+  network = k * run.clock.exposed_allreduce(fragment) if run.clock.simulated else None
   s.sync(2 * k * up, network)  # all-reduce: each worker's Δ out, the mean back
   _emit_train(run, loss, fragment=fragment, bytes_up=k * up, bytes_down=k * up)
 
