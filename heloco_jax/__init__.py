@@ -20,6 +20,7 @@ from heloco_jax.outer import (
     MLAState,
     arrival_weight,
     async_nesterov,
+    cgad,
     block_names,
     heloco_correct,
     delayed_nesterov,
@@ -28,6 +29,7 @@ from heloco_jax.outer import (
     lookahead_params,
     mla,
     outer_momentum,
+    scale_by_age_gate,
     scale_by_arrival_weight,
 )
 
@@ -42,6 +44,7 @@ from heloco_jax.methods import METHODS
 from heloco_jax.rejection import DivergenceError
 from heloco_jax.runtime.engine import BudgetError, Stopped, stop_on_signals
 from heloco_jax.server import Server
+from heloco_jax.syncer import Syncer
 from heloco_jax.sharding import fsdp_specs
 from heloco_jax.workdir import WorkdirError
 from heloco_jax.writers import TensorBoardWriter, Writers
@@ -51,11 +54,11 @@ __version__ = "0.1.0"
 __all__ = [
     "METHODS", "BudgetError", "compress", "fragments", "CommModel", "DeterminismError",
     "DivergenceError", "Stopped",
-    "PalsgdState", "Server", "SimulationResult", "TensorBoardWriter", "WorkdirError",
+    "PalsgdState", "Server", "SimulationResult", "Syncer", "TensorBoardWriter", "WorkdirError",
     "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate", "fsdp_specs",
     "BRANCH_NAMES", "CorrectionInfo", "DelayedNesterovState", "HeLoCoState", "MLAState",
-    "arrival_weight", "async_nesterov", "block_names", "heloco_correct", "delayed_nesterov", "heloco",
-    "heloco_diagnostics", "lookahead_params", "mla", "outer_momentum", "scale_by_arrival_weight",
+    "arrival_weight", "async_nesterov", "block_names", "cgad", "heloco_correct", "delayed_nesterov", "heloco",
+    "heloco_diagnostics", "lookahead_params", "mla", "outer_momentum", "scale_by_age_gate", "scale_by_arrival_weight",
 ]

@@ -31,7 +31,7 @@ import optax
 
 from heloco_jax import clock, compress as compress_lib, determinism, inner as inner_lib
 from heloco_jax import fragments as fragments_lib, methods, problem, sharding
-from heloco_jax import workdir as workdir_lib
+from heloco_jax import syncer as syncer_lib, workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
@@ -124,6 +124,27 @@ def _budget(budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps,
           tokens_per_step or 1, "tokens" if tokens_per_step is not None else "steps")
 
 
+def _syncer(syncer: Optional[syncer_lib.Syncer], grace_window: float, method: Any,
+            num_workers: int) -> syncer_lib.Syncer:
+  """The run's syncer policy: ``syncer``, or ``grace_window``'s (a one-line ValueError for
+  either when not allowed)."""
+  if syncer is None:
+    syncer = syncer_lib.Syncer(grace_window=grace_window)
+  elif not isinstance(syncer, syncer_lib.Syncer):
+    raise ValueError(f"syncer={syncer!r} is not allowed; allowed: None or hj.Syncer(...)")
+  elif grace_window:
+    raise ValueError(f"grace_window={grace_window!r} is not allowed with syncer; allowed: "
+                     "hj.Syncer(grace_window=...)")
+  elif method.synchrony != "async" and syncer != syncer_lib.Syncer():
+    raise ValueError(f"syncer={syncer!r} is not allowed with method={method.name!r}; allowed: "
+                     "None (a syncer groups the arrivals of an asynchronous method)")
+  refused = syncer.refusal(num_workers)
+  if refused:
+    name, value, allowed = refused
+    raise ValueError(f"syncer.{name}={value!r} is not allowed; allowed: {allowed}")
+  return syncer
+
+
 def make_engine(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -149,6 +170,7 @@ def make_engine(
     lookahead_dispatch: Optional[bool] = None,
     reset_optimizer: Optional[bool] = None,
     grace_window: float = 0.0,
+    syncer: Optional[syncer_lib.Syncer] = None,
     dylu: bool = False,
     jitter: float = 0.0,
     comm: clock.CommModel = clock.CommModel(),
@@ -194,6 +216,7 @@ def make_engine(
   if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
     raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
                      "integer >= 0 (0 = off)")
+  syncer = _syncer(syncer, grace_window, spec_method, num_workers)
   budget, eval_every, units_per_step, unit = _budget(
       budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,
       tokens_per_step)
@@ -218,7 +241,8 @@ def make_engine(
       method=spec_method, fragments=fragments, overlap_steps=overlap_steps, alpha=fragment_alpha,
       inner_steps=inner_steps, simulated=factory.simulated_clock,
       sharded=sharding.layout_of(params) is not None, reset_optimizer=reset_optimizer,
-      grace_window=grace_window, dylu=dylu)
+      grace_window=grace_window, dylu=dylu, quorum=syncer.quorum,
+      adaptive_grace=syncer.adaptive_grace)
   if refused:
     name, value, allowed = refused
     raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
@@ -229,7 +253,7 @@ def make_engine(
   spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
-      grace_window=grace_window, palsgd_warmup_steps=palsgd_warmup_steps, budget=budget,
+      syncer=syncer, palsgd_warmup_steps=palsgd_warmup_steps, budget=budget,
       eval_every=eval_every, units_per_step=units_per_step, unit=unit,
       checkpoint_every=checkpoint_every if workdir is not None else 0,
       metrics_fetch_every=metrics_fetch_every, rejection_limit=rejection_limit or 0,
@@ -296,6 +320,7 @@ def simulate(
     lookahead_dispatch: Optional[bool] = None,
     reset_optimizer: Optional[bool] = None,
     grace_window: float = 0.0,
+    syncer: Optional[syncer_lib.Syncer] = None,
     dylu: bool = False,
     jitter: float = 0.0,
     comm: clock.CommModel = clock.CommModel(),
@@ -359,7 +384,12 @@ def simulate(
     reset_optimizer: a fresh inner optimizer state at every dispatch; None:
       the method's default (True but for PALSGD). The worker's step count and
       the step counts of the schedules in ``inner_tx``'s state are kept.
-    grace_window: simulated seconds within which arrivals are combined.
+    grace_window: seconds within which arrivals are combined (shorthand for
+      ``syncer=hj.Syncer(grace_window=...)``).
+    syncer: how an asynchronous method groups and merges arrivals
+      (``hj.Syncer(quorum=q, timeout=T, grace_window=w, adaptive_grace=κ,
+      weights="mean" | "tokens")``, docs/ALGORITHMS.md, "Syncer policies");
+      None: one update per arrival (or ``grace_window``'s groups).
     dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     comm: message and all-reduce costs (``hj.CommModel``).
@@ -438,6 +468,8 @@ def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
                   else engine.spec.comm.bandwidth,
                   "ddp_overlap": engine.spec.comm.ddp_overlap}
+  if math.isinf(engine.spec.syncer.timeout):
+    spec["syncer"]["timeout"] = None
   spec["options"] = settings  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"

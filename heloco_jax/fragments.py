@@ -157,7 +157,8 @@ def split(params: Any, num: int, layout: Layout = "contiguous") -> Fragments:
 
 def refusal(*, method: Any, fragments: Any, overlap_steps: Any, alpha: Any,
             inner_steps: int, simulated: bool, sharded: bool, reset_optimizer: Any,
-            grace_window: float, dylu: bool) -> Optional[tuple[str, Any, str]]:
+            grace_window: float, dylu: bool, quorum: int = 1, adaptive_grace: float = 0.0
+            ) -> Optional[tuple[str, Any, str]]:
   """The first fragment setting a run cannot take, as (name, value, what is allowed), or None.
 
   ``hj.make_engine`` and the CLI's config validation word it each in their own names.
@@ -187,7 +188,8 @@ def refusal(*, method: Any, fragments: Any, overlap_steps: Any, alpha: Any,
   if sharded:
     return "fragments", fragments, "1 with sharded params (fragments need θ on one device)"
   for name, value, default in (("reset_optimizer", reset_optimizer, None),
-                               ("grace_window", grace_window, 0.0), ("dylu", dylu, False)):
+                               ("grace_window", grace_window, 0.0), ("quorum", quorum, 1),
+                               ("adaptive_grace", adaptive_grace, 0.0), ("dylu", dylu, False)):
     if value not in (default, False):
       return name, value, (f"{default!r} with fragments={fragments} (workers sync one fragment "
                            "at a time and never restart as a whole)")

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from heloco_jax import clock, compress, data as data_lib, evaluate, inner as inner_lib, methods
-from heloco_jax import model as model_lib, sharding
+from heloco_jax import model as model_lib, sharding, syncer as syncer_lib
 from heloco_jax.runtime import factories
 
 Row = dict[str, Any]
@@ -155,7 +155,7 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       outer_options=outer_options(config),
       lookahead_dispatch=config.lookahead_dispatch,
       reset_optimizer=config.inner.reset_optimizer,
-      grace_window=config.grace_window, dylu=config.dylu, jitter=config.jitter,
+      syncer=syncer_of(config), dylu=config.dylu, jitter=config.jitter,
       comm=clock.CommModel(config.comm.latency,
                            math.inf if config.comm.bandwidth is None else config.comm.bandwidth,
                            config.comm.ddp_overlap),
@@ -167,6 +167,14 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       compress=compressor(config), fragments=config.streaming.fragments,
       fragment_layout=config.streaming.layout, overlap_steps=config.streaming.overlap_steps,
       fragment_alpha=config.streaming.alpha)
+
+
+def syncer_of(config: ml_collections.ConfigDict) -> syncer_lib.Syncer:
+  """The syncer policy of ``config.grace_window`` and ``config.syncer``."""
+  c = config.syncer
+  return syncer_lib.Syncer(quorum=c.quorum, timeout=math.inf if c.timeout is None else c.timeout,
+                           grace_window=config.grace_window, adaptive_grace=c.adaptive_grace,
+                           weights=c.weights)
 
 
 def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:

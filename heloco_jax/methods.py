@@ -13,6 +13,7 @@ picture"):
   delayed_nesterov  async      hj.delayed_nesterov                         θ          plain
   mla               async      hj.mla                                      θ or look-ahead (option)
   heloco            async      hj.heloco                                   look-ahead plain
+  cgad              async      hj.cgad (age-gated Adam)                    θ          plain
 
 Default outer learning rates and momenta are those of docs/ALGORITHMS.md.
 Each entry builds its own outer rule (``Method.make_outer``) and inner
@@ -146,6 +147,12 @@ def _heloco(learning_rate, num_workers, options):
   return outer.heloco(learning_rate, kwargs.pop("momentum"), **kwargs)
 
 
+def _cgad(learning_rate, num_workers, options):
+  del num_workers  # σ(τ) replaces ρ: at τ = 0 CGAD is Adam (ALGORITHMS.md, "CGAD")
+  return outer.cgad(learning_rate, b1=options.get("momentum", 0.9),
+                    decay=options.get("age_decay", 0.1), cutoff=options.get("age_cutoff", 32.0))
+
+
 _ASYNC_KEYS = ("learning_rate", "momentum", "weighting")
 _SYNC_KEYS = ("learning_rate", "momentum")
 
@@ -164,6 +171,8 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            outer_keys=_ASYNC_KEYS),
     Method("heloco", "async", _heloco, lookahead="always",
            outer_keys=_ASYNC_KEYS + HELOCO_OPTIONS),
+    Method("cgad", "async", _cgad, learning_rate=1e-2,
+           outer_keys=("learning_rate", "momentum", "age_decay", "age_cutoff")),
 ]}
 
 

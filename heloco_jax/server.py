@@ -185,8 +185,8 @@ class OuterServer:
     self.params, self.outer_state = self._step(self.params, self.outer_state, delta,
                                                jnp.int32(staleness))
 
-  def update(self, taus: list[int], *deltas: Any,
-             fetch: bool = True) -> list[Row]:
+  def update(self, taus: list[int], *deltas: Any, fetch: bool = True,
+             weights: Optional[list[float]] = None) -> list[Row]:
     """One arrival group: at most one outer update.
 
     The only host read is the group's finiteness flags, which decide whether
@@ -197,13 +197,15 @@ class OuterServer:
       taus: each arrival's staleness τ.
       *deltas: the arrivals' pseudo-gradients.
       fetch: return the diagnostics as Python numbers (default).
+      weights: per arrival, ω_j of the merge (``heloco_jax.syncer.Syncer.merge_weights``);
+        None: 1 each (the mean).
 
     Returns:
       Per arrival, ``{"reason": None | "nan" | "inf"}`` plus, when applied,
       its diagnostics: ``cosine_mean`` (cos(Δ, m) with the momentum it
       meets) and, when the chain holds HeLoCo, its block summary after the
       update. The update happens iff some reason is None; several applied
-      arrivals are combined as Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j.
+      arrivals are combined as Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G|.
     """
     results = [{"reason": reason} for reason in rejection.screen(deltas)]
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
@@ -217,7 +219,9 @@ class OuterServer:
     if len(applied) == 1:
       self.apply(deltas[applied[0]], taus_applied[0])
     else:
-      self.apply(self._combine([deltas[i] for i in applied], taus_applied), max(taus_applied))
+      omegas = [1.0 if weights is None else weights[i] for i in applied]
+      self.apply(self._combine([deltas[i] for i in applied], taus_applied, omegas),
+                 max(taus_applied))
     self.version += 1
     if self._heloco_state is not None:
       diagnostics = heloco_row(self._heloco_state(self.outer_state))
@@ -225,10 +229,11 @@ class OuterServer:
         results[i].update(diagnostics)
     return to_host(results) if fetch else results
 
-  def _combine(self, deltas: list[Any], taus: list[int]) -> Any:
-    """Grace window: Δ with ρ(τ_max)·Δ = mean_j ρ(τ_j)·Δ_j."""
+  def _combine(self, deltas: list[Any], taus: list[int], omegas: list[float]) -> Any:
+    """A group: Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G| (ω_j = 1: the mean)."""
     weight = self._arrival_weight
-    scales = [weight(tau) / weight(max(taus)) / len(deltas) for tau in taus]
+    scales = [weight(tau) / weight(max(taus)) * omega / len(deltas)
+              for tau, omega in zip(taus, omegas)]
     return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
 
   # ------------------------------------------------ a loop of your own

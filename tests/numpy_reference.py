@@ -77,6 +77,15 @@ def arrival_weight(num_workers: Optional[int], weighting: str, staleness) -> flo
     return 1.0  # "none"
 
 
+def age_gate(staleness, decay: float, cutoff: float) -> float:
+    """CGAD's sigma(tau) = gamma(tau) exp(-alpha tau), gamma = (1 + cos(pi tau / tau_c)) / 2
+    below the cutoff and 0 from it on (ALGORITHMS.md, "CGAD")."""
+    tau = float(staleness)
+    gate = 1.0 if math.isinf(cutoff) else (
+        0.5 * (1.0 + math.cos(math.pi * tau / cutoff)) if tau < cutoff else 0.0)
+    return gate * math.exp(-decay * tau)
+
+
 # --------------------------------------------------------------------------------------------
 # HeLoCo correction
 # --------------------------------------------------------------------------------------------
@@ -207,6 +216,32 @@ class AsyncNesterov(_Outer):
         self.m = [self.mu * m + gi for m, gi in zip(self.m, g)]
         self.count += 1
         return [t - self.lr * (gi + self.mu * m) for t, gi, m in zip(as_tree(theta), g, self.m)]
+
+
+class CGAD:
+    """g = sigma(tau) Delta; m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+    theta <- theta - eta (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)."""
+
+    def __init__(self, learning_rate, b1=0.9, b2=0.99, eps=1e-8, *, decay=0.1, cutoff=32.0):
+        self.lr, self.b1, self.b2, self.eps = map(float, (learning_rate, b1, b2, eps))
+        self.decay, self.cutoff = float(decay), float(cutoff)
+
+    def init(self, params: Sequence) -> "CGAD":
+        self.m = zeros_like(as_tree(params))
+        self.v = zeros_like(as_tree(params))
+        self.count = 0
+        return self
+
+    def step(self, theta, delta, staleness=0) -> Tree:
+        sigma = age_gate(staleness, self.decay, self.cutoff)
+        g = [sigma * x for x in as_tree(delta)]
+        self.m = [self.b1 * m + (1 - self.b1) * gi for m, gi in zip(self.m, g)]
+        self.v = [self.b2 * v + (1 - self.b2) * gi * gi for v, gi in zip(self.v, g)]
+        self.count += 1
+        m_hat = [m / (1 - self.b1 ** self.count) for m in self.m]
+        v_hat = [v / (1 - self.b2 ** self.count) for v in self.v]
+        return [t - self.lr * mh / (np.sqrt(vh) + self.eps)
+                for t, mh, vh in zip(as_tree(theta), m_hat, v_hat)]
 
 
 class DelayedNesterov(_Outer):

@@ -84,7 +84,7 @@ def test_allowed_methods_and_presets_are_listed():
   assert "heloco" in line.split()[1]  # the default
   assert "one of: " + ", ".join(METHODS) in line
   assert list(METHODS) == ["ddp", "local_sgd", "diloco", "palsgd", "async_nesterov",
-                           "delayed_nesterov", "mla", "heloco"]
+                           "delayed_nesterov", "mla", "heloco", "cgad"]
   for preset in ("homogeneous", "mild", "moderate", "severe", "mixed"):
     assert preset in _line("speeds")
   assert "non_iid, iid, dirichlet" in _line("data.partition")
@@ -94,7 +94,8 @@ def test_sections_group_the_keys():
   titles = [line for line in TEXT.splitlines() if line and not line.startswith(" ")]
   assert [t.split(":")[0] for t in titles] == ["run", "budget", "model", "data", "inner",
                                                "outer", "devices", "distributed",
-                                               "ray", "comm", "streaming", "compression"]
+                                               "ray", "comm", "streaming", "compression",
+                                               "syncer"]
   assert TEXT.index("\n  outer.keep_threshold ") > TEXT.index("\nouter:")
 
 

@@ -21,6 +21,7 @@ MODULES = [
     "heloco_jax.outer.mla",
     "heloco_jax.outer.nesterov",
     "heloco_jax.outer.delayed_nesterov",
+    "heloco_jax.outer.cgad",
     "heloco_jax.outer.correction",
     "heloco_jax.outer.lookahead",
     "heloco_jax.outer.weighting",
@@ -32,6 +33,7 @@ MODULES = [
 DOCUMENTED = [
     hj.heloco, hj.mla, hj.async_nesterov, hj.delayed_nesterov, hj.heloco_correct,
     hj.lookahead_params, hj.outer_momentum, hj.arrival_weight, hj.scale_by_arrival_weight,
+    hj.cgad, hj.scale_by_age_gate,
 ]
 
 

@@ -56,12 +56,12 @@ def test_bad_splits_are_refused_in_one_line(num, layout, message):
 
 
 @pytest.mark.parametrize("method", ["async_nesterov", "delayed_nesterov", "mla", "heloco",
-                                    "diloco"])
+                                    "cgad", "diloco"])
 def test_pushing_every_fragment_of_a_delta_equals_pushing_it_whole(method):
   """Per-leaf outer rules: P fragment pushes of the same Δ (each its own τ) leave θ where one
   push of Δ does, update after update: bit for bit, but for HeLoCo's rotated blocks, which XLA
   compiles with other fusions in a program of other leaves (a few ulps; its branches are
-  the same block for block)."""
+  the same block for block), and CGAD's Adam division (an ulp)."""
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), TREE)
   tx = methods.get(method).make_outer(3, None)
@@ -78,6 +78,10 @@ def test_pushing_every_fragment_of_a_delta_equals_pushing_it_whole(method):
       for branch in ("keep", "rotate", "shrink", "pass"):
         assert row[f"branch_count/{branch}"] == sum(r[f"branch_count/{branch}"] for r in rows)
       jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6),
+                   parts.params, whole.params)
+      continue
+    if method == "cgad":  # Adam's m̂/(√v̂ + ε), fused per program: an ulp or two of η·1
+      jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8),
                    parts.params, whole.params)
       continue
     same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)),
@@ -192,7 +196,8 @@ def _run_async(method="heloco", **options):
                      eval_fn=lambda p: _mlp(p, evaluation), **options)
 
 
-@pytest.mark.parametrize("method", ["async_nesterov", "delayed_nesterov", "mla", "heloco"])
+@pytest.mark.parametrize("method", ["async_nesterov", "delayed_nesterov", "mla", "heloco",
+                                    "cgad"])
 def test_each_fragment_keeps_its_own_version_and_staleness(method):
   """A worker sends fragments 1, 2, 0, 1, ... (its j-th sync sends j mod P); an arrival's τ is
   the updates of its fragment since the worker last received that fragment (at its own
@@ -210,7 +215,8 @@ def test_each_fragment_keeps_its_own_version_and_staleness(method):
     assert row["staleness"] == updates[p] - received.get((w, p), 0)
     updates[p] += 1
     received[(w, p)] = updates[p]
-  assert result.summary["final_val_loss"] < 0.8 * result.summary["initial_val_loss"]
+  learned = 0.9 if method == "cgad" else 0.8  # CGAD's Adam step (η = 1e-2) is slower here
+  assert result.summary["final_val_loss"] < learned * result.summary["initial_val_loss"]
 
 
 def test_fragment_bytes_and_the_overlapped_clock():

@@ -323,6 +323,8 @@ def _jitted(kind, cfg_key):
         tx = lib.async_nesterov(**cfg)
     elif kind == "delayed_nesterov":
         tx = lib.delayed_nesterov(**cfg)
+    elif kind == "cgad":
+        tx = lib.cgad(**cfg)
     else:
         raise ValueError(kind)
 
@@ -636,6 +638,30 @@ def test_async_nesterov_matches_reference(num_workers, weighting):
             run_library("async_nesterov", cfg, theta0(seed), deltas, taus)):
         theta = opt.step(theta, deltas[t], taus[t])
         th_scale.check(to_np(params), theta, what=f"async_nesterov step {t} theta")
+
+
+CGAD_CASES = [pytest.param(dict(decay=0.1, cutoff=32.0), id="defaults"),
+              pytest.param(dict(decay=0.05, cutoff=6.0), id="cutoff-inside-the-taus"),
+              pytest.param(dict(decay=0.3, cutoff=math.inf), id="adam-decay"),
+              pytest.param(dict(decay=0.0, cutoff=math.inf, b2=0.95), id="adam")]
+
+
+@pytest.mark.parametrize("gate", CGAD_CASES)
+def test_cgad_matches_reference(gate):
+    """CGAD against the NumPy reference over 40 arrivals with τ in 0..9 (the cutoff case
+    zeroes the ones from τ = 6 on: Adam then steps on its moments alone)."""
+    _lib()
+    cfg = dict(learning_rate=0.01, **gate)
+    seed = _seed_of("cgad", sorted(gate.items()))
+    deltas, taus = plain_arrivals(seed)
+    opt = ref.CGAD(**cfg).init(theta0(seed))
+    theta = theta0(seed)
+    th_scale = RunningScale("leaf", theta)
+    for t, (params, _state) in enumerate(run_library("cgad", cfg, theta0(seed), deltas, taus)):
+        theta = opt.step(theta, deltas[t], taus[t])
+        th_scale.check(to_np(params), theta, what=f"cgad step {t} theta")
+    assert any(ref.age_gate(tau, gate["decay"], gate["cutoff"]) == 0 for tau in taus) == (
+        gate["cutoff"] == 6.0)
 
 
 DN_CASES = []

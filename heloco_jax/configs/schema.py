@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from heloco_jax import clock, compress, data, fragments, methods, model
+from heloco_jax import clock, compress, data, fragments, methods, model, syncer
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
 from heloco_jax.outer.heloco import WEIGHT_ORDERS
 from heloco_jax.outer.weighting import WEIGHTINGS
@@ -130,7 +130,8 @@ KEYS: tuple[Key, ...] = (
         "outer updates (DDP: steps) between checkpoints; 0 = off"),
     Key("keep_checkpoints", 3, integer(1), "the newest checkpoints kept in DIR/checkpoints"),
     Key("grace_window", 0.0, number(0.0),
-        "simulated seconds: arrivals this close to the first are combined"),
+        "seconds: arrivals this close to the first (with a quorum: to its closing) are "
+        "combined"),
     Key("dylu", False, BOOLEAN,
         "DyLU: worker i runs H_i = max(1, floor(v_i / v_ref * H)) steps (async methods)"),
     Key("lookahead_dispatch", None, optional(BOOLEAN, "the method's default"),
@@ -219,7 +220,7 @@ KEYS: tuple[Key, ...] = (
     Key("outer.learning_rate", None, optional(number(0.0, low_open=True),
                                               "the method's (docs/ALGORITHMS.md)"),
         "outer η", type=float),
-    Key("outer.momentum", 0.9, number(0.0, 1.0, high_open=True), "outer μ"),
+    Key("outer.momentum", 0.9, number(0.0, 1.0, high_open=True), "outer μ (cgad: Adam's β₁)"),
     Key("outer.weighting", "constant", one_of(WEIGHTINGS),
         "arrival weight ρ: 1/√K, (1/√K)/√(1+τ), or 1"),
     Key("outer.buffer_size", None, optional(integer(1), "num_workers"),
@@ -242,6 +243,9 @@ KEYS: tuple[Key, ...] = (
         "HeLoCo: ρ applied before the correction (authors' code) or after"),
     Key("outer.scope", "leaf", one_of(SCOPES), "HeLoCo block: each pytree leaf, or the whole "
         "tree"),
+    Key("outer.age_decay", 0.1, number(0.0), "CGAD α of σ(τ) = γ(τ)·exp(−α·τ)"),
+    Key("outer.age_cutoff", 32.0, number(0.0, low_open=True),
+        "CGAD τ_c: the cosine gate γ(τ) reaches 0 at τ = τ_c"),
     # devices
     Key("devices.group_sizes", "", TEXT, "devices per worker; '' = jax.devices() split evenly"),
     Key("devices.server", 0, integer(0, note=" (an index into jax.devices())"),
@@ -293,6 +297,16 @@ KEYS: tuple[Key, ...] = (
         "top_k: the fraction of entries sent"),
     Key("compression.error_feedback", False, BOOLEAN,
         "keep what the compression drops and add it to the next pseudo-gradient"),
+    # syncer
+    Key("syncer.quorum", 1, integer(1, note=" and <= num_workers"),
+        "q: arrivals an outer update waits for (asynchronous methods)"),
+    Key("syncer.timeout", None, optional(number(0.0, low_open=True), "none"),
+        "seconds after a group's first arrival at which it applies short of q", type=float),
+    Key("syncer.adaptive_grace", 0.0, number(0.0),
+        "κ > 0: the grace window is κ × the mean gap between arrivals (instead of "
+        "grace_window)"),
+    Key("syncer.weights", "mean", one_of(syncer.WEIGHTS),
+        "how a group's pseudo-gradients merge: mean, or weighted by the tokens each trained on"),
 )
 
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
@@ -313,6 +327,8 @@ SECTIONS: dict[str, str] = {
                  "docs/ALGORITHMS.md)",
     "compression": "compression: pseudo-gradients compressed before they are sent "
                    "(docs/ALGORITHMS.md)",
+    "syncer": "syncer: how asynchronous arrivals are grouped and merged (quorum, grace, "
+              "token weights; docs/ALGORITHMS.md)",
 }
 
 

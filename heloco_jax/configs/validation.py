@@ -147,7 +147,20 @@ def _check_fits(config: ml_collections.ConfigDict, model_config: Any) -> None:
 
 # ``fragments.refusal``'s names -> config keys.
 _STREAMING_KEYS = {"fragments": "streaming.fragments", "overlap_steps": "streaming.overlap_steps",
-                   "fragment_alpha": "streaming.alpha", "reset_optimizer": "inner.reset_optimizer"}
+                   "fragment_alpha": "streaming.alpha", "reset_optimizer": "inner.reset_optimizer",
+                   "quorum": "syncer.quorum", "adaptive_grace": "syncer.adaptive_grace"}
+
+
+def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
+  """The syncer keys: a quorum within the workers; grouping only for asynchronous methods."""
+  c = config.syncer
+  if c.quorum > config.num_workers:
+    _fail("syncer.quorum", c.quorum, f"an integer in [1, {config.num_workers}] (num_workers)")
+  for name, default in (("quorum", 1), ("timeout", None), ("adaptive_grace", 0.0),
+                        ("weights", "mean")):
+    if c[name] != default and method.synchrony != "async":
+      _fail(f"syncer.{name}", c[name], f"{default!r} with method={config.method!r} (the syncer "
+            "groups the arrivals of asynchronous methods)")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -166,7 +179,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if method.synchrony not in _runtime_factory(config).synchronies:
     _fail("runtime", config.runtime, f"'simulated' or 'devices' with method={config.method!r}; "
           f"runtime={config.runtime!r} runs the asynchronous methods (async_nesterov, "
-          "delayed_nesterov, mla, heloco). Synchronous methods run across processes with "
+          "delayed_nesterov, mla, heloco, cgad). Synchronous methods run across processes with "
           "jax.distributed: runtime='devices' and the distributed.* keys")
   compressing = config.compression.kind != "none" or config.compression.error_feedback
   if compressing and method.synchrony == "step":
@@ -180,10 +193,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
       inner_steps=config.inner_steps, simulated=_runtime_factory(config).simulated_clock,
       sharded=config.model.sharding != "none", reset_optimizer=config.inner.reset_optimizer,
-      grace_window=config.grace_window, dylu=config.dylu)
+      grace_window=config.grace_window, dylu=config.dylu, quorum=config.syncer.quorum,
+      adaptive_grace=config.syncer.adaptive_grace)
   if refused:
     name, value, allowed = refused
     _fail(_STREAMING_KEYS.get(name, name), value, allowed)
+  _validate_syncer(config, method)
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch)

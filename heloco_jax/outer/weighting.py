@@ -5,12 +5,14 @@
   "none"       ρ = 1
 
 With ``num_workers=None`` the weight is 1 whatever ``weighting`` says
-(DESIGN.md, Public Python API).
+(DESIGN.md, Public Python API). CGAD's age gate σ(τ) (``age_gate``, ``AgeGate``) is
+an arrival weight of its own, defined here with the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
@@ -126,9 +128,61 @@ class ArrivalWeighting:
 jax.tree_util.register_static(ArrivalWeighting)
 
 
+def age_gate(staleness: Any, *, decay: float, cutoff: float) -> jax.Array:
+  """CGAD's age gate σ(τ) = γ(τ)·exp(−α·τ), γ(τ) = ½(1 + cos(π·τ/τ_c)) for τ < τ_c and 0
+  from τ_c on (ALGORITHMS.md, "CGAD"), as a float32 scalar; σ(0) = 1.
+
+  Args:
+    staleness: τ ≥ 0 (an int or an integer scalar array); None means 0.
+    decay: α ≥ 0.
+    cutoff: τ_c > 0; ``math.inf``: no gate (Adam-Decay, σ = exp(−α·τ)).
+
+  Examples:
+    >>> from heloco_jax.outer.weighting import age_gate
+    >>> [round(float(age_gate(t, decay=0.0, cutoff=4.0)), 4) for t in (0, 1, 2, 4, 9)]
+    [1.0, 0.8536, 0.5, 0.0, 0.0]
+    >>> round(float(age_gate(2, decay=0.5, cutoff=math.inf)), 4)  # exp(-1)
+    0.3679
+  """
+  tau = jnp.asarray(0 if staleness is None else staleness, jnp.float32)
+  decayed = jnp.exp(jnp.float32(-decay) * tau)
+  if math.isinf(cutoff):
+    return decayed
+  gate = jnp.where(tau < cutoff, 0.5 * (1.0 + jnp.cos(jnp.float32(math.pi / cutoff) * tau)), 0.0)
+  return (gate * decayed).astype(jnp.float32)
+
+
+def validate_age_gate(fn: str, decay: Any, cutoff: Any) -> None:
+  """Construction-time checks of α (a finite number ≥ 0) and τ_c (> 0, or ``math.inf``)."""
+  _validation.check_range(fn, "decay", decay, 0.0)
+  if not (isinstance(cutoff, (int, float)) and not isinstance(cutoff, bool)
+          and cutoff == math.inf):
+    _validation.check_range(fn, "cutoff", cutoff, 0.0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgeGate:
+  """σ(τ) of CGAD's ``scale_by_age_gate``, as static data (like ``ArrivalWeighting``).
+
+  Attributes:
+    decay: α.
+    cutoff: τ_c (``math.inf``: none).
+  """
+  decay: float
+  cutoff: float
+
+  def __call__(self, staleness: Any) -> jax.Array:
+    return age_gate(staleness, decay=self.decay, cutoff=self.cutoff)
+
+
+jax.tree_util.register_static(AgeGate)
+WEIGHT_DEFINITIONS = (ArrivalWeighting, AgeGate)
+
+
 def arrival_weighting(state: Any) -> Callable[[Any], float]:
   """ρ(τ) of the rule whose (possibly chained) state is ``state``: the product of the
-  ``ArrivalWeighting``s it holds (1 when it holds none), as a host function of τ.
+  ``ArrivalWeighting``s and ``AgeGate``s it holds (1 when it holds none), as a host function
+  of τ.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -142,8 +196,8 @@ def arrival_weighting(state: Any) -> Callable[[Any], float]:
     >>> arrival_weighting(optax.sgd(0.1).init({"w": jnp.zeros(2)}))(3)
     1.0
   """
-  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ArrivalWeighting))
-           if isinstance(x, ArrivalWeighting)]
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, WEIGHT_DEFINITIONS))
+           if isinstance(x, WEIGHT_DEFINITIONS)]
   def rho(staleness: Any) -> float:
     value = 1.0
     for weighting in found:
@@ -203,5 +257,48 @@ def scale_by_arrival_weight(
     updates, weight = apply_arrival_weight(
         updates, staleness, num_workers=num_workers, weighting=weighting)
     return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight, state.rho)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_by_age_gate(decay: float = 0.1, cutoff: float = 32.0
+                      ) -> optax.GradientTransformationExtraArgs:
+  """Multiplies pseudo-gradients by CGAD's age gate σ(τ) (``age_gate``), casting them to at
+  least float32.
+
+  Args:
+    decay: α ≥ 0, the exponential decay per unit of staleness.
+    cutoff: τ_c > 0, where the cosine gate reaches 0 (``math.inf``: no gate).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes ``staleness=``
+    (None: 0); its state is a ``ScaleByArrivalWeightState`` (σ in ``weight``).
+
+  References:
+    Shah and Sun, Cosine-Gated Adam-Decay: Drop-In Staleness-Aware Outer Optimization for
+    Decoupled DiLoCo, arXiv 2605.09126; ALGORITHMS.md, "CGAD".
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import heloco_jax as hj
+    >>> tx = hj.scale_by_age_gate(decay=0.0, cutoff=4.0)
+    >>> grads = {"w": jnp.ones(2)}
+    >>> updates, state = tx.update(grads, tx.init(grads), staleness=2)
+    >>> [round(x, 6) for x in updates["w"].tolist()], int(state.staleness)  # ½(1 + cos(π/2))
+    ([0.5, 0.5], 2)
+  """
+  validate_age_gate("scale_by_age_gate", decay, cutoff)
+  gate = AgeGate(float(decay), float(cutoff))
+
+  def init_fn(params):
+    del params
+    return ScaleByArrivalWeightState(staleness=jnp.zeros((), jnp.int32),
+                                     weight=jnp.ones((), jnp.float32), rho=gate)
+
+  def update_fn(updates, state, params=None, *, staleness=None, **extra_args):
+    del params, extra_args
+    weight = gate(staleness)
+    updates = jax.tree.map(lambda d: weight * d, as_compute_dtype(updates))
+    return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight, gate)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -33,11 +33,13 @@ SYNCHRONIES = frozenset({"step", "round", "async"})
 
 
 class Arrivals(Protocol):
-  """Jobs in flight, taken in arrival order (with a grace window, in groups)."""
+  """Jobs in flight, taken in arrival order, in the groups of the syncer's rule
+  (``heloco_jax.syncer``): ``pop`` returns (when the group closes, its workers, their arrival
+  times)."""
 
   def __len__(self) -> int: ...
   def push(self, worker: int, job: Any) -> None: ...
-  async def pop(self, grace_window: float) -> tuple[float, list[int]]: ...
+  async def pop(self, rule: Any) -> tuple[float, list[int], list[float]]: ...
 
   def heads(self, n: int) -> list[int]:
     """The workers of the next ``n`` arrivals, whose work a lazy clock starts ahead (a

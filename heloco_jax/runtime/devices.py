@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,7 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from heloco_jax import inner as inner_lib, server as server_lib
+from heloco_jax import inner as inner_lib, server as server_lib, syncer as syncer_lib
 from heloco_jax.runtime import base, simulated
 
 
@@ -386,29 +387,40 @@ class DeviceArrivals:
     """Waits for ``job.delta`` (a ``state.Job``) of ``worker``."""
     self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
 
-  async def pop(self, grace_window: float) -> tuple[float, list[int]]:
-    """(real time at which the group is taken, its workers in arrival order).
+  async def pop(self, rule: syncer_lib.GroupRule) -> tuple[float, list[int], list[float]]:
+    """(real time at which the group is taken, its workers and their arrival times in
+    arrival order): the syncer's ``rule`` (quorum, timeout, grace window).
 
     The time is read when the group is taken, not when its results were
     ready: rows emitted while waiting (Ray's ``redispatched``) are then never
     later in time than the arrival rows logged after them.
     """
     await asyncio.wait(self._tasks.values(), return_when=asyncio.FIRST_COMPLETED)
-    done = {w: t.result() for w, t in self._tasks.items() if t.done()}
-    first = min(done.values())
-    if grace_window > 0:
+    first = min(t.result() for t in self._tasks.values() if t.done())
+
+    def arrived() -> list[tuple[float, int]]:
+      return sorted((t.result(), w) for w, t in self._tasks.items() if t.done())
+
+    async def wait_until(deadline: float, all_of_them: bool = False) -> None:
       pending = [t for t in self._tasks.values() if not t.done()]
-      wait = first + grace_window - self._clock()
-      if pending and wait > 0:
-        await asyncio.wait(pending, timeout=wait)
-      done = {w: t.result() for w, t in self._tasks.items() if t.done()}
-      group = sorted((w for w, at in done.items() if at <= first + grace_window),
-                     key=lambda w: (done[w], w))
-    else:
-      group = [min(done, key=lambda w: (done[w], w))]
-    for worker in group:
+      if pending and deadline > self._clock():
+        await asyncio.wait(pending, timeout=None if math.isinf(deadline)
+                           else deadline - self._clock(),
+                           return_when=asyncio.ALL_COMPLETED if all_of_them
+                           else asyncio.FIRST_COMPLETED)
+
+    while (len(arrived()) < rule.quorum and len(arrived()) < len(self._tasks)
+           and self._clock() < first + rule.timeout):
+      await wait_until(first + rule.timeout)
+    done = arrived()[:max(1, rule.quorum)]
+    closed = rule.close(len(done), first, done[-1][0], len(arrived()) < len(self._tasks))
+    closed = min(closed, self._clock())
+    if rule.window > 0:
+      await wait_until(closed + rule.window, all_of_them=True)
+      done += [(at, w) for at, w in arrived()[len(done):] if rule.in_grace(closed, at)]
+    for _, worker in done:
       del self._tasks[worker]
-    return self._clock(), group
+    return self._clock(), [w for _, w in done], [at for at, _ in done]
 
   def close(self) -> None:
     """Drops whatever is still in flight (a budget ended). Waits for the threads that wait on

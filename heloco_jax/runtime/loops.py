@@ -7,8 +7,8 @@ on at each yield, in one place.
 
   * ``run_async``: one outer update per arrival with staleness τ = v − s; the
     worker is re-dispatched at once from the server's dispatch point.
-    Arrivals within ``grace_window`` seconds of the first are combined into
-    one update (``OuterServer.update``). On the simulated clock a dispatch
+    The syncer (``heloco_jax.syncer``: quorum, grace window, token weights)
+    may group arrivals into one update (``OuterServer.update``). On the simulated clock a dispatch
     fixes its inputs (start point, batches, PRNG key) and its steps are
     computed lazily: when its job reaches the head of the arrival queue (so
     the device works on the next arrival while the host handles this one) or
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from heloco_jax import clock as clock_lib, fragments as fragments_lib, inner as inner_lib
-from heloco_jax import rejection
+from heloco_jax import rejection, syncer as syncer_lib
 from heloco_jax.runtime import base
 from heloco_jax.runtime.state import Job, Run
 
@@ -92,7 +92,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       dispatch(worker, 0.0)
   try:
     while len(queue):
-      now, group = await queue.pop(spec.grace_window)
+      now, group, times = await queue.pop(spec.syncer.rule(s.mean_gap))
+      s.mean_gap, s.last_arrival = syncer_lib.update_gap(s.mean_gap, s.last_arrival, times)
       units = s.units + sum(s.jobs[w].units for w in group)
       if spec.budget.over(units, now):
         break  # this group and everything still in flight are discarded, never computed
@@ -124,7 +125,8 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
     network = run.clock.fragment_wait(group[0], received[0], p)
   else:
     network = _dispatch_seconds(run.clock, len(group))
-  results = server.update(taus, *(job.delta for job in arrived), fetch=False)
+  weights = spec.syncer.merge_weights([job.units for job in arrived])
+  results = server.update(taus, *(job.delta for job in arrived), fetch=False, weights=weights)
   reasons = [result.pop("reason") for result in results]
   for w, tau, reason, job in zip(group, taus, reasons, arrived):
     if reason is not None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import inner as inner_lib, server as server_lib
+from heloco_jax import inner as inner_lib, server as server_lib, syncer as syncer_lib
 from heloco_jax.runtime import base
 
 
@@ -39,15 +39,22 @@ class SimulatedArrivals:
     """The workers of the ``n`` jobs that arrive next, in arrival order."""
     return [worker for _, worker in heapq.nsmallest(n, self._heap)]
 
-  async def pop(self, grace_window: float) -> tuple[float, list[int]]:
-    """(finish time of the group's last arrival, its workers in arrival order)."""
+  async def pop(self, rule: syncer_lib.GroupRule) -> tuple[float, list[int], list[float]]:
+    """(when the group closes, its workers and their arrival times in arrival order): the
+    syncer's ``rule`` (quorum, timeout, grace window; ALGORITHMS.md, "Syncer policies")."""
     first, worker = heapq.heappop(self._heap)
-    group, now = [worker], first
+    group, times = [worker], [first]
+    while self._heap and rule.wants_more(len(group), first, self._heap[0][0]):
+      at, worker = heapq.heappop(self._heap)
+      group.append(worker)
+      times.append(at)
+    closed = rule.close(len(group), first, times[-1], bool(self._heap))
     # A grace window of 0 (default) is off: simultaneous arrivals stay separate updates.
-    while grace_window > 0 and self._heap and self._heap[0][0] <= first + grace_window:
-      now, other = heapq.heappop(self._heap)
-      group.append(other)
-    return now, group
+    while self._heap and rule.in_grace(closed, self._heap[0][0]):
+      at, worker = heapq.heappop(self._heap)
+      group.append(worker)
+      times.append(at)
+    return max(closed, times[-1]), group, times
 
   def close(self) -> None:
     self._heap.clear()

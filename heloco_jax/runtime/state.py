@@ -21,6 +21,7 @@ import numpy as np
 
 from heloco_jax import clock as clock_lib, compress as compress_lib, fragments as fragments_lib
 from heloco_jax import methods as methods_lib, problem, server as server_lib
+from heloco_jax import syncer as syncer_lib
 
 Row = dict[str, Any]
 PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
@@ -62,7 +63,7 @@ class RunSpec:
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     comm: message and all-reduce costs.
     dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
-    grace_window: simulated seconds within which arrivals are combined.
+    syncer: how arrivals are grouped and merged (``heloco_jax.syncer.Syncer``).
     palsgd_warmup_steps: DDP steps before PALSGD's rounds; None = H.
     budget: where the run ends (``Budget``).
     eval_every: units between evaluations (0 = at the start and end only).
@@ -90,7 +91,7 @@ class RunSpec:
   jitter: float = 0.0
   comm: clock_lib.CommModel = clock_lib.CommModel()
   dylu: bool = False
-  grace_window: float = 0.0
+  syncer: syncer_lib.Syncer = syncer_lib.Syncer()
   palsgd_warmup_steps: Optional[int] = None
   budget: Budget = Budget()
   eval_every: int = 0
@@ -355,11 +356,16 @@ class RunState:
   syncs: list = dataclasses.field(default_factory=list)
   received: list = dataclasses.field(default_factory=list)
   anchors: Any = None
+  # The syncer's adaptive grace window: ḡ, the mean gap between arrivals, and the last
+  # arrival's time (``heloco_jax.syncer.update_gap``).
+  mean_gap: Optional[float] = None
+  last_arrival: Optional[float] = None
 
   META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining",
           "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
           "next_eval", "next_checkpoint", "wall_before", "bytes_sent", "peak_bytes_per_sync",
-          "network_seconds", "fragment_versions", "syncs", "received")
+          "network_seconds", "fragment_versions", "syncs", "received", "mean_gap",
+          "last_arrival")
 
   def meta(self) -> dict[str, Any]:
     """The JSON-serialisable fields (a checkpoint's meta)."""
