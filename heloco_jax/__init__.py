@@ -44,6 +44,7 @@ from heloco_jax.methods import METHODS
 from heloco_jax.rejection import DivergenceError
 from heloco_jax.runtime.engine import BudgetError, Stopped, stop_on_signals
 from heloco_jax.server import Server
+from heloco_jax.membership import Membership
 from heloco_jax.syncer import Syncer
 from heloco_jax.sharding import fsdp_specs
 from heloco_jax.workdir import WorkdirError
@@ -54,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "METHODS", "BudgetError", "compress", "fragments", "CommModel", "DeterminismError",
     "DivergenceError", "Stopped",
-    "PalsgdState", "Server", "SimulationResult", "Syncer", "TensorBoardWriter", "WorkdirError",
+    "Membership", "PalsgdState", "Server", "SimulationResult", "Syncer", "TensorBoardWriter", "WorkdirError",
     "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",
     "enable_deterministic_ops", "inner_adamw", "make_engine", "palsgd_inner",
     "ray_runtime", "scale_by_step_schedule", "simulate", "fsdp_specs",

@@ -31,7 +31,8 @@ import optax
 
 from heloco_jax import clock, compress as compress_lib, determinism, inner as inner_lib
 from heloco_jax import fragments as fragments_lib, methods, problem, sharding
-from heloco_jax import syncer as syncer_lib, workdir as workdir_lib
+from heloco_jax import membership as membership_lib, syncer as syncer_lib
+from heloco_jax import workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
@@ -145,6 +146,23 @@ def _syncer(syncer: Optional[syncer_lib.Syncer], grace_window: float, method: An
   return syncer
 
 
+def _membership(membership: Optional[membership_lib.Membership], method: Any,
+                num_workers: int, syncer: syncer_lib.Syncer, fragments: int,
+                simulated: bool) -> membership_lib.Membership:
+  """The run's failure schedule (a one-line ValueError where it cannot run)."""
+  if membership is None:
+    return membership_lib.Membership()
+  if not isinstance(membership, membership_lib.Membership):
+    raise ValueError(f"membership={membership!r} is not allowed; allowed: None or "
+                     "hj.Membership(...)")
+  why = membership_lib.refusal(membership, num_workers=num_workers, method=method.name,
+                               asynchronous=method.synchrony == "async", simulated=simulated,
+                               grouped=syncer != syncer_lib.Syncer(), fragments=fragments)
+  if why:
+    raise ValueError(f"membership={membership!r} is not allowed: {why}")
+  return membership
+
+
 def make_engine(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -171,6 +189,7 @@ def make_engine(
     reset_optimizer: Optional[bool] = None,
     grace_window: float = 0.0,
     syncer: Optional[syncer_lib.Syncer] = None,
+    membership: Optional[membership_lib.Membership] = None,
     dylu: bool = False,
     jitter: float = 0.0,
     comm: clock.CommModel = clock.CommModel(),
@@ -217,6 +236,8 @@ def make_engine(
     raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
                      "integer >= 0 (0 = off)")
   syncer = _syncer(syncer, grace_window, spec_method, num_workers)
+  membership = _membership(membership, spec_method, num_workers, syncer, fragments,
+                           factory.simulated_clock)
   budget, eval_every, units_per_step, unit = _budget(
       budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,
       tokens_per_step)
@@ -253,7 +274,8 @@ def make_engine(
   spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
-      syncer=syncer, palsgd_warmup_steps=palsgd_warmup_steps, budget=budget,
+      syncer=syncer, membership=membership, palsgd_warmup_steps=palsgd_warmup_steps,
+      budget=budget,
       eval_every=eval_every, units_per_step=units_per_step, unit=unit,
       checkpoint_every=checkpoint_every if workdir is not None else 0,
       metrics_fetch_every=metrics_fetch_every, rejection_limit=rejection_limit or 0,
@@ -321,6 +343,7 @@ def simulate(
     reset_optimizer: Optional[bool] = None,
     grace_window: float = 0.0,
     syncer: Optional[syncer_lib.Syncer] = None,
+    membership: Optional[membership_lib.Membership] = None,
     dylu: bool = False,
     jitter: float = 0.0,
     comm: clock.CommModel = clock.CommModel(),
@@ -386,6 +409,9 @@ def simulate(
       the step counts of the schedules in ``inner_tx``'s state are kept.
     grace_window: seconds within which arrivals are combined (shorthand for
       ``syncer=hj.Syncer(grace_window=...)``).
+    membership: when workers leave and join (``hj.Membership(((worker, leave,
+      back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
+      every worker stays. Asynchronous methods on the simulated clock.
     syncer: how an asynchronous method groups and merges arrivals
       (``hj.Syncer(quorum=q, timeout=T, grace_window=w, adaptive_grace=κ,
       weights="mean" | "tokens")``, docs/ALGORITHMS.md, "Syncer policies");

@@ -22,7 +22,8 @@ import ml_collections
 import numpy as np
 
 from heloco_jax import clock, compress, data as data_lib, evaluate, inner as inner_lib, methods
-from heloco_jax import model as model_lib, sharding, syncer as syncer_lib
+from heloco_jax import membership as membership_lib, model as model_lib, sharding
+from heloco_jax import syncer as syncer_lib
 from heloco_jax.runtime import factories
 
 Row = dict[str, Any]
@@ -155,7 +156,8 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       outer_options=outer_options(config),
       lookahead_dispatch=config.lookahead_dispatch,
       reset_optimizer=config.inner.reset_optimizer,
-      syncer=syncer_of(config), dylu=config.dylu, jitter=config.jitter,
+      syncer=syncer_of(config), membership=membership_lib.of_config(config), dylu=config.dylu,
+      jitter=config.jitter,
       comm=clock.CommModel(config.comm.latency,
                            math.inf if config.comm.bandwidth is None else config.comm.bandwidth,
                            config.comm.ddp_overlap),

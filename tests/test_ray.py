@@ -134,7 +134,7 @@ def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrup
 @pytest.mark.parametrize("overrides, message", [
     (dict(runtime="ray", method="diloco"),
      "runtime='ray' runs the asynchronous methods (async_nesterov, delayed_nesterov, mla, "
-     "heloco). Synchronous methods run across processes with jax.distributed"),
+     "heloco, cgad). Synchronous methods run across processes with jax.distributed"),
     ({"runtime": "ray", "devices.slowdown": "1,2"}, "config.devices.slowdown='1,2' is not allowed"),
     ({"runtime": "ray", "devices.slowdown": "1,0.5,1"},
      "config.devices.slowdown='1,0.5,1' is not allowed; allowed: factors ≥ 1"),

@@ -307,6 +307,14 @@ KEYS: tuple[Key, ...] = (
         "grace_window)"),
     Key("syncer.weights", "mean", one_of(syncer.WEIGHTS),
         "how a group's pseudo-gradients merge: mean, or weighted by the tokens each trained on"),
+    # chaos
+    Key("chaos.schedule", "", TEXT,
+        "workers away: 'W@LEAVE-BACK,W@LEAVE' in simulated seconds (W@0-T: a new worker "
+        "joining at T); '' = none"),
+    Key("chaos.rate", 0.0, number(0.0),
+        "seeded random failures per worker per simulated second (with chaos.downtime)"),
+    Key("chaos.downtime", 60.0, number(0.0, low_open=True),
+        "mean simulated seconds a randomly failed worker stays away"),
 )
 
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
@@ -329,6 +337,7 @@ SECTIONS: dict[str, str] = {
                    "(docs/ALGORITHMS.md)",
     "syncer": "syncer: how asynchronous arrivals are grouped and merged (quorum, grace, "
               "token weights; docs/ALGORITHMS.md)",
+    "chaos": "chaos: workers that leave and join on the simulated clock (docs/FAILURES.md)",
 }
 
 

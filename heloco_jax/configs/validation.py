@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from heloco_jax import clock, fragments, inner, model, writers
+from heloco_jax import clock, fragments, inner, membership, model, writers
 from heloco_jax.configs import schema
 from heloco_jax.methods import METHODS
 from heloco_jax.runtime import devices
@@ -163,6 +163,26 @@ def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
             "groups the arrivals of asynchronous methods)")
 
 
+def _validate_chaos(config: ml_collections.ConfigDict, method: Any) -> None:
+  """The chaos keys: a schedule that parses and fits the run."""
+  key = "chaos.schedule" if config.chaos.schedule else "chaos.rate"
+  value = config.chaos[key.split(".")[1]]
+  try:
+    schedule = membership.of_config(config)
+  except ValueError as error:
+    _fail(key, value, str(error).split("; allowed: ", 1)[-1])
+  if schedule is None:
+    return
+  grouped = (config.grace_window > 0 or config.syncer.quorum > 1
+             or config.syncer.adaptive_grace > 0)
+  why = membership.refusal(schedule, num_workers=config.num_workers, method=config.method,
+                           asynchronous=method.synchrony == "async",
+                           simulated=_runtime_factory(config).simulated_clock, grouped=grouped,
+                           fragments=config.streaming.fragments)
+  if why:
+    _fail(key, value, f"a schedule this run can take ({why})")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   check_keys(config)
@@ -199,6 +219,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     name, value, allowed = refused
     _fail(_STREAMING_KEYS.get(name, name), value, allowed)
   _validate_syncer(config, method)
+  _validate_chaos(config, method)
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch)

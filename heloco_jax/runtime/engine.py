@@ -209,6 +209,8 @@ class Engine:
     if s.anchors is not None:
       arrays["anchors"] = s.anchors
     meta = s.meta()
+    if s.phase == "async":  # workers not dispatched yet (joining later) have no state
+      meta["unstarted"] = [w for w, x in enumerate(s.workers) if x is None]
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
       loss = fetch(s.jobs[w].train_loss, "train_loss")
       entry.append(None if loss is None else float(loss))
@@ -222,7 +224,9 @@ class Engine:
     worker = jax.eval_shape(self._run.executor.inner.start, self.params)
     k = self.spec.num_workers
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), worker)
-    workers = {None: None, "ddp": worker, "rounds": stacked, "async": [worker] * k}[meta["phase"]]
+    workers = {None: None, "ddp": worker, "rounds": stacked,
+               "async": [None if w in meta.get("unstarted", ()) else worker
+                         for w in range(k)]}[meta["phase"]]
     template = {"params": self.params, "outer_state": self.outer_state,
                 "key": jax.random.key_data(self._run.key), "workers": workers,
                 "pending": [self.params] * len(meta["jobs"])}
@@ -366,6 +370,11 @@ class Engine:
                f"applied_{unit}": s.units - s.rejected_units,
                f"rejected_{unit}": s.rejected_units, "rejected": s.rejected,
                "sim_time": s.sim_time, "outer_updates": s.version}
+    if self.spec.membership.absences:  # every dispatched unit, accounted for (FAILURES.md)
+      summary.update({f"dispatched_{unit}": s.dispatched_units, f"dropped_{unit}": s.dropped_units,
+                      f"in_flight_{unit}": s.dispatched_units - s.units - s.dropped_units,
+                      "goodput": (s.units - s.rejected_units) / max(
+                          1, s.units + s.dropped_units)})
     if self.eval_fn is not None:
       summary["initial_val_loss"] = s.initial_eval["val_loss"]
       summary["final_val_loss"] = s.last_eval["val_loss"]

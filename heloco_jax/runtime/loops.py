@@ -24,6 +24,7 @@ on at each yield, in one place.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, AsyncIterator, Callable, Optional
 
 import jax
@@ -64,6 +65,10 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   queue = run.arrivals()
 
   def dispatch(worker: int, now: float) -> None:
+    back = membership.away(worker, now)
+    if back is not None:  # away already (ALGORITHMS.md, "Elastic membership")
+      expect(worker, back, "join")
+      return
     if spec.streaming:
       s.jobs[worker] = _dispatch_fragment(run, worker, now)
     else:
@@ -73,14 +78,41 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       finish = clock.finish(worker, int(steps[worker]), now)
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
+    s.dispatched_units += s.jobs[worker].units
+    leave = membership.next_leave(worker, now)
+    if leave < s.jobs[worker].finish:  # it leaves first: the dispatch is lost, never computed
+      expect(worker, leave, "leave", s.jobs.pop(worker).units)
+      return
     if clock.eager:
       run.compute(worker)
     queue.push(worker, s.jobs[worker])
 
+  def expect(worker: int, at: float, kind: str, dropped: int = 0) -> None:
+    """A membership event of ``worker`` at ``at`` in the arrival queue ("leave": with the
+    units its lost dispatch held; "join"); none for a worker that never comes back."""
+    if math.isfinite(at):
+      s.away[worker] = [at, kind, dropped]
+      queue.push(worker, Job(None, 0, 0, at))
+
+  def membership_event(worker: int, now: float) -> None:
+    _, kind, dropped = s.away.pop(worker)
+    if kind == "leave":
+      s.dropped_units += dropped
+      run.emit({"event": "left", "worker": worker, "sim_time": now, "dropped_" + spec.unit:
+                dropped, "outer_updates": s.version})
+      expect(worker, membership.away(worker, now), "join")
+    else:
+      run.emit({"event": "joined", "worker": worker, "sim_time": now,
+                "outer_updates": s.version})
+      dispatch(worker, now)
+
+  membership = spec.membership
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if spec.streaming:
       s.jobs[worker].fragment = s.syncs[worker] % spec.fragments
     queue.push(worker, s.jobs[worker])
+  for worker, (at, _, _) in sorted(s.away.items()):  # restored membership events
+    queue.push(worker, Job(None, 0, 0, at))
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
     s.compression = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
@@ -93,6 +125,12 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   try:
     while len(queue):
       now, group, times = await queue.pop(spec.syncer.rule(s.mean_gap))
+      if group[0] in s.away:  # a membership event (alone: membership takes no groups)
+        if spec.budget.over(s.units, now):
+          break
+        s.sim_time = now
+        membership_event(group[0], now)
+        continue
       s.mean_gap, s.last_arrival = syncer_lib.update_gap(s.mean_gap, s.last_arrival, times)
       units = s.units + sum(s.jobs[w].units for w in group)
       if spec.budget.over(units, now):
@@ -242,6 +280,8 @@ def _launch_ahead(run: Run, queue: base.Arrivals) -> None:
   s, budget = run.state, run.spec.budget
   units = s.units
   for worker in queue.heads(run.executor.concurrency):
+    if worker in s.away:  # a membership event: no work
+      continue
     job = s.jobs[worker]
     units += job.units
     if budget.over(units, job.finish):

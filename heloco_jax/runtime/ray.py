@@ -95,10 +95,11 @@ class ServerActor(server_lib.OuterServer):
   def get(self) -> tuple[Any, Any]:
     return sharding.to_host(super().get())
 
-  def update(self, taus: list[int], *deltas: Any, fetch: bool = True) -> list[dict]:
+  def update(self, taus: list[int], *deltas: Any, fetch: bool = True,
+             weights: Optional[list[float]] = None) -> list[dict]:
     if self.layout is not None:  # the workers' shards, onto this actor's mesh
       deltas = tuple(self._place(delta) for delta in deltas)
-    return super().update(taus, *deltas, fetch=fetch)
+    return super().update(taus, *deltas, fetch=fetch, weights=weights)
 
 
 class WorkerActor:
@@ -184,11 +185,11 @@ class RayServer:
     """An object ref: workers fetch it from the server's node, not from here."""
     return self.actor.dispatch_point.remote()
 
-  def update(self, taus: list[int], *deltas: Any,
-             fetch: bool = True) -> list[dict]:
+  def update(self, taus: list[int], *deltas: Any, fetch: bool = True,
+             weights: Optional[list[float]] = None) -> list[dict]:
     del fetch  # the actor returns Python numbers: its rows come over Ray anyway
     refs = [d.delta if isinstance(d, Dispatch) else sharding.to_host(d) for d in deltas]
-    return self._ray.get(self.actor.update.remote(taus, *refs))
+    return self._ray.get(self.actor.update.remote(taus, *refs, weights=weights))
 
 
 @dataclasses.dataclass

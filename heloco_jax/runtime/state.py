@@ -21,7 +21,7 @@ import numpy as np
 
 from heloco_jax import clock as clock_lib, compress as compress_lib, fragments as fragments_lib
 from heloco_jax import methods as methods_lib, problem, server as server_lib
-from heloco_jax import syncer as syncer_lib
+from heloco_jax import membership as membership_lib, syncer as syncer_lib
 
 Row = dict[str, Any]
 PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
@@ -64,6 +64,7 @@ class RunSpec:
     comm: message and all-reduce costs.
     dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
     syncer: how arrivals are grouped and merged (``heloco_jax.syncer.Syncer``).
+    membership: when workers leave and join (``heloco_jax.membership.Membership``).
     palsgd_warmup_steps: DDP steps before PALSGD's rounds; None = H.
     budget: where the run ends (``Budget``).
     eval_every: units between evaluations (0 = at the start and end only).
@@ -92,6 +93,7 @@ class RunSpec:
   comm: clock_lib.CommModel = clock_lib.CommModel()
   dylu: bool = False
   syncer: syncer_lib.Syncer = syncer_lib.Syncer()
+  membership: membership_lib.Membership = membership_lib.Membership()
   palsgd_warmup_steps: Optional[int] = None
   budget: Budget = Budget()
   eval_every: int = 0
@@ -153,6 +155,7 @@ class WorkerStream:
   def peek(self) -> Any:
     """The next batch, without consuming it (``make_engine``'s checks of ``loss_fn``)."""
     if not self._peeked:
+      self._before_peek = self._position()
       self._peeked.append(self._next_batch())
     return self._peeked[0]
 
@@ -169,12 +172,15 @@ class WorkerStream:
       self._read += 1
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
-  def get_state(self) -> Any:
-    if self._peeked:
-      raise RuntimeError("a peeked batch cannot be checkpointed")
+  def _position(self) -> Any:
     if hasattr(self._iterator, "get_state"):
       return self._iterator.get_state()
     return {"batches_read": self._read}
+
+  def get_state(self) -> Any:
+    """The stream's position; a peeked batch not read yet is read again after a restore (a
+    worker that joins later still holds the batch its checks peeked)."""
+    return self._before_peek if self._peeked else self._position()
 
   def set_state(self, state: Any) -> None:
     self._peeked.clear()
@@ -360,12 +366,17 @@ class RunState:
   # arrival's time (``heloco_jax.syncer.update_gap``).
   mean_gap: Optional[float] = None
   last_arrival: Optional[float] = None
+  # Elastic membership: per worker away or about to leave, [time, "leave" | "join", the units
+  # of the dispatch it loses]; the units every dispatch held, and those lost to departures.
+  away: dict = dataclasses.field(default_factory=dict)
+  dispatched_units: int = 0
+  dropped_units: int = 0
 
   META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining",
           "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
           "next_eval", "next_checkpoint", "wall_before", "bytes_sent", "peak_bytes_per_sync",
           "network_seconds", "fragment_versions", "syncs", "received", "mean_gap",
-          "last_arrival")
+          "last_arrival", "away", "dispatched_units", "dropped_units")
 
   def meta(self) -> dict[str, Any]:
     """The JSON-serialisable fields (a checkpoint's meta)."""
@@ -386,6 +397,7 @@ class RunState:
     for name in self.META:  # keys added since a checkpoint was written keep their defaults
       setattr(self, name, meta.get(name, getattr(self, name)))
     self.staleness = list(self.staleness)
+    self.away = {int(w): event for w, event in self.away.items()}  # JSON keys are strings
     self.next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
     # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
     self.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])

@@ -1,0 +1,133 @@
+"""Workers that leave and join a run: a failure schedule on the simulated clock
+(docs/FAILURES.md; ALGORITHMS.md, "Elastic membership").
+
+A ``Membership`` lists, per worker, the intervals [leave, back) in which it is away: a crash
+or preemption at ``leave``, a recovery (or a scale-up) at ``back`` (``math.inf``: it never
+comes back). A worker away from t = 0 is a new worker that joins at ``back``, with its own
+data stream. The rules, applied by the asynchronous loop (``runtime.loops``):
+
+  * a worker whose dispatch would arrive after it leaves loses that dispatch whole: its
+    tokens count as dropped (``tokens_dropped``), it never reaches the server;
+  * a worker that comes back (or joins) is dispatched at ``back`` from the server's dispatch
+    point (θ, or its look-ahead point), keeping its own step count;
+  * every dispatched token is applied, rejected, dropped, or still in flight when the budget
+    ends (never computed on the simulated clock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from heloco_jax import clock
+
+Absence = tuple[int, float, float]  # (worker, leave, back)
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+  """A failure schedule: per worker, the intervals in which it is away.
+
+  Attributes:
+    absences: (worker, leave, back) triples, ``leave < back``; ``back`` may be ``math.inf``.
+      A worker's intervals must not overlap.
+  """
+  absences: tuple[Absence, ...] = ()
+
+  def refusal(self, num_workers: int) -> Optional[str]:
+    """Why the schedule does not fit ``num_workers`` workers, or None."""
+    by_worker: dict[int, list[tuple[float, float]]] = {}
+    for worker, leave, back in self.absences:
+      if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
+        return f"worker {worker!r} is not one of the {num_workers} workers"
+      if not (0 <= leave < back) or math.isnan(back):
+        return f"worker {worker}: leave={leave!r}, back={back!r}; allowed: 0 <= leave < back"
+      by_worker.setdefault(int(worker), []).append((leave, back))
+    for worker, spans in by_worker.items():
+      spans.sort()
+      if any(b > l2 for (_, b), (l2, _) in zip(spans, spans[1:])):
+        return f"worker {worker}'s absences overlap"
+    if len([w for w, spans in by_worker.items() if spans[0][0] == 0]) == num_workers:
+      return "every worker is away at the start"
+    return None
+
+  def away(self, worker: int, t: float) -> Optional[float]:
+    """When ``worker``, away at ``t``, comes back (``math.inf``: never); None when present."""
+    return next((back for w, leave, back in self.absences if w == worker and leave <= t < back),
+                None)
+
+  def next_leave(self, worker: int, t: float) -> float:
+    """The first time after ``t`` at which ``worker`` leaves (``math.inf``: never)."""
+    return min((leave for w, leave, _ in self.absences if w == worker and leave > t),
+               default=math.inf)
+
+  @classmethod
+  def parse(cls, text: str) -> "Membership":
+    """``"1@30-60,2@40,4@0-50"``: worker 1 away from 30 to 60, worker 2 from 40 on, worker 4
+    (a new worker) joins at 50. '' is no failures.
+
+    Raises:
+      ValueError: a part that is not ``WORKER@LEAVE`` or ``WORKER@LEAVE-BACK``.
+    """
+    absences = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+      match = re.fullmatch(r"(\d+)@([0-9.eE+]+)(?:-([0-9.eE+]+))?", part)
+      if not match:
+        raise ValueError(f"{part!r}; allowed: WORKER@LEAVE or WORKER@LEAVE-BACK (seconds), "
+                         "comma-separated, e.g. '1@30-60,2@40'")
+      worker, leave, back = match.groups()
+      absences.append((int(worker), float(leave), math.inf if back is None else float(back)))
+    return cls(tuple(absences))
+
+  @classmethod
+  def random(cls, num_workers: int, *, rate: float, downtime: float, horizon: float,
+             seed: int, workers: Optional[Sequence[int]] = None) -> "Membership":
+    """A seeded schedule: each worker (of ``workers``, default all) fails at the times of a
+    Poisson process of ``rate`` failures per second up to ``horizon`` and is away an
+    exponential time of mean ``downtime`` each time."""
+    rng = np.random.default_rng(seed)
+    absences = []
+    for worker in (range(num_workers) if workers is None else workers):
+      t = float(rng.exponential(1 / rate)) if rate > 0 else math.inf
+      while t < horizon:
+        back = t + float(rng.exponential(downtime))
+        absences.append((int(worker), t, back))
+        t = back + float(rng.exponential(1 / rate))
+    return cls(tuple(absences))
+
+
+def refusal(membership: Membership, *, num_workers: int, method: str, asynchronous: bool,
+            simulated: bool, grouped: bool, fragments: int) -> Optional[str]:
+  """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
+  None."""
+  why = membership.refusal(num_workers)
+  if why or not membership.absences:
+    return why
+  for cannot, what in ((not asynchronous, f"method={method!r} (asynchronous methods only)"),
+                       (not simulated, "another runtime than the simulated one"),
+                       (grouped, "a syncer that groups arrivals"),
+                       (fragments > 1, "fragments > 1")):
+    if cannot:
+      return f"not with {what} yet"
+  return None
+
+
+def of_config(config: Any) -> Optional[Membership]:
+  """The failure schedule of a run config's ``chaos`` keys (None: no failures):
+  ``chaos.schedule``'s absences and, with ``chaos.rate`` > 0, seeded random ones of every
+  worker up to the time budget (or ten times the time the workers need for the token budget
+  at their paces)."""
+  c = config.chaos
+  schedule = Membership.parse(c.schedule)
+  if c.rate == 0:
+    return schedule if schedule.absences else None
+  seconds = np.asarray(clock.seconds_per_step(config.speeds, config.num_workers))
+  horizon = config.budget.sim_seconds or 10 * config.budget.tokens / (
+      config.batch_size * config.model.context * np.sum(1 / seconds))
+  drawn = Membership.random(config.num_workers, rate=c.rate, downtime=c.downtime,
+                            horizon=float(horizon), seed=config.seed)
+  return Membership(schedule.absences + drawn.absences)
