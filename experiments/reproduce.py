@@ -419,7 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
   # Issues 18, 36 and 34's grids: one RESULTS.md, issue 34's runs in sections of their own.
-  one_report = args.grid in grids.SCIENCE + grids.SKEPTIC + ("streaming",)
+  one_report = args.grid in grids.SCIENCE + grids.SKEPTIC + ("streaming",) + grids.ISSUE35
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if one_report else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",

@@ -320,7 +320,8 @@ def test_science_grid_finishes_seed_by_seed():
   assert all(r.table == "dn_tuned" for r in runs[-15:])
   assert [r.seed for r in runs[-15:]] == sorted(r.seed for r in runs[-15:])
   for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36 and 34
-    assert grids.family(name) == runs + grids.grid("skeptic") + grids.grid("streaming")
+    assert grids.family(name) == (runs + grids.grid("skeptic") + grids.grid("streaming")
+                                  + grids.grid("cgad_lr"))
 
 
 def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
@@ -470,8 +471,9 @@ def test_skeptic_grid_runs_seed_0_of_each_question_before_more_seeds():
                   + seed0("palsgd_fair") + [r for r in seed0("vocab") if r not in runs[30:32]]
                   + later("heldout") + later("palsgd_fair") + later("vocab")
                   + later("lr_sweep"))
-  for name in (*grids.SKEPTIC, "streaming"):
-    assert grids.family(name) == grids.grid("science") + runs + grids.grid("streaming")
+  for name in (*grids.SKEPTIC, "streaming", "cgad_lr"):
+    assert grids.family(name) == (grids.grid("science") + runs + grids.grid("streaming")
+                                  + grids.grid("cgad_lr"))
 
 
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
@@ -595,3 +597,15 @@ def test_commit_puts_each_digest_into_git_and_nothing_else(tmp_path, capsys):
   assert reproduce.main(elsewhere) == 0
   assert "reproduce: --commit: git failed (" in capsys.readouterr().err
   assert os.listdir(tmp_path / "plain")
+
+
+def test_the_cgad_lr_check_changes_only_cgads_outer_lr():
+  runs = grids.grid("cgad_lr")
+  assert [r.name for r in runs] == [f"authors/lr/cgad/x{f:g}" for f in grids.CGAD_LR_FACTORS]
+  heloco = dict(next(r for r in grids.grid("authors_lr") if r.method == "heloco").overrides)
+  for run, factor in zip(runs, grids.CGAD_LR_FACTORS):
+    overrides = dict(run.overrides)
+    assert overrides.pop("outer.learning_rate") == pytest.approx(1e-2 * factor)
+    assert overrides.pop("method") == "cgad"
+    assert overrides == {k: v for k, v in heloco.items()
+                         if k not in ("outer.learning_rate", "method")}
