@@ -95,7 +95,7 @@ def test_sections_group_the_keys():
   assert [t.split(":")[0] for t in titles] == ["run", "budget", "model", "data", "inner",
                                                "outer", "devices", "distributed",
                                                "ray", "comm", "streaming", "compression",
-                                               "syncer"]
+                                               "syncer", "chaos"]
   assert TEXT.index("\n  outer.keep_threshold ") > TEXT.index("\nouter:")
 
 

@@ -197,7 +197,7 @@ def _run_async(method="heloco", **options):
 
 
 @pytest.mark.parametrize("method", ["async_nesterov", "delayed_nesterov", "mla", "heloco",
-                                    "cgad"])
+                                    pytest.param("cgad", marks=pytest.mark.slow)])
 def test_each_fragment_keeps_its_own_version_and_staleness(method):
   """A worker sends fragments 1, 2, 0, 1, ... (its j-th sync sends j mod P); an arrival's τ is
   the updates of its fragment since the worker last received that fragment (at its own

@@ -81,6 +81,7 @@ def test_two_leave_one_comes_back_one_joins_every_token_accounted_and_replayed()
   assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
 
 
+@pytest.mark.slow  # Membership() takes the default path; the default suite stays < 15 min
 def test_an_empty_schedule_is_todays_run_bit_for_bit():
   plain, plain_rows = _run(membership=None)
   summary, rows = _run(membership=hj.Membership())

@@ -22,7 +22,7 @@ def run_dirs(tmp_path_factory):
   for method in methods.METHODS:
     dirs[method] = str(root / method)
     assert cli.main(["train", f"--workdir={dirs[method]}", *TINY, f"--config.method={method}",
-                     "--config.budget.tokens=3072", "--config.speeds=[1.0,2.0,3.0]",
+                     "--config.budget.tokens=2048", "--config.speeds=[1.0,2.0,3.0]",
                      "--config.writers=jsonl", "--config.palsgd_warmup_steps=0"]) == 0
   return dirs
 

@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from experiments import analysis, branches, grids, science, streaming
 from heloco_jax import compress
@@ -89,6 +90,7 @@ def test_the_branch_table_counts_changed_blocks(tmp_path):
   assert branches.table([]) == ""
 
 
+@pytest.mark.slow  # two tiny runs with a shadowed rule; the default suite stays < 15 min
 def test_the_shadow_leaves_the_run_as_it_is_and_counts_every_block():
   """The shadowed rule's run is the plain run bit for bit; each arrival adds one pair per
   block and compressor; with compress.none() every block takes the same branch on both."""

@@ -89,7 +89,8 @@ def _run(method="heloco", keys=None, **options):
   return tiny.simulate(config, **options)
 
 
-@pytest.mark.parametrize("method", ["async_nesterov", "heloco"])
+@pytest.mark.parametrize("method", [pytest.param("async_nesterov", marks=pytest.mark.slow),
+                                    "heloco"])
 def test_quorum_one_and_token_weights_are_todays_runs_bit_for_bit(method):
   plain, plain_rows = _run(method)
   for syncer in (hj.Syncer(weights="tokens"), hj.Syncer(quorum=1, timeout=5.0)):

@@ -8,12 +8,14 @@ on at each yield, in one place.
   * ``run_async``: one outer update per arrival with staleness τ = v − s; the
     worker is re-dispatched at once from the server's dispatch point.
     The syncer (``heloco_jax.syncer``: quorum, grace window, token weights)
-    may group arrivals into one update (``OuterServer.update``). On the simulated clock a dispatch
-    fixes its inputs (start point, batches, PRNG key) and its steps are
-    computed lazily: when its job reaches the head of the arrival queue (so
-    the device works on the next arrival while the host handles this one) or
-    when a checkpoint needs it; work a budget discards is never computed. The
-    results are those of computing at dispatch, bit for bit.
+    may group arrivals into one update (``OuterServer.update``). A failure
+    schedule (``heloco_jax.membership``) takes workers away and brings them
+    back through the same queue. On the simulated clock a dispatch fixes its
+    inputs (start point, batches, PRNG key) and its steps are computed lazily:
+    when its job reaches the head of the arrival queue (so the device works on
+    the next arrival while the host handles this one) or when a checkpoint
+    needs it; work a budget discards is never computed. The results are those
+    of computing at dispatch, bit for bit.
   * ``run_rounds``: all workers start from θ, run H steps (``vmap``),
     Δ = mean Δ_i, one outer update. PALSGD's rounds pull toward θ̃ = θ and
     keep the inner optimizer states; its DDP warm-up comes first.
@@ -67,6 +69,9 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   def dispatch(worker: int, now: float) -> None:
     back = membership.away(worker, now)
     if back is not None:  # away already (ALGORITHMS.md, "Elastic membership")
+      if now > 0:  # it left as its work arrived: nothing lost (a new worker: none to leave)
+        run.emit({"event": "left", "worker": worker, "sim_time": now,
+                  "dropped_" + spec.unit: 0, "outer_updates": s.version})
       expect(worker, back, "join")
       return
     if spec.streaming:
