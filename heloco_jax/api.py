@@ -494,8 +494,10 @@ def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
                   else engine.spec.comm.bandwidth,
                   "ddp_overlap": engine.spec.comm.ddp_overlap}
-  if math.isinf(engine.spec.syncer.timeout):
+  if math.isinf(engine.spec.syncer.timeout):  # standard JSON: null for "none"
     spec["syncer"]["timeout"] = None
+  spec["membership"] = [[w, leave, None if math.isinf(back) else back]
+                        for w, leave, back in engine.spec.membership.absences]
   spec["options"] = settings  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"

@@ -1,6 +1,7 @@
 """Workers that leave and join (heloco_jax/membership.py; docs/FAILURES.md): the schedule,
 the loop's accounting of every token, replay, and the refusals."""
 
+import json
 import math
 
 import jax.numpy as jnp
@@ -112,3 +113,14 @@ def test_the_config_builds_the_schedule_and_the_random_failures():
   drawn = membership_lib.of_config(config)
   assert drawn.absences[0] == (1, 30.0, 60.0) and len(drawn.absences) > 1
   assert drawn == membership_lib.of_config(config)  # seeded by config.seed
+
+
+def test_a_workdir_records_the_schedule_in_standard_json(tmp_path):
+  engine = hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
+                          [[{"x": np.zeros(1)}] * 100] * 4, membership=SCHEDULE,
+                          budget_steps=20, workdir=str(tmp_path))
+  engine.close()
+  def not_standard(constant):
+    raise AssertionError(f"config.json holds {constant}")
+  config = json.loads((tmp_path / "config.json").read_text(), parse_constant=not_standard)
+  assert config["membership"] == [[1, 5.0, 20.0], [2, 8.0, None], [3, 0.0, 12.0]]
