@@ -101,7 +101,7 @@ class Membership:
 
 
 def refusal(membership: Membership, *, num_workers: int, method: str, asynchronous: bool,
-            simulated: bool, grouped: bool, fragments: int) -> Optional[str]:
+            simulated: bool, fragments: int) -> Optional[str]:
   """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
   None."""
   why = membership.refusal(num_workers)
@@ -109,7 +109,6 @@ def refusal(membership: Membership, *, num_workers: int, method: str, asynchrono
     return why
   for cannot, what in ((not asynchronous, f"method={method!r} (asynchronous methods only)"),
                        (not simulated, "another runtime than the simulated one"),
-                       (grouped, "a syncer that groups arrivals"),
                        (fragments > 1, "fragments > 1")):
     if cannot:
       return f"not with {what} yet"

@@ -93,7 +93,6 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 @pytest.mark.parametrize("options, message", [
     (dict(method="diloco"), "not with method='diloco' (asynchronous methods only) yet"),
-    (dict(syncer=hj.Syncer(quorum=2)), "not with a syncer that groups arrivals yet"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
 def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):
@@ -124,3 +123,28 @@ def test_a_workdir_records_the_schedule_in_standard_json(tmp_path):
     raise AssertionError(f"config.json holds {constant}")
   config = json.loads((tmp_path / "config.json").read_text(), parse_constant=not_standard)
   assert config["membership"] == [[1, 5.0, 20.0], [2, 8.0, None], [3, 0.0, 12.0]]
+
+
+@pytest.mark.parametrize("syncer", [
+    hj.Syncer(quorum=2),
+    pytest.param(hj.Syncer(quorum=3, timeout=4.0), marks=pytest.mark.slow),  # suite < 15 min
+    pytest.param(hj.Syncer(grace_window=1.0, weights="tokens"), marks=pytest.mark.slow)])
+def test_groups_take_membership_events_in_their_stride(syncer):
+  """With a syncer that groups arrivals, events inside an open group are handled at their
+  time; the accounting holds, the new worker's work arrives, and the run replays."""
+  config = tiny.config("heloco", num_workers=4, **{
+      "budget.tokens": 3200, "eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0]})
+  summary, rows = tiny.simulate(config, membership=SCHEDULE, syncer=syncer)
+  assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
+                                          + summary["in_flight_tokens"])
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  assert {a["worker"] for a in arrivals} == {0, 1, 2, 3}
+  for worker, leave, back in SCHEDULE.absences:  # at most the work that arrived before it
+    # left and waited in an open group (its row has the group's time)
+    assert len([a for a in arrivals if a["worker"] == worker and leave < a["sim_time"] < back
+                ]) <= 1
+  times = [r["sim_time"] for r in rows if "sim_time" in r and r["event"] != "eval"]
+  assert times == sorted(times)  # events and groups in time order
+  assert summary["final_val_loss"] < 0.9 * summary["initial_val_loss"]  # q = 3: fewer updates
+  again, rows_again = tiny.simulate(config, membership=SCHEDULE, syncer=syncer)
+  assert rows_again == rows

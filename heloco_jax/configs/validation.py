@@ -173,11 +173,9 @@ def _validate_chaos(config: ml_collections.ConfigDict, method: Any) -> None:
     _fail(key, value, str(error).split("; allowed: ", 1)[-1])
   if schedule is None:
     return
-  grouped = (config.grace_window > 0 or config.syncer.quorum > 1
-             or config.syncer.adaptive_grace > 0)
   why = membership.refusal(schedule, num_workers=config.num_workers, method=config.method,
                            asynchronous=method.synchrony == "async",
-                           simulated=_runtime_factory(config).simulated_clock, grouped=grouped,
+                           simulated=_runtime_factory(config).simulated_clock,
                            fragments=config.streaming.fragments)
   if why:
     _fail(key, value, f"a schedule this run can take ({why})")

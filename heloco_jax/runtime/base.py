@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import (Any, Callable, NamedTuple, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import jax
 import numpy as np
@@ -32,6 +33,14 @@ Row = dict[str, Any]
 SYNCHRONIES = frozenset({"step", "round", "async"})
 
 
+class Events(NamedTuple):
+  """The membership events in an arrival queue (``heloco_jax.membership``; the simulated clock
+  only): which entries are events, which of them bring work (a join), and their handler."""
+  is_event: Callable[[int], bool]
+  brings_work: Callable[[int], bool]
+  handle: Callable[[int, float], None]
+
+
 class Arrivals(Protocol):
   """Jobs in flight, taken in arrival order, in the groups of the syncer's rule
   (``heloco_jax.syncer``): ``pop`` returns (when the group closes, its workers, their arrival
@@ -39,7 +48,8 @@ class Arrivals(Protocol):
 
   def __len__(self) -> int: ...
   def push(self, worker: int, job: Any) -> None: ...
-  async def pop(self, rule: Any) -> tuple[float, list[int], list[float]]: ...
+  async def pop(self, rule: Any, events: Optional["Events"] = None
+                ) -> tuple[float, list[int], list[float]]: ...
 
   def heads(self, n: int) -> list[int]:
     """The workers of the next ``n`` arrivals, whose work a lazy clock starts ahead (a

@@ -387,14 +387,17 @@ class DeviceArrivals:
     """Waits for ``job.delta`` (a ``state.Job``) of ``worker``."""
     self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
 
-  async def pop(self, rule: syncer_lib.GroupRule) -> tuple[float, list[int], list[float]]:
+  async def pop(self, rule: syncer_lib.GroupRule, events: Any = None
+                ) -> tuple[float, list[int], list[float]]:
     """(real time at which the group is taken, its workers and their arrival times in
     arrival order): the syncer's ``rule`` (quorum, timeout, grace window).
 
     The time is read when the group is taken, not when its results were
     ready: rows emitted while waiting (Ray's ``redispatched``) are then never
-    later in time than the arrival rows logged after them.
+    later in time than the arrival rows logged after them. Real runtimes take no
+    membership events (``events`` is None).
     """
+    del events
     await asyncio.wait(self._tasks.values(), return_when=asyncio.FIRST_COMPLETED)
     first = min(t.result() for t in self._tasks.values() if t.done())
 

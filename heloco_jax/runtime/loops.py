@@ -111,7 +111,13 @@ async def run_async(run: Run) -> AsyncIterator[None]:
                 "outer_updates": s.version})
       dispatch(worker, now)
 
+  def event_in_a_group(worker: int, at: float) -> None:
+    s.sim_time = at
+    membership_event(worker, at)
+
   membership = spec.membership
+  events = base.Events(lambda w: w in s.away, lambda w: w not in s.away or s.away[w][1] == "join",
+                       event_in_a_group) if membership.absences else None
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if spec.streaming:
       s.jobs[worker].fragment = s.syncs[worker] % spec.fragments
@@ -129,8 +135,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       dispatch(worker, 0.0)
   try:
     while len(queue):
-      now, group, times = await queue.pop(spec.syncer.rule(s.mean_gap))
-      if group[0] in s.away:  # a membership event (alone: membership takes no groups)
+      now, group, times = await queue.pop(spec.syncer.rule(s.mean_gap), events)
+      if group[0] in s.away:  # a membership event at the head of the queue
         if spec.budget.over(s.units, now):
           break
         s.sim_time = now

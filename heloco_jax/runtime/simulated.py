@@ -39,18 +39,35 @@ class SimulatedArrivals:
     """The workers of the ``n`` jobs that arrive next, in arrival order."""
     return [worker for _, worker in heapq.nsmallest(n, self._heap)]
 
-  async def pop(self, rule: syncer_lib.GroupRule) -> tuple[float, list[int], list[float]]:
+  async def pop(self, rule: syncer_lib.GroupRule, events: Optional[base.Events] = None
+                ) -> tuple[float, list[int], list[float]]:
     """(when the group closes, its workers and their arrival times in arrival order): the
-    syncer's ``rule`` (quorum, timeout, grace window; ALGORITHMS.md, "Syncer policies")."""
+    syncer's ``rule`` (quorum, timeout, grace window; ALGORITHMS.md, "Syncer policies").
+
+    Membership events (``events``) in the queue never join a group: one at the head is
+    returned alone; one that comes while a group waits for its quorum is handled at its time
+    (the work it dispatches may join the group), and one within a grace window ends it.
+    """
     first, worker = heapq.heappop(self._heap)
-    group, times = [worker], [first]
+    group, times, handled = [worker], [first], [first]
+    if events is not None and events.is_event(worker):
+      return first, group, times
+
+    def event_next() -> bool:
+      return events is not None and events.is_event(self._heap[0][1])
+
     while self._heap and rule.wants_more(len(group), first, self._heap[0][0]):
       at, worker = heapq.heappop(self._heap)
-      group.append(worker)
-      times.append(at)
-    closed = rule.close(len(group), first, times[-1], bool(self._heap))
+      if events is not None and events.is_event(worker):
+        events.handle(worker, at)
+        handled.append(at)
+      else:
+        group.append(worker)
+        times.append(at)
+    more = any(events is None or events.brings_work(w) for _, w in self._heap)
+    closed = max(rule.close(len(group), first, times[-1], more), handled[-1])
     # A grace window of 0 (default) is off: simultaneous arrivals stay separate updates.
-    while self._heap and rule.in_grace(closed, self._heap[0][0]):
+    while self._heap and not event_next() and rule.in_grace(closed, self._heap[0][0]):
       at, worker = heapq.heappop(self._heap)
       group.append(worker)
       times.append(at)
