@@ -156,7 +156,8 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       outer_options=outer_options(config),
       lookahead_dispatch=config.lookahead_dispatch,
       reset_optimizer=config.inner.reset_optimizer,
-      syncer=syncer_of(config), membership=membership_lib.of_config(config), dylu=config.dylu,
+      syncer=syncer_lib.of_config(config), membership=membership_lib.of_config(config),
+      dylu=config.dylu,
       jitter=config.jitter,
       comm=clock.CommModel(config.comm.latency,
                            math.inf if config.comm.bandwidth is None else config.comm.bandwidth,
@@ -169,14 +170,6 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       compress=compressor(config), fragments=config.streaming.fragments,
       fragment_layout=config.streaming.layout, overlap_steps=config.streaming.overlap_steps,
       fragment_alpha=config.streaming.alpha)
-
-
-def syncer_of(config: ml_collections.ConfigDict) -> syncer_lib.Syncer:
-  """The syncer policy of ``config.grace_window`` and ``config.syncer``."""
-  c = config.syncer
-  return syncer_lib.Syncer(quorum=c.quorum, timeout=math.inf if c.timeout is None else c.timeout,
-                           grace_window=config.grace_window, adaptive_grace=c.adaptive_grace,
-                           weights=c.weights)
 
 
 def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Optional, Sequence, get_args
+from typing import Any, Literal, Optional, Sequence, get_args
 
 Weights = Literal["mean", "tokens"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)
@@ -115,3 +115,11 @@ def update_gap(mean_gap: Optional[float], last: Optional[float], arrivals: Seque
       mean_gap = gap if mean_gap is None else GAP_DECAY * mean_gap + (1 - GAP_DECAY) * gap
     last = at
   return mean_gap, last
+
+
+def of_config(config: Any) -> Syncer:
+  """The syncer policy of a run config's ``grace_window`` and ``syncer`` keys."""
+  c = config.syncer
+  return Syncer(quorum=c.quorum, timeout=math.inf if c.timeout is None else c.timeout,
+                grace_window=config.grace_window, adaptive_grace=c.adaptive_grace,
+                weights=c.weights)

@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from heloco_jax import clock, fragments, inner, membership, model, writers
+from heloco_jax import clock, fragments, inner, membership, model, syncer, writers
 from heloco_jax.configs import schema
 from heloco_jax.methods import METHODS
 from heloco_jax.runtime import devices
@@ -154,8 +154,10 @@ _STREAMING_KEYS = {"fragments": "streaming.fragments", "overlap_steps": "streami
 def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
   """The syncer keys: a quorum within the workers; grouping only for asynchronous methods."""
   c = config.syncer
-  if c.quorum > config.num_workers:
-    _fail("syncer.quorum", c.quorum, f"an integer in [1, {config.num_workers}] (num_workers)")
+  refused = syncer.of_config(config).refusal(config.num_workers)
+  if refused:
+    name, value, allowed = refused
+    _fail("grace_window" if name == "grace_window" else f"syncer.{name}", value, allowed)
   for name, default in (("quorum", 1), ("timeout", None), ("adaptive_grace", 0.0),
                         ("weights", "mean")):
     if c[name] != default and method.synchrony != "async":
