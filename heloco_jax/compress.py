@@ -19,6 +19,12 @@ Every compressor works leaf by leaf on any pytree of float arrays, under ``jit``
 ``error_feedback(c)`` wraps any of them so that what a compression drops is
 sent later: p_t = C(Δ_t + e_{t−1}), e_t = Δ_t + e_{t−1} − D(p_t), e_0 = 0.
 ``by_name(kind, ...)`` builds one from the run config's keys.
+
+Scales and codes divide in float32, correctly rounded on CPUs. On NVIDIA GPUs XLA divides
+with PTX's ``div.full`` (within 2 ulp, openxla/xla#37181): a scale can be one ulp off and a
+code one step off at a tie, unless ``XLA_FLAGS`` holds
+``--xla_backend_extra_options=-nvptx-prec-divf32=2`` (IEEE division; ``tests/conftest.py``
+sets it, so that the NumPy reference's bits hold on a GPU too).
 """
 
 from __future__ import annotations
@@ -186,6 +192,13 @@ def _divide(x: jax.Array, y: Any) -> jax.Array:
   return x / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(y, x.dtype), x.shape))
 
 
+def _as_sent(x: jax.Array) -> jax.Array:
+  """x, narrow codes as they are sent: compressed and decompressed in one ``jit``, XLA may
+  drop a round trip float32 → bfloat16/float8 → float32 and keep the float32 values (seen on
+  an H200, jax 0.11.2: bf16 then sent Δ unrounded); behind a barrier the rounding stays."""
+  return jax.lax.optimization_barrier(x)
+
+
 def _unfused(x: jax.Array) -> jax.Array:
   """x, as a select that XLA cannot fold: e = v − D(p) must subtract the rounded D(p) the
   server gets, and XLA would otherwise contract the product that ends ``decompress``
@@ -259,7 +272,7 @@ def bf16() -> Compressor:
 @jax.jit
 def _bf16_leaf(x: jax.Array) -> Cast:
   # ALGORITHMS.md, "Compression of pseudo-gradients": D(C(x)) = bf16(x).
-  return Cast(jnp.asarray(x).astype(jnp.bfloat16), _spec("bf16", x))
+  return Cast(_as_sent(jnp.asarray(x).astype(jnp.bfloat16)), _spec("bf16", x))
 
 
 @jax.jit
@@ -298,7 +311,7 @@ def _fp8_leaf(x: jax.Array) -> Quantized:
   scale = jnp.where(amax == 0, jnp.float32(1.0), _divide(amax, E4M3_MAX))
   # |x/s| <= 448 up to one rounding; the clip keeps e4m3fn's NaN out of reach.
   codes = jnp.clip(_divide(x, scale), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-  return Quantized(codes, scale, spec)
+  return Quantized(_as_sent(codes), scale, spec)
 
 
 @jax.jit

@@ -29,6 +29,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from heloco_jax import determinism
+
 BYTE_VOCAB_SIZE = 257  # 256 bytes + BOS (heloco_jax.data.BOS_ID = 256)
 COMPUTE_DTYPES = ("float32", "bfloat16")
 INIT_STD = 0.02  # GPT-2's initialisation: N(0, 0.02²), residual outputs / √(2·layers)
@@ -68,9 +70,14 @@ def config_from(model: Any, vocab_size: int = BYTE_VOCAB_SIZE) -> ModelConfig:
 
 def attention_implementation(dtype: Any, head_dim: int) -> Optional[str]:
   """``jax.nn.dot_product_attention``'s implementation: "cudnn" (flash) on a GPU for
-  bfloat16/float16 and head sizes it takes, else None (XLA's)."""
+  bfloat16/float16 and head sizes it takes, else None (XLA's).
+
+  Also XLA's under deterministic GPU ops (docs/DESIGN.md, "Determinism"): with them, jax
+  0.11.2 failed to compile cuDNN's attention backward on an H200 (``IndexError:
+  absl::container_internal::raw_hash_map<>::at``).
+  """
   if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-      and head_dim % 8 == 0 and head_dim <= 128):
+      and head_dim % 8 == 0 and head_dim <= 128 and not determinism.flag_set()):
     return "cudnn"
   return None
 

@@ -4,8 +4,9 @@
   fresh jitted functions for identical programs (a new engine or
   ``InnerLoop`` per test); the cache compiles each once per session.
 * On a GPU (docs/DESIGN.md, "Determinism"): XLA's deterministic ops, so that
-  replays are bit-exact; matmuls at full float32 precision (not TF32), so
-  that comparisons with the NumPy references hold at CPU tolerances; and no
+  replays are bit-exact; matmuls at full float32 precision (not TF32) and
+  IEEE float32 division (not PTX's div.full), so that comparisons with the
+  NumPy references hold at CPU tolerances and bits; and no
   preallocation of 75% of the GPU per process, so that several test
   processes fit on one GPU. None of these changes anything on the CPU.
 * pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml): the tests
@@ -23,6 +24,9 @@ os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 from heloco_jax import determinism  # noqa: E402  (no JAX backend starts on import)
 
 determinism.enable()
+# IEEE float32 division on NVIDIA GPUs, where XLA picks div.full (heloco_jax/compress.py);
+# LLVM options of other targets leave the CPU's programs as they are.
+os.environ["XLA_FLAGS"] += " --xla_backend_extra_options=-nvptx-prec-divf32=2"
 
 import jax  # noqa: E402
 

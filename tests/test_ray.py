@@ -2,6 +2,7 @@
 CLI's engine, ``harness.make_engine``, with a test's fault-injecting executor)."""
 
 import collections
+import importlib.util
 import json
 import os
 import signal
@@ -19,6 +20,9 @@ from heloco_jax.configs import validation
 # Ray's tests run one after another in one worker process: one local Ray cluster at a time
 # (also test_api.py's Ray test).
 pytestmark = pytest.mark.xdist_group("ray")
+# The tests that start a cluster; the settings test needs no Ray (validation refuses first).
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed (extra 'ray')")
 
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.context=16",
         "--config.batch_size=4", "--config.inner_steps=2",
@@ -89,8 +93,7 @@ def _config_overrides(args):
       except ValueError:
         overrides[key] = value
   return overrides
-
-
+@needs_ray
 def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrupts_it(tmp_path):
   budget = 12_000
   overrides = _config_overrides([
@@ -209,6 +212,7 @@ def _train_while_killing(thread, run_ended, args):
     thread.join()
 
 
+@needs_ray
 @pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouched(tmp_path):
   """K = 2: each of the two actor processes is killed with SIGKILL (as `kill -9` would), one
@@ -235,6 +239,7 @@ def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouc
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
 
 
+@needs_ray
 @pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_resumes(
     tmp_path):
@@ -265,6 +270,7 @@ def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
 
 
+@needs_ray
 @pytest.mark.slow
 def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_path):
   args = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=8",
