@@ -221,7 +221,8 @@ def family(name: str) -> list[Run]:
   if scale is SMOKE:
     return grid(name)
   if name in SCIENCE + SKEPTIC + ("streaming",) + ISSUE35:  # one RESULTS.md: 18, 36, 34, 35
-    return grid("science") + grid("skeptic") + grid("streaming") + grid("cgad_lr")
+    return (grid("science") + grid("skeptic") + grid("streaming") + grid("cgad_lr")
+            + grid("chaos"))
   return grid("all")
 
 
@@ -750,4 +751,48 @@ def cgad_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
 
 GRIDS["cgad_lr"] = cgad_lr_grid
 SCALES["cgad_lr"] = AUTHORS
-ISSUE35 = ("cgad_lr",)
+
+
+# Issue 35's chaos harness: the streaming grid's model and data, mild paces, a time budget in
+# which non-waiting workers read 409,600 tokens (400 simulated s), and the same seeded failure
+# schedule for every method of a seed: each worker fails CHAOS_FAILURES times per budget on
+# average and stays away CHAOS_DOWNTIME of it (``chaos.rate``, ``chaos.downtime``).
+CHAOS = dataclasses.replace(STREAMING, tokens=409_600)
+CHAOS_PRESET = "mild"
+CHAOS_METHODS = ("ddp", "diloco", "async_nesterov", "mla", "heloco", "cgad")
+CHAOS_FAILURES = 2.0
+CHAOS_DOWNTIME = 0.1
+# Decoupled DiLoCo's merge: a quorum of 2 (or what arrived 10 s after a group's first
+# arrival: half a fast worker's dispatch), a grace window of half the mean gap, token weights.
+CHAOS_SYNCER = {"syncer.quorum": 2, "syncer.timeout": 10.0, "syncer.adaptive_grace": 0.5,
+                "syncer.weights": "tokens"}
+# (condition, config changes, asynchronous methods only)
+CHAOS_CONDITIONS = (("undisturbed", {}, False), ("failures", {}, False),
+                    ("failures_syncer", CHAOS_SYNCER, True))
+
+
+def chaos_grid(scale: Scale = CHAOS, seeds: Sequence[int] | None = None) -> list[Run]:
+  """Every method of ``CHAOS_METHODS`` undisturbed and under the failure schedule (the
+  asynchronous ones also with ``CHAOS_SYNCER``), at equal simulated time, seed by seed."""
+  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  seconds = time_budget(scale, CHAOS_PRESET)
+  failures = {"chaos.rate": CHAOS_FAILURES / seconds, "chaos.downtime": CHAOS_DOWNTIME * seconds}
+  runs = []
+  for seed in (scale.seeds if seeds is None else seeds):
+    for method in CHAOS_METHODS:
+      for condition, changes, asynchronous_only in CHAOS_CONDITIONS:
+        if asynchronous_only and methods.get(method).synchrony != "async":
+          continue
+        runs.append(Run(f"chaos/{condition}/{method}/seed{seed}", condition, CHAOS_PRESET,
+                        method, seed, tuple({
+                            **scale.overrides(), "method": method, "seed": seed,
+                            "speeds": CHAOS_PRESET, "budget.tokens": 0,
+                            "budget.sim_seconds": seconds,
+                            **(failures if condition != "undisturbed" else {}),
+                            **changes}.items())))
+  return runs
+
+
+GRIDS["chaos"] = chaos_grid
+SCALES["chaos"] = CHAOS
+ISSUE35 = ("cgad_lr", "chaos")

@@ -146,8 +146,8 @@ def _syncer(syncer: Optional[syncer_lib.Syncer], grace_window: float, method: An
   return syncer
 
 
-def _membership(membership: Optional[membership_lib.Membership], method: Any,
-                num_workers: int, fragments: int, simulated: bool
+def _membership(membership: Optional[membership_lib.Membership], num_workers: int,
+                fragments: int, simulated: bool
                 ) -> membership_lib.Membership:
   """The run's failure schedule (a one-line ValueError where it cannot run)."""
   if membership is None:
@@ -155,8 +155,7 @@ def _membership(membership: Optional[membership_lib.Membership], method: Any,
   if not isinstance(membership, membership_lib.Membership):
     raise ValueError(f"membership={membership!r} is not allowed; allowed: None or "
                      "hj.Membership(...)")
-  why = membership_lib.refusal(membership, num_workers=num_workers, method=method.name,
-                               asynchronous=method.synchrony == "async", simulated=simulated,
+  why = membership_lib.refusal(membership, num_workers=num_workers, simulated=simulated,
                                fragments=fragments)
   if why:
     raise ValueError(f"membership={membership!r} is not allowed: {why}")
@@ -236,7 +235,7 @@ def make_engine(
     raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
                      "integer >= 0 (0 = off)")
   syncer = _syncer(syncer, grace_window, spec_method, num_workers)
-  membership = _membership(membership, spec_method, num_workers, fragments,
+  membership = _membership(membership, num_workers, fragments,
                            factory.simulated_clock)
   budget, eval_every, units_per_step, unit = _budget(
       budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,

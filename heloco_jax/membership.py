@@ -12,6 +12,10 @@ data stream. The rules, applied by the asynchronous loop (``runtime.loops``):
     point (θ, or its look-ahead point), keeping its own step count;
   * every dispatched token is applied, rejected, dropped, or still in flight when the budget
     ends (never computed on the simulated clock).
+
+Synchronous methods run elastic rounds and DDP steps (``runtime.loops``): a round or step
+takes the workers present at its start; one that leaves before it ends loses its part of
+it (dropped), the others' parts are averaged; one that comes back joins at the next start.
 """
 
 from __future__ import annotations
@@ -65,6 +69,19 @@ class Membership:
     return min((leave for w, leave, _ in self.absences if w == worker and leave > t),
                default=math.inf)
 
+  def present(self, num_workers: int, t: float) -> np.ndarray:
+    """Which of ``num_workers`` workers are present at ``t`` (booleans)."""
+    return np.array([self.away(w, t) is None for w in range(num_workers)])
+
+  def events(self, start: float, end: float) -> list[tuple[float, int, str]]:
+    """(time, worker, "left" | "joined") of the departures in [start, end) and the returns
+    in (start, end], in time order (a synchronous loop's rows between two barriers); a new
+    worker, away from t = 0, only joins."""
+    events = [(leave, w, "left") for w, leave, _ in self.absences
+              if start <= leave < end and leave > 0]
+    events += [(back, w, "joined") for w, _, back in self.absences if start < back <= end]
+    return sorted(events)
+
   @classmethod
   def parse(cls, text: str) -> "Membership":
     """``"1@30-60,2@40,4@0-50"``: worker 1 away from 30 to 60, worker 2 from 40 on, worker 4
@@ -100,15 +117,14 @@ class Membership:
     return cls(tuple(absences))
 
 
-def refusal(membership: Membership, *, num_workers: int, method: str, asynchronous: bool,
-            simulated: bool, fragments: int) -> Optional[str]:
+def refusal(membership: Membership, *, num_workers: int, simulated: bool,
+            fragments: int) -> Optional[str]:
   """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
   None."""
   why = membership.refusal(num_workers)
   if why or not membership.absences:
     return why
-  for cannot, what in ((not asynchronous, f"method={method!r} (asynchronous methods only)"),
-                       (not simulated, "another runtime than the simulated one"),
+  for cannot, what in ((not simulated, "another runtime than the simulated one"),
                        (fragments > 1, "fragments > 1")):
     if cannot:
       return f"not with {what} yet"

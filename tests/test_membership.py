@@ -82,6 +82,32 @@ def test_two_leave_one_comes_back_one_joins_every_token_accounted_and_replayed()
   assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
 
 
+@pytest.mark.parametrize("method", [
+    "ddp", "diloco", pytest.param("palsgd", marks=pytest.mark.slow)])  # the suite < 15 min
+def test_synchronous_methods_run_elastic_rounds_and_steps(method):
+  """Rounds and DDP steps take the workers present at their start; one that leaves before
+  the barrier loses its part (dropped); nothing is in flight between barriers."""
+  summary, rows = _run(method)
+  events = [(r["event"], r["worker"], r["sim_time"]) for r in rows
+            if r["event"] in ("left", "joined")]
+  assert events == [("left", 1, 5.0), ("left", 2, 8.0), ("joined", 3, 12.0),
+                    ("joined", 1, 20.0)]
+  assert summary["in_flight_tokens"] == 0 and summary["dropped_tokens"] > 0
+  assert summary["dispatched_tokens"] == summary["tokens"] + summary["dropped_tokens"]
+  assert summary["dropped_tokens"] == sum(r["dropped_tokens"] for r in rows
+                                          if r["event"] == "left")
+  per_step = tiny.BATCH * tiny.CONTEXT
+  trains = [r for r in rows if r["event"] == "train"]
+  increments = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + trains, trains)]
+  # Every increment is a whole number of worker parts (three workers, four after 12, ...).
+  assert all(i % per_step == 0 and i > 0 for i in increments)
+  times = [r["sim_time"] for r in rows if "sim_time" in r and r["event"] != "eval"]
+  assert times == sorted(times)
+  assert summary["final_val_loss"] < 0.8 * summary["initial_val_loss"]  # it learns
+  again, rows_again = _run(method)
+  assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
+
+
 @pytest.mark.slow  # Membership() takes the default path; the default suite stays < 15 min
 def test_an_empty_schedule_is_todays_run_bit_for_bit():
   plain, plain_rows = _run(membership=None)
@@ -92,7 +118,7 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(method="diloco"), "not with method='diloco' (asynchronous methods only) yet"),
+    (dict(fragments=2), "not with fragments > 1 yet"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
 def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):

@@ -165,7 +165,7 @@ def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
             "groups the arrivals of asynchronous methods)")
 
 
-def _validate_chaos(config: ml_collections.ConfigDict, method: Any) -> None:
+def _validate_chaos(config: ml_collections.ConfigDict) -> None:
   """The chaos keys: a schedule that parses and fits the run."""
   key = "chaos.schedule" if config.chaos.schedule else "chaos.rate"
   value = config.chaos[key.split(".")[1]]
@@ -175,8 +175,7 @@ def _validate_chaos(config: ml_collections.ConfigDict, method: Any) -> None:
     _fail(key, value, str(error).split("; allowed: ", 1)[-1])
   if schedule is None:
     return
-  why = membership.refusal(schedule, num_workers=config.num_workers, method=config.method,
-                           asynchronous=method.synchrony == "async",
+  why = membership.refusal(schedule, num_workers=config.num_workers,
                            simulated=_runtime_factory(config).simulated_clock,
                            fragments=config.streaming.fragments)
   if why:
@@ -219,7 +218,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     name, value, allowed = refused
     _fail(_STREAMING_KEYS.get(name, name), value, allowed)
   _validate_syncer(config, method)
-  _validate_chaos(config, method)
+  _validate_chaos(config)
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch)

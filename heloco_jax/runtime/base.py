@@ -163,7 +163,8 @@ class Clock(Protocol):
   def start(self, elapsed: float) -> None: ...
   def finish(self, worker: int, steps: int, now: float) -> float: ...
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float: ...
-  def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]: ...
+  def plan_ddp(self, chunk: int, start: float, limit: float,
+               workers: Optional[np.ndarray] = None) -> tuple[int, Optional[list]]: ...
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float: ...
   def get_state(self) -> Any: ...
   def set_state(self, state: Any) -> None: ...
@@ -218,6 +219,7 @@ class SimulatedClock:
     self.upload, self.allreduce = self.uploads[0], self.allreduces[0]
     self.overlap_steps = settings.overlap_steps
     self._slowest = float(np.max(settings.seconds_per_step))
+    self._model_bytes = settings.model_bytes
     self._ddp_allreduce = settings.comm.allreduce_seconds(settings.model_bytes, self.num_workers)
     self.comm = settings.comm
 
@@ -270,12 +272,15 @@ class SimulatedClock:
     compute = max(self.steps.duration(i, steps) for i in range(self.num_workers))
     return compute + self.exposed_allreduce(fragment)
 
-  def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]:
+  def plan_ddp(self, chunk: int, start: float, limit: float,
+               workers: Optional[np.ndarray] = None) -> tuple[int, Optional[list]]:
     """(steps to run, their (seconds, exposed all-reduce seconds)): only the steps that end
-    within ``limit`` (0 = none)."""
-    computes = [max(self.steps.duration(i, 1) for i in range(self.num_workers))
-                for _ in range(chunk)]
-    seconds = [self.comm.ddp_step_seconds(c, self._ddp_allreduce) for c in computes]
+    within ``limit`` (0 = none); of the ``workers`` present (booleans; default all)."""
+    present = [i for i in range(self.num_workers) if workers is None or workers[i]]
+    allreduce = (self._ddp_allreduce if len(present) == self.num_workers else
+                 self.comm.allreduce_seconds(self._model_bytes, len(present)))
+    computes = [max(self.steps.duration(i, 1) for i in present) for _ in range(chunk)]
+    seconds = [self.comm.ddp_step_seconds(c, allreduce) for c in computes]
     if limit > 0:
       chunk = int(np.sum(start + np.cumsum(seconds) <= limit))
     return chunk, [(t, t - c) for t, c in zip(seconds[:chunk], computes[:chunk])]
@@ -320,8 +325,9 @@ class RealClock:
     del real_steps
     return self.now() - start
 
-  def plan_ddp(self, chunk: int, start: float, limit: float) -> tuple[int, Optional[list]]:
-    del start
+  def plan_ddp(self, chunk: int, start: float, limit: float,
+               workers: Optional[np.ndarray] = None) -> tuple[int, Optional[list]]:
+    del start, workers
     return (0 if limit > 0 and self.now() >= limit else chunk), None
 
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:

@@ -321,7 +321,13 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       yield
     return
   s.phase = "rounds"
+  membership = spec.membership
   while True:
+    present = membership.present(k, s.sim_time)
+    if not present.any():  # everyone away: the next round starts when one comes back
+      if not _wait_for_a_worker(run):
+        return
+      continue
     # Every worker restarts from θ, keeping its own step count (and its optimizer
     # state unless reset_optimizer).
     theta = executor.to_rounds(run.server.params)
@@ -332,43 +338,105 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
                      else [run.next_key() for _ in range(k)])
     states, metrics = executor.run_round(starts, batches, keys, theta if palsgd else None)
     # PALSGD: pseudo-sync steps read no data and cost no compute time.
-    real_steps = h - executor.to_host(metrics.pseudo_sync).sum(axis=1)
-    units = s.units + int(real_steps.sum()) * spec.units_per_step
-    duration = run.clock.round_seconds(real_steps, s.sim_time)
-    if spec.budget.over(units, s.sim_time + duration):
+    real_steps = np.where(present, h - executor.to_host(metrics.pseudo_sync).sum(axis=1), 0)
+    start, duration = s.sim_time, run.clock.round_seconds(real_steps, s.sim_time)
+    # ALGORITHMS.md, "Elastic membership": a worker that leaves before the barrier loses its
+    # part of the round; the others' parts are averaged.
+    lost = present & np.array([membership.next_leave(i, start) < start + duration
+                               for i in range(k)])
+    part = present & ~lost
+    units = s.units + int(real_steps[part].sum()) * spec.units_per_step
+    if spec.budget.over(units, start + duration):
       return
-    s.units, s.sim_time = units, s.sim_time + duration
-    accepted = _screen_round(run, states, real_steps)
+    s.units, s.sim_time = units, start + duration
+    accepted = _screen_round(run, states, real_steps, part)
     if not accepted.all():
       states = inner.reset_moments(states, executor.to_rounds(~accepted))
+    if not part.all():  # the absent and the lost keep their state from before the round
+      before = inner.start_many(executor.to_rounds(run.server.params), s.workers, k)
+      states, metrics = _where_part(run, part, states, before), _only_part(metrics, part)
     s.workers = states
     if s.compression is not None:  # every worker sends, and keeps its residual
-      delta, s.compression[0] = run.uplink.round_delta(run.server.params, states.params,
-                                                       accepted, s.compression[0])
+      delta, residuals = run.uplink.round_delta(run.server.params, states.params, accepted,
+                                                s.compression[0])
+      s.compression[0] = (residuals if part.all() else
+                          _where_part(run, part, residuals, s.compression[0]))
     elif accepted.any():
       delta = executor.round_delta(run.server.params, states.params, accepted)
     if accepted.any():
       run.server.apply(delta, 0)
       s.version += 1
-    _count_round(run, 0, inner_lib.train_loss(metrics))
+    if membership.absences:
+      _membership_rows(run, start, s.sim_time, real_steps, present, lost)
+    _count_round(run, 0, inner_lib.train_loss(metrics) if part.any() else None,
+                 int(part.sum()))
     yield
 
 
-def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray) -> np.ndarray:
-  """Which workers of a round are accepted (finite params); a ``rejected`` row for each other
-  (its ``real_steps`` counted), and the rejection streak updated."""
+def _wait_for_a_worker(run: Run) -> bool:
+  """With every worker away: moves the clock to the first return (its rows written); False
+  when none comes back within the budget."""
+  s, spec = run.state, run.spec
+  back = min(spec.membership.away(i, s.sim_time) for i in range(spec.num_workers))
+  if not math.isfinite(back) or spec.budget.over(s.units, back):
+    return False
+  none = np.zeros(spec.num_workers, bool)
+  _membership_rows(run, s.sim_time, back, np.zeros(spec.num_workers, int), none, none)
+  s.sim_time = back
+  return True
+
+
+def _membership_rows(run: Run, start: float, end: float, real_steps: np.ndarray,
+                     present: np.ndarray, lost: np.ndarray) -> None:
+  """The ``left`` and ``joined`` rows between a synchronous loop's barriers at ``start`` and
+  ``end``; a worker ``lost`` from the round or step counts its ``real_steps`` as dropped."""
+  s, spec = run.state, run.spec
+  s.dispatched_units += int(real_steps[present].sum()) * spec.units_per_step
+  s.dropped_units += int(real_steps[lost].sum()) * spec.units_per_step
+  dropped = set()
+  for at, worker, kind in spec.membership.events(start, end):
+    row = {"event": kind, "worker": worker, "sim_time": at, "outer_updates": s.version}
+    if kind == "left":
+      first = lost[worker] and worker not in dropped
+      row["dropped_" + spec.unit] = int(real_steps[worker]) * spec.units_per_step * first
+      dropped.add(worker)
+    run.emit(row)
+
+
+def _where_part(run: Run, part: np.ndarray, new: Any, old: Any) -> Any:
+  """Per worker (axis 0): ``new`` for those that took part in the round, ``old`` for the
+  others."""
+  keep = run.executor.to_rounds(part)
+  return jax.tree.map(lambda x, y: jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, y),
+                      new, old)
+
+
+def _only_part(metrics: inner_lib.InnerMetrics, part: np.ndarray) -> inner_lib.InnerMetrics:
+  """``metrics`` with the steps of the workers that took no part marked as reading no batch
+  (``inner.train_loss`` leaves them out)."""
+  return metrics._replace(pseudo_sync=metrics.pseudo_sync | ~jnp.asarray(part)[:, None])
+
+
+def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray,
+                  part: Optional[np.ndarray] = None) -> np.ndarray:
+  """Which workers of a round are accepted (finite params, and of ``part``, those that took
+  part: default all); a ``rejected`` row for each other that took part (its ``real_steps``
+  counted), and the rejection streak updated."""
   reasons = rejection.reasons(*map(run.executor.to_host,
                                    rejection.nonfinite(states.params, per_worker=True)))
-  for i, reason in enumerate(reasons):
-    if reason is not None:
-      run.reject(i, reason, 0, int(real_steps[i]) * run.spec.units_per_step)
-  run.streak.update(reasons)
-  return np.array([reason is None for reason in reasons])
+  workers = [i for i in range(len(reasons)) if part is None or part[i]]
+  for i in workers:
+    if reasons[i] is not None:
+      run.reject(i, reasons[i], 0, int(real_steps[i]) * run.spec.units_per_step)
+  run.streak.update([reasons[i] for i in workers], workers)
+  return np.array([reasons[i] is None and i in workers for i in range(len(reasons))])
 
 
-def _count_round(run: Run, fragment: int, loss: Any) -> None:
-  """The bytes and network seconds of a round's all-reduce of ``fragment``, and its row."""
-  s, k, up = run.state, run.spec.num_workers, run.uplink.bytes_up[fragment]
+def _count_round(run: Run, fragment: int, loss: Any, workers: Optional[int] = None) -> None:
+  """The bytes and network seconds of a round's all-reduce of ``fragment`` among ``workers``
+  (default all), and its row."""
+  s, up = run.state, run.uplink.bytes_up[fragment]
+  k = run.spec.num_workers if workers is None else workers
   network = k * run.clock.exposed_allreduce(fragment) if run.clock.simulated else None
   s.sync(2 * k * up, network)  # all-reduce: each worker's Δ out, the mean back
   _emit_train(run, loss, fragment=fragment, bytes_up=k * up, bytes_down=k * up)
@@ -443,37 +511,72 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
   """DDP steps in chunks of H (all of the budget when ``steps`` is None); the final
   state is ``run.state.workers``."""
   s, spec, k = run.state, run.spec, run.spec.num_workers
-  step_units = k * spec.units_per_step
+  membership = spec.membership
   if s.phase != "ddp":
     s.phase, s.workers = "ddp", run.executor.inner.start_jit(
         run.executor.to_rounds(run.server.params))  # where DDP steps run
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
+    present = membership.present(k, s.sim_time)
+    if not present.any():  # everyone away: the next step starts when one comes back
+      if not _wait_for_a_worker(run):
+        break
+      continue
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,
                                                                   s.ddp_remaining)
-    chunk = spec.budget.units_left(s.units, step_units, chunk)
+    chunk = spec.budget.units_left(s.units, int(present.sum()) * spec.units_per_step, chunk)
     if chunk <= 0:
       break
-    chunk, planned = run.clock.plan_ddp(chunk, s.sim_time, spec.budget.sim_seconds)
+    chunk, planned = run.clock.plan_ddp(chunk, s.sim_time, spec.budget.sim_seconds,
+                                        present if membership.absences else None)
     if chunk == 0:
       break
-    # Averaging K workers' gradients = one step on their K batches together.
-    batches = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
-                           *[run.batches(i, chunk) for i in range(k)])
-    s.workers, loss = run.executor.run_ddp(s.workers, batches, run.next_key())
-    run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
+    lost = np.zeros(k, bool)
+    if membership.absences:
+      chunk, planned, lost = _ddp_until_an_event(run, present, planned)
+    part = present & ~lost
+    workers = int(part.sum())
+    start = s.sim_time
+    loss = None
+    if workers:
+      # Averaging the workers' gradients = one step on their batches together.
+      batches = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
+                             *[run.batches(i, chunk) for i in range(k) if part[i]])
+      s.workers, loss = run.executor.run_ddp(s.workers, batches, run.next_key())
+      run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
     seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params)
     # Every step all-reduces the gradient: each worker's out, the mean back.
     gradient = run.uplink.model_bytes
     for step in range(chunk):
-      s.sync(2 * k * gradient, None if planned is None else k * planned[step][1])
-    s.version += chunk
-    s.units += chunk * step_units
+      s.sync(2 * workers * gradient, None if planned is None else workers * planned[step][1])
+    s.version += chunk if workers else 0
+    s.units += chunk * workers * spec.units_per_step
     s.sim_time += seconds
     if s.ddp_remaining is not None:
       s.ddp_remaining -= chunk
-    _emit_train(run, loss, bytes_up=chunk * k * gradient, bytes_down=chunk * k * gradient)
+    if membership.absences:
+      _membership_rows(run, start, s.sim_time, np.where(present, chunk, 0), present, lost)
+    _emit_train(run, loss, bytes_up=chunk * workers * gradient,
+                bytes_down=chunk * workers * gradient)
     yield
+
+
+def _ddp_until_an_event(run: Run, present: np.ndarray, planned: list
+                        ) -> tuple[int, list, np.ndarray]:
+  """A DDP chunk cut at the next membership event (ALGORITHMS.md, "Elastic membership"):
+  (steps, their plan, the workers lost). The steps that end by the event run as planned; a
+  step in which a worker leaves runs alone, without it (its part dropped); a worker that
+  comes back joins at the next step's start."""
+  s, membership = run.state, run.spec.membership
+  t, k = s.sim_time, run.spec.num_workers
+  event = min(membership.next_leave(i, t) if present[i] else membership.away(i, t)
+              for i in range(k))
+  ends = t + np.cumsum([seconds for seconds, _ in planned])
+  steps = int(np.sum(ends <= event))
+  if steps:
+    return steps, planned[:steps], np.zeros(k, bool)
+  lost = present & np.array([membership.next_leave(i, t) < ends[0] for i in range(k)])
+  return 1, planned[:1], lost
 
 
 LOOPS: dict[str, Callable[[Run], AsyncIterator[None]]] = {
