@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from experiments import analysis, grids, science, streaming
+from experiments import analysis, chaos, grids, science, streaming
 from heloco_jax import clock
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -425,11 +425,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
                          *(["science"] if one_report else []))
   command = f"python -m experiments.reproduce --grid={args.grid} --out=DIR"
-  if one_report:
-    streamed = set(grids.grid("streaming"))
-    science.write_results([r for r in results if r.run not in streamed], path, fig_dir, command,
-                          _scale_note("science"), sections=streaming.sections(
-                              [r for r in results if r.run in streamed], fig_dir, path))
+  if one_report:  # issues 34 and 35's grids in sections of their own
+    streamed, chaotic = set(grids.grid("streaming")), set(grids.grid("chaos"))
+    science.write_results(
+        [r for r in results if r.run not in streamed | chaotic], path, fig_dir, command,
+        _scale_note("science"),
+        sections=streaming.sections([r for r in results if r.run in streamed], fig_dir, path)
+        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path))
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",

@@ -48,11 +48,12 @@ def _by(results: Sequence[Result], question: str, method: str) -> dict[str, dict
   return out
 
 
-def _final(r: Result) -> float:
+def final(r: Result) -> float:
   return r.summary["final_val_loss"]
 
 
-def _mean(values: Sequence[float]) -> str:
+def mean_std(values: Sequence[float]) -> str:
+  """The mean ± sample std of ``values`` (– for none)."""
   x = np.asarray(values, float)
   if not x.size:
     return "–"
@@ -63,7 +64,7 @@ def _mean(values: Sequence[float]) -> str:
 def _diff(variant: dict[int, Result], base: dict[int, Result]) -> str:
   """Paired (variant − baseline) final loss over the seeds both have: mean [95% CI]."""
   seeds = sorted(set(variant) & set(base))
-  mean, low, high = science.paired_ci([_final(variant[s]) - _final(base[s]) for s in seeds])
+  mean, low, high = science.paired_ci([final(variant[s]) - final(base[s]) for s in seeds])
   if math.isnan(mean):
     return "–"
   return f"{mean:+.3f}" + ("" if math.isnan(low) else f" [{low:+.3f}, {high:+.3f}]")
@@ -83,7 +84,7 @@ def fragments_table(results: Sequence[Result]) -> str:
     runs = list(rows[name].values())
     peak = np.mean([r.summary["peak_bytes_per_sync"] for r in runs])
     sent = np.mean([r.summary["bytes_sent"] for r in runs])
-    lines.append(f"| {name} | {len(runs)} | {_mean([_final(r) for r in runs])} | "
+    lines.append(f"| {name} | {len(runs)} | {mean_std([final(r) for r in runs])} | "
                  f"{_diff(rows[name], base) if name != 'p1' else '–'} | {peak:,.0f} | "
                  f"{base_peak / peak:.2f}× less | {sent / 1e6:.1f} MB |")
   return "\n".join(lines)
@@ -102,13 +103,13 @@ def compression_table(results: Sequence[Result]) -> str:
       runs = list(rows[name].values())
       sent = np.mean([r.summary["bytes_sent"] for r in runs])
       lines.append(f"| {method} ({preset}) | {name} | {len(runs)} | "
-                   f"{_mean([_final(r) for r in runs])} | "
+                   f"{mean_std([final(r) for r in runs])} | "
                    f"{_diff(rows[name], base) if name != 'fp32' and base else '–'} | "
                    f"{sent / base_sent:.3f} |")
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def _time_to(result: Result, target: float) -> float:
+def time_to(result: Result, target: float) -> float:
   """The simulated time of the first evaluation at or below ``target`` (inf: never)."""
   return next((e["sim_time"] for e in result.evals if e["val_loss"] <= target), math.inf)
 
@@ -119,16 +120,16 @@ def bandwidth_table(results: Sequence[Result]) -> str:
   variants = {name: runs for name, runs in variants.items() if runs}
   if not variants:
     return ""
-  target = max(np.mean([_final(r) for r in runs.values()]) for runs in variants.values())
+  target = max(np.mean([final(r) for r in runs.values()]) for runs in variants.values())
   lines = [f"Target loss: {target:.3f} (the highest final mean loss of the variants).", "",
            "| variant | seeds | time to target (s, mean) | final val loss at the time budget | "
            "bytes sent | worker-seconds on the network |", "|---|---|---|---|---|---|"]
   for name, runs in variants.items():
-    times = [_time_to(r, target) for r in runs.values()]
+    times = [time_to(r, target) for r in runs.values()]
     network = np.mean([r.summary.get("network_seconds", math.nan) for r in runs.values()])
     sent = np.mean([r.summary["bytes_sent"] for r in runs.values()])
     lines.append(f"| {name} | {len(runs)} | {np.mean(times):.0f} | "
-                 f"{_mean([_final(r) for r in runs.values()])} | {sent / 1e6:.1f} MB | "
+                 f"{mean_std([final(r) for r in runs.values()])} | {sent / 1e6:.1f} MB | "
                  f"{network:.0f} |")
   return "\n".join(lines)
 

@@ -321,7 +321,7 @@ def test_science_grid_finishes_seed_by_seed():
   assert [r.seed for r in runs[-15:]] == sorted(r.seed for r in runs[-15:])
   for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36 and 34
     assert grids.family(name) == (runs + grids.grid("skeptic") + grids.grid("streaming")
-                                  + grids.grid("cgad_lr"))
+                                  + grids.grid("cgad_lr") + grids.grid("chaos"))
 
 
 def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
@@ -471,9 +471,9 @@ def test_skeptic_grid_runs_seed_0_of_each_question_before_more_seeds():
                   + seed0("palsgd_fair") + [r for r in seed0("vocab") if r not in runs[30:32]]
                   + later("heldout") + later("palsgd_fair") + later("vocab")
                   + later("lr_sweep"))
-  for name in (*grids.SKEPTIC, "streaming", "cgad_lr"):
+  for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35):
     assert grids.family(name) == (grids.grid("science") + runs + grids.grid("streaming")
-                                  + grids.grid("cgad_lr"))
+                                  + grids.grid("cgad_lr") + grids.grid("chaos"))
 
 
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
