@@ -134,6 +134,33 @@ def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrup
   assert (tmp_path / "checkpoints").is_dir()
 
 
+@needs_ray
+@pytest.mark.slow  # two Ray runs, 2–4 min: the default suite stays under 15 minutes
+def test_an_actor_killed_for_good_gets_a_new_one_and_the_loss_stays_within_noise(tmp_path):
+  """Worker 1's actor is killed with no restarts left at its 3rd dispatch; with
+  ``ray.replacements=1`` a new actor takes its work (scale-up back to K actors). The run ends
+  within noise of an undisturbed one (Ray's arrival order is real time's: no replay)."""
+  # A budget that outlasts a new actor's start (its JAX import and compile: ~10–20 s here).
+  flags = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=3",
+           "--config.budget.tokens=96000", "--config.eval_every_tokens=32000",
+           "--config.checkpoint_every=0", *TINY]
+  _train([f"--workdir={tmp_path / 'undisturbed'}", *flags])
+  overrides = _config_overrides([*flags, "--config.ray.max_restarts=0",
+                                 "--config.ray.replacements=1"])
+  _python(["-c", KILL_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))),
+           str(tmp_path / "killed"), json.dumps(overrides)])
+  rows = _rows(tmp_path / "killed")
+  added = [r for r in rows if r["event"] == "actor_added"]
+  assert [(r["worker"], r["lost_actor"], r["actor"]) for r in added] == [(1, 1, 3)]
+  assert not [r for r in rows if r["event"] in ("actor_restarted", "redispatched")]
+  after = rows.index(added[0])
+  assert len([r for r in rows[after:] if r["event"] == "arrival" and r["worker"] == 1]) > 2
+  plain, killed = (json.loads((tmp_path / name / "summary.json").read_text())
+                   for name in ("undisturbed", "killed"))
+  assert killed["final_val_loss"] < killed["initial_val_loss"] - 2.0
+  assert abs(killed["final_val_loss"] - plain["final_val_loss"]) < 0.15, (plain, killed)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(runtime="ray", method="diloco"),
      "runtime='ray' runs the asynchronous methods (async_nesterov, delayed_nesterov, mla, "

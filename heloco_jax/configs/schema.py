@@ -271,7 +271,9 @@ KEYS: tuple[Key, ...] = (
     Key("ray.log_to_driver", False, BOOLEAN, "show the actors' stdout and stderr in this "
         "terminal"),
     Key("ray.max_restarts", 3, integer(0), "restarts of a worker actor that died (its task "
-        "runs again); after that its workers move to the live actors"),
+        "runs again); after that its workers move to a new actor or the live ones"),
+    Key("ray.replacements", 0, integer(0), "new worker actors the run may start in place of "
+        "actors out of restarts (0: their workers move to the live actors)"),
     # comm
     Key("comm.latency", 0.0, number(0.0), "seconds per message or all-reduce"),
     Key("comm.bandwidth", None, optional(number(0.0, low_open=True), "free transfers"),

@@ -27,8 +27,11 @@ the actor (up to ``RayOptions.max_restarts`` times) and runs its task again
 with the same inputs, so the dispatch arrives as if nothing happened; an
 ``{"event": "actor_restarted"}`` row in ``metrics.jsonl`` counts each
 restart (seen as a new process id). An actor out of restarts is given up:
-its workers' dispatches are sent, with the same inputs, to the live actor
-that runs the fewest workers (an ``{"event": "redispatched"}`` row). No
+its workers' dispatches are sent, with the same inputs, to a new actor
+started in its place while ``RayOptions.replacements`` lasts (an
+``{"event": "actor_added"}`` row: a scale-up back to K actors), else to the
+live actor that runs the fewest workers (an ``{"event": "redispatched"}``
+row). No
 healthy actor is ever killed: an error is handled once, by the dispatch it
 belongs to. θ lives on the server and is never touched by a worker's death;
 the run stops with an error only when no worker actor is left.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import socket
 import sys
@@ -226,7 +230,9 @@ class RayOptions:
     batch_size: the leading size of a batch, split over an actor's devices
       when it has several and it divides (0: never split).
     max_restarts: how often Ray restarts a worker actor that died (its task
-      then runs again); after that its workers move to the live actors.
+      then runs again); after that its workers move to a new actor or the live ones.
+    replacements: how many new worker actors the run may start in place of actors
+      out of restarts (0: their workers move to the live actors).
   """
   address: str = ""
   num_cpus: Optional[int] = None
@@ -237,6 +243,7 @@ class RayOptions:
   slowdown: tuple[float, ...] = ()
   batch_size: int = 0
   max_restarts: int = 3
+  replacements: int = 0
 
 
 # Packages every actor imports itself; functions from any other module are sent by value.
@@ -318,8 +325,10 @@ class RayExecutor(base.OneProcess):
     worker = ray.remote(WorkerActor).options(
         max_restarts=options.max_restarts, max_task_retries=options.max_restarts,
         **resources(options.cpus_per_worker, options.gpus_per_worker))
-    self.actors = [worker.remote(inner.loss_fn, inner.tx, inner.reset_optimizer,
-                                 options.batch_size, recipe) for _ in range(num_workers)]
+    self._new_actor = functools.partial(worker.remote, inner.loss_fn, inner.tx,
+                                        inner.reset_optimizer, options.batch_size, recipe)
+    self.replacements = options.replacements
+    self.actors = [self._new_actor() for _ in range(num_workers)]
     # Started (JAX imported, loop built) before the clock starts.
     self.actor_devices = ray.get([actor.devices.remote() for actor in self.actors])
     self._pids = ray.get([actor.pid.remote() for actor in self.actors])
@@ -372,7 +381,9 @@ class RayExecutor(base.OneProcess):
   def _computed(self, dispatch: Dispatch, pid: int) -> None:
     """Notes the process that computed ``dispatch``: a new one means its actor restarted."""
     actor = dispatch.actor
-    if pid != self._pids[actor]:
+    if self._pids[actor] is None:  # a replacement's first result
+      self._pids[actor] = pid
+    elif pid != self._pids[actor]:
       self._pids[actor] = pid
       self._emit({"event": "actor_restarted", "worker": dispatch.args[0], "actor": actor,
                   "sim_time": self._clock()})
@@ -385,16 +396,24 @@ class RayExecutor(base.OneProcess):
       return
     worker, lost = dispatch.args[0], dispatch.actor
     self.alive[lost] = False  # out of restarts: Ray has ended it; nothing is killed here
-    live = [a for a, ok in enumerate(self.alive) if ok]
-    if not live:
-      raise RuntimeError("runtime=ray: every worker actor has died; the last checkpoint "
-                         "holds the run (re-run the same command to resume)")
-    actor = min(live, key=lambda a: (self._assigned.count(a), a))
+    if self.replacements > 0:  # a new actor in its place (it starts while the task waits)
+      self.replacements -= 1
+      self.actors.append(self._new_actor())
+      self.alive.append(True)
+      self._pids.append(None)
+      actor, event = len(self.actors) - 1, "actor_added"
+    else:
+      live = [a for a, ok in enumerate(self.alive) if ok]
+      if not live:
+        raise RuntimeError("runtime=ray: every worker actor has died; the last checkpoint "
+                           "holds the run (re-run the same command to resume)")
+      actor = min(live, key=lambda a: (self._assigned.count(a), a))
+      event = "redispatched"
     for w, a in enumerate(self._assigned):
       if a == lost:
         self._assigned[w] = actor
     self._submit(dispatch, actor)
-    self._emit({"event": "redispatched", "worker": worker, "lost_actor": lost, "actor": actor,
+    self._emit({"event": event, "worker": worker, "lost_actor": lost, "actor": actor,
                 "sim_time": self._clock()})
 
   async def wait(self, dispatch: Any) -> None:
