@@ -147,7 +147,7 @@ def _syncer(syncer: Optional[syncer_lib.Syncer], grace_window: float, method: An
 
 
 def _membership(membership: Optional[membership_lib.Membership], num_workers: int,
-                fragments: int, simulated: bool
+                fragments: int, simulated: bool, asynchronous: bool
                 ) -> membership_lib.Membership:
   """The run's failure schedule (a one-line ValueError where it cannot run)."""
   if membership is None:
@@ -156,7 +156,7 @@ def _membership(membership: Optional[membership_lib.Membership], num_workers: in
     raise ValueError(f"membership={membership!r} is not allowed; allowed: None or "
                      "hj.Membership(...)")
   why = membership_lib.refusal(membership, num_workers=num_workers, simulated=simulated,
-                               fragments=fragments)
+                               fragments=fragments, asynchronous=asynchronous)
   if why:
     raise ValueError(f"membership={membership!r} is not allowed: {why}")
   return membership
@@ -235,8 +235,8 @@ def make_engine(
     raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
                      "integer >= 0 (0 = off)")
   syncer = _syncer(syncer, grace_window, spec_method, num_workers)
-  membership = _membership(membership, num_workers, fragments,
-                           factory.simulated_clock)
+  membership = _membership(membership, num_workers, fragments, factory.simulated_clock,
+                           spec_method.synchrony == "async")
   budget, eval_every, units_per_step, unit = _budget(
       budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,
       tokens_per_step)

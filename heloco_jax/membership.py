@@ -9,7 +9,8 @@ data stream. The rules, applied by the asynchronous loop (``runtime.loops``):
   * a worker whose dispatch would arrive after it leaves loses that dispatch whole: its
     tokens count as dropped (``tokens_dropped``), it never reaches the server;
   * a worker that comes back (or joins) is dispatched at ``back`` from the server's dispatch
-    point (θ, or its look-ahead point), keeping its own step count;
+    point (θ, or its look-ahead point), keeping its own step count; with fragments it starts
+    again from all of θ;
   * every dispatched token is applied, rejected, dropped, or still in flight when the budget
     ends (never computed on the simulated clock).
 
@@ -117,15 +118,16 @@ class Membership:
     return cls(tuple(absences))
 
 
-def refusal(membership: Membership, *, num_workers: int, simulated: bool,
-            fragments: int) -> Optional[str]:
+def refusal(membership: Membership, *, num_workers: int, simulated: bool, fragments: int,
+            asynchronous: bool) -> Optional[str]:
   """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
   None."""
   why = membership.refusal(num_workers)
   if why or not membership.absences:
     return why
   for cannot, what in ((not simulated, "another runtime than the simulated one"),
-                       (fragments > 1, "fragments > 1")):
+                       (fragments > 1 and not asynchronous,
+                        "fragments > 1 and a synchronous method (Streaming DiLoCo)")):
     if cannot:
       return f"not with {what} yet"
   return None

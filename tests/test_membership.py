@@ -108,6 +108,23 @@ def test_synchronous_methods_run_elastic_rounds_and_steps(method):
   assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
 
 
+def test_fragments_lose_a_dispatch_whole_and_come_back_to_theta_as_a_whole():
+  """With P = 2 fragments a worker that leaves loses the fragment it was computing; back, it
+  starts again from all of θ (its first dispatch receives θ, not a fragment)."""
+  summary, rows = _run(**{"streaming.fragments": 2})
+  assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
+                                          + summary["in_flight_tokens"])
+  assert summary["dropped_tokens"] > 0
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  assert {a["worker"] for a in arrivals} == {0, 1, 2, 3}
+  back = next(r for r in rows if r["event"] == "joined" and r["worker"] == 1)
+  first = next(a for a in arrivals if a["worker"] == 1 and a["sim_time"] > back["sim_time"])
+  assert first["fragment"] == 1  # syncs restart at 0: the first sends fragment 1 of θ whole
+  assert first["bytes_down"] == arrivals[0]["bytes_down"]  # θ as a whole, as at the start
+  assert summary["final_val_loss"] < 0.8 * summary["initial_val_loss"]
+  assert _run(**{"streaming.fragments": 2})[1] == rows
+
+
 @pytest.mark.slow  # Membership() takes the default path; the default suite stays < 15 min
 def test_an_empty_schedule_is_todays_run_bit_for_bit():
   plain, plain_rows = _run(membership=None)
@@ -118,7 +135,8 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(fragments=2), "not with fragments > 1 yet"),
+    (dict(method="diloco", fragments=2),
+     "not with fragments > 1 and a synchronous method (Streaming DiLoCo) yet"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
 def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):

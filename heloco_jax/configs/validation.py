@@ -177,7 +177,8 @@ def _validate_chaos(config: ml_collections.ConfigDict) -> None:
     return
   why = membership.refusal(schedule, num_workers=config.num_workers,
                            simulated=_runtime_factory(config).simulated_clock,
-                           fragments=config.streaming.fragments)
+                           fragments=config.streaming.fragments,
+                           asynchronous=METHODS[config.method].synchrony == "async")
   if why:
     _fail(key, value, f"a schedule this run can take ({why})")
 
