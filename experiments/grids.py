@@ -768,21 +768,24 @@ CHAOS_DOWNTIME = 0.1
 # arrival: half a fast worker's dispatch), a grace window of half the mean gap, token weights.
 CHAOS_SYNCER = {"syncer.quorum": 2, "syncer.timeout": 10.0, "syncer.adaptive_grace": 0.5,
                 "syncer.weights": "tokens"}
-# (condition, config changes, asynchronous methods only)
-CHAOS_CONDITIONS = (("undisturbed", {}, False), ("failures", {}, False),
-                    ("failures_syncer", CHAOS_SYNCER, True))
+# (condition, config changes, failures, asynchronous methods only); undisturbed_syncer
+# separates what the syncer changes by itself from what it saves under failures.
+CHAOS_CONDITIONS = (("undisturbed", {}, False, False), ("failures", {}, True, False),
+                    ("undisturbed_syncer", CHAOS_SYNCER, False, True),
+                    ("failures_syncer", CHAOS_SYNCER, True, True))
 
 
 def chaos_grid(scale: Scale = CHAOS, seeds: Sequence[int] | None = None) -> list[Run]:
   """Every method of ``CHAOS_METHODS`` undisturbed and under the failure schedule (the
-  asynchronous ones also with ``CHAOS_SYNCER``), at equal simulated time, seed by seed."""
+  asynchronous ones also both with ``CHAOS_SYNCER``), at equal simulated time, seed by
+  seed."""
   from heloco_jax import methods  # pylint: disable=g-import-not-at-top
   seconds = time_budget(scale, CHAOS_PRESET)
   failures = {"chaos.rate": CHAOS_FAILURES / seconds, "chaos.downtime": CHAOS_DOWNTIME * seconds}
   runs = []
   for seed in (scale.seeds if seeds is None else seeds):
     for method in CHAOS_METHODS:
-      for condition, changes, asynchronous_only in CHAOS_CONDITIONS:
+      for condition, changes, failing, asynchronous_only in CHAOS_CONDITIONS:
         if asynchronous_only and methods.get(method).synchrony != "async":
           continue
         runs.append(Run(f"chaos/{condition}/{method}/seed{seed}", condition, CHAOS_PRESET,
@@ -790,8 +793,7 @@ def chaos_grid(scale: Scale = CHAOS, seeds: Sequence[int] | None = None) -> list
                             **scale.overrides(), "method": method, "seed": seed,
                             "speeds": CHAOS_PRESET, "budget.tokens": 0,
                             "budget.sim_seconds": seconds,
-                            **(failures if condition != "undisturbed" else {}),
-                            **changes}.items())))
+                            **(failures if failing else {}), **changes}.items())))
   return runs
 
 
