@@ -46,6 +46,11 @@ CLAIMS = (
      "up to +3.3%"),
     ("HeLoCo beats synchronous DiLoCo, wall-clock budget, extreme paces", "time", ("severe",),
      ("diloco",), "up to +22.1%"),
+    # CGAD (arXiv 2605.09126) came after the paper: its η is tuned here (grids.cgad_grid).
+    ("HeLoCo beats CGAD, token budget (CGAD's η tuned here)", "tokens", grids.AUTHORS_PRESETS,
+     ("cgad",), "– (after the paper)"),
+    ("HeLoCo beats CGAD, wall-clock budget (CGAD's η tuned here)", "time",
+     grids.AUTHORS_PRESETS, ("cgad",), "– (after the paper)"),
 )
 # RESULTS.md's sections that measure why a claim is not reproduced.
 WHY_PALSGD = "Why PALSGD misses DDP's loss: PALSGD and DiLoCo at each other's outer lr"
