@@ -321,7 +321,8 @@ def test_science_grid_finishes_seed_by_seed():
   assert [r.seed for r in runs[-15:]] == sorted(r.seed for r in runs[-15:])
   for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36 and 34
     assert grids.family(name) == (runs + grids.grid("skeptic") + grids.grid("streaming")
-                                  + grids.grid("cgad_lr") + grids.grid("chaos"))
+                                  + grids.grid("cgad_lr") + grids.grid("cgad")
+                                  + grids.grid("chaos"))
 
 
 def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
@@ -473,7 +474,8 @@ def test_skeptic_grid_runs_seed_0_of_each_question_before_more_seeds():
                   + later("lr_sweep"))
   for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35):
     assert grids.family(name) == (grids.grid("science") + runs + grids.grid("streaming")
-                                  + grids.grid("cgad_lr") + grids.grid("chaos"))
+                                  + grids.grid("cgad_lr") + grids.grid("cgad")
+                                  + grids.grid("chaos"))
 
 
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
@@ -597,6 +599,18 @@ def test_commit_puts_each_digest_into_git_and_nothing_else(tmp_path, capsys):
   assert reproduce.main(elsewhere) == 0
   assert "reproduce: --commit: git failed (" in capsys.readouterr().err
   assert os.listdir(tmp_path / "plain")
+
+
+def test_the_cgad_grid_runs_every_pace_and_seed_at_its_tuned_lr():
+  runs = grids.grid("cgad")
+  assert [r.name for r in runs[:5]] == [f"authors/tokens/{p}/cgad/seed0"
+                                        for p in grids.AUTHORS_PRESETS]
+  assert len(runs) == 15 and {r.method for r in runs} == {"cgad"}
+  heloco = {r.name: r for r in grids.grid("authors")}
+  for run in runs:
+    twin = dict(heloco[run.name.replace("/cgad/", "/heloco/")].overrides)
+    assert dict(run.overrides) == {**twin, "method": "cgad",
+                                   "outer.learning_rate": grids.cgad_learning_rate()}
 
 
 def test_the_cgad_lr_check_changes_only_cgads_outer_lr():
