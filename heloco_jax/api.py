@@ -410,7 +410,8 @@ def simulate(
       ``syncer=hj.Syncer(grace_window=...)``).
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
-      every worker stays. Asynchronous methods on the simulated clock.
+      every worker stays. The simulated clock only; synchronous methods run elastic
+      rounds and steps, and not with fragments (Streaming DiLoCo).
     syncer: how an asynchronous method groups and merges arrivals
       (``hj.Syncer(quorum=q, timeout=T, grace_window=w, adaptive_grace=κ,
       weights="mean" | "tokens")``, docs/ALGORITHMS.md, "Syncer policies");
