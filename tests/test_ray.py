@@ -94,6 +94,7 @@ def _config_overrides(args):
         overrides[key] = value
   return overrides
 @needs_ray
+@pytest.mark.slow  # 60–80 s on 2 cores: the default suite stays under 15 minutes
 def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrupts_it(tmp_path):
   budget = 12_000
   overrides = _config_overrides([

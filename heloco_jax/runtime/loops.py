@@ -566,16 +566,20 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
 def _ddp_until_an_event(run: Run, present: np.ndarray, planned: list
                         ) -> tuple[int, list, np.ndarray]:
   """A DDP chunk cut at the next membership event (ALGORITHMS.md, "Elastic membership"):
-  (steps, their plan, the workers lost). The steps that end by the event run as planned; a
-  step in which a worker leaves runs alone, without it (its part dropped); a worker that
-  comes back joins at the next step's start."""
+  (steps, their plan, the workers lost). The steps that end by the event run as planned (the
+  largest power of two of them; the rest in the next chunks); a step in which a worker
+  leaves runs alone, without it (its part dropped); a worker that comes back joins at the
+  next step's start."""
   s, membership = run.state, run.spec.membership
   t, k = s.sim_time, run.spec.num_workers
   event = min(membership.next_leave(i, t) if present[i] else membership.away(i, t)
               for i in range(k))
   ends = t + np.cumsum([seconds for seconds, _ in planned])
   steps = int(np.sum(ends <= event))
-  if steps:
+  if steps == len(planned):
+    return steps, planned, np.zeros(k, bool)
+  if steps:  # a power of two: cut chunks compile a few scan lengths, not one per length
+    steps = 1 << (steps.bit_length() - 1)
     return steps, planned[:steps], np.zeros(k, bool)
   lost = present & np.array([membership.next_leave(i, t) < ends[0] for i in range(k)])
   return 1, planned[:1], lost
