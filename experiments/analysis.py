@@ -332,10 +332,10 @@ def _pyplot(fig_dir: str):
   return plt
 
 
-def _save(fig, path: str) -> str:
+def _save(fig, path: str, dpi: int = 110) -> str:
   """Lays out, writes and closes ``fig``; returns ``path``."""
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=dpi)
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   plt.close(fig)
   return path

@@ -107,10 +107,7 @@ def figure(results: Sequence[Result], fig_dir: str) -> list[str]:
       cell = list(runs.get((method, condition), {}).values())
       if not cell:
         continue
-      length = min(len(r.evals) for r in cell)
-      xs = np.mean([[e["sim_time"] for e in r.evals[:length]] for r in cell], axis=0)
-      ys = np.mean([[e["val_loss"] for e in r.evals[:length]] for r in cell], axis=0)
-      ax.plot(xs, ys, label=condition)
+      ax.plot(*streaming.mean_curve(cell, "sim_time"), label=condition)
     ax.set_title(method)
     ax.set_xlabel("simulated s")
     ax.set_ylabel("val loss")
@@ -118,11 +115,7 @@ def figure(results: Sequence[Result], fig_dir: str) -> list[str]:
   for ax in list(axes.flat)[len(methods):]:
     ax.set_visible(False)
   os.makedirs(fig_dir, exist_ok=True)
-  path = os.path.join(fig_dir, "chaos.png")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return [path]
+  return [analysis._save(fig, os.path.join(fig_dir, "chaos.png"), dpi=100)]  # pylint: disable=protected-access
 
 
 def sections(results: Sequence[Result], fig_dir: str, results_path: str) -> list[str]:

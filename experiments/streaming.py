@@ -152,6 +152,14 @@ def branches_table(results: Sequence[Result]) -> str:
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def mean_curve(runs: Sequence[Result], x_key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(x, validation loss) at the evaluations, the mean over ``runs`` up to the shortest."""
+  length = min(len(r.evals) for r in runs)
+  xs = np.mean([[e[x_key] for e in r.evals[:length]] for r in runs], axis=0)
+  ys = np.mean([[e["val_loss"] for e in r.evals[:length]] for r in runs], axis=0)
+  return xs, ys
+
+
 def figure(results: Sequence[Result], fig_dir: str) -> list[str]:
   """Validation loss against tokens (compression, per method) and against simulated time
   (bandwidth), the mean over seeds."""
@@ -163,11 +171,7 @@ def figure(results: Sequence[Result], fig_dir: str) -> list[str]:
     chosen = [r for r in results if r.run.table == question
               and (method is None or r.run.method == method)]
     for name in sorted({_variant(r) for r in chosen}):
-      runs = [r for r in chosen if _variant(r) == name]
-      length = min(len(r.evals) for r in runs)
-      xs = np.mean([[e[x_key] for e in r.evals[:length]] for r in runs], axis=0)
-      ys = np.mean([[e["val_loss"] for e in r.evals[:length]] for r in runs], axis=0)
-      ax.plot(xs, ys, label=name)
+      ax.plot(*mean_curve([r for r in chosen if _variant(r) == name], x_key), label=name)
       drawn = True
     ax.set_title(question if method is None else f"{question}: {method}")
     ax.set_xlabel("simulated s" if x_key == "sim_time" else "tokens")
@@ -177,11 +181,7 @@ def figure(results: Sequence[Result], fig_dir: str) -> list[str]:
     plt.close(fig)
     return []
   os.makedirs(fig_dir, exist_ok=True)
-  path = os.path.join(fig_dir, "streaming.png")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return [path]
+  return [analysis._save(fig, os.path.join(fig_dir, "streaming.png"), dpi=100)]  # pylint: disable=protected-access
 
 
 def sections(results: Sequence[Result], fig_dir: str, results_path: str) -> list[str]:
