@@ -71,12 +71,15 @@ class Workdir:
     config_json: what ``config.json`` holds (default: the run's settings as
       ``make_engine`` sees them; the CLI writes its resolved config).
     flag: how messages name the directory ("workdir"; the CLI's "--workdir").
+    defaults_json: the defaults of ``config_json``'s keys as JSON: a key added
+      since the run began, set to its default, does not stop a resume.
   """
   path: str
   keep_checkpoints: int = 3
   allow_config_change: bool = False
   config_json: Optional[str] = None
   flag: str = "workdir"
+  defaults_json: Optional[str] = None
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -305,7 +308,7 @@ def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[st
   config_json = workdir.config_json or _spec_json(engine, settings)
   directory = workdir_lib.RunDirectory(workdir.path, config_json, engine.spec.checkpoint_every,
                                        workdir.keep_checkpoints, workdir.allow_config_change,
-                                       flag=workdir.flag)
+                                       flag=workdir.flag, defaults_json=workdir.defaults_json)
   try:
     engine.attach(directory)
   except BaseException:

@@ -303,9 +303,11 @@ def _main(argv: list[str]) -> int:
     return _error(f"--compilation_cache: {error}")
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
+  from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
   directory = api.Workdir(workdir, keep_checkpoints=config.keep_checkpoints,
                           allow_config_change=allow_config_change, config_json=config_json,
-                          flag="--workdir")
+                          flag="--workdir",
+                          defaults_json=default.get_config().to_json_best_effort())
   try:  # the data first: a config it refuses leaves no trace in the workdir
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")

@@ -209,16 +209,26 @@ def _run_id_of_process_0(run_id: Optional[str]) -> Optional[str]:
   return bytes(multihost_utils.broadcast_one_to_all(text)).decode().strip() or None
 
 
-def config_differences(old: dict, new: dict) -> list[str]:
+def config_differences(old: dict, new: dict, defaults: Optional[dict] = None) -> list[str]:
   """The keys whose values differ between two configs as JSON, as 'key (old -> new)'
-  (``MAY_CHANGE_ON_RESUME`` aside)."""
+  (``MAY_CHANGE_ON_RESUME`` aside).
+
+  A key ``old`` lacks whose new value is its value in ``defaults`` is no difference:
+  the old run was written before the key existed and so ran with its default.
+  """
   old, new = _flatten(old), _flatten(new)
+  defaults = _flatten(defaults or {})
   missing = object()
   def show(value):
     return "absent" if value is missing else json.dumps(value)
+  def same(key):
+    before = old.get(key, missing)
+    if before is missing and key in defaults:
+      before = defaults[key]
+    return before == new.get(key, missing)
   return [f"{key} ({show(old.get(key, missing))} -> {show(new.get(key, missing))})"
           for key in sorted(set(old) | set(new))
-          if old.get(key, missing) != new.get(key, missing) and key not in MAY_CHANGE_ON_RESUME]
+          if not same(key) and key not in MAY_CHANGE_ON_RESUME]
 
 
 class RunDirectory:
@@ -233,6 +243,8 @@ class RunDirectory:
     allow_config_change: resume although config.json differs.
     flag: how messages name the directory ("--workdir" for the CLI,
       "workdir" for ``hj.simulate``).
+    defaults_json: the config's defaults as JSON: a key added to the library
+      since the run began, set to its default, does not stop a resume.
 
   Raises:
     WorkdirError: a finished run, another config, or an unwritable directory.
@@ -240,10 +252,11 @@ class RunDirectory:
 
   def __init__(self, path: str, config_json: str, checkpoint_every: int,
                keep_checkpoints: int = 3, allow_config_change: bool = False,
-               flag: str = "--workdir"):
+               flag: str = "--workdir", defaults_json: Optional[str] = None):
     self.process = jax.process_index()
     self.path = path if self.process == 0 else os.path.join(path, f"process_{self.process}")
     self._config_json = config_json
+    self._defaults = json.loads(defaults_json) if defaults_json else None
     try:  # nothing the run writes may go through a link
       for name in RUN_FILES:
         safe_files.refuse_link(self._file(name))
@@ -297,7 +310,7 @@ class RunDirectory:
     path = self._file("config.json")
     try:
       with open(path) as f:
-        return config_differences(json.load(f), json.loads(config_json))
+        return config_differences(json.load(f), json.loads(config_json), self._defaults)
     except json.JSONDecodeError as error:
       if allow_config_change:
         return []

@@ -140,6 +140,33 @@ def test_a_different_config_is_refused_naming_the_keys(tmp_path, capsys):
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
 
 
+def _drop_from_config(workdir, section, key):
+  """config.json as an older heloco-jax wrote it: without ``section.key``."""
+  path = os.path.join(workdir, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  del config[section][key]
+  with open(path, "w") as f:
+    json.dump(config, f)
+
+
+def test_a_key_added_since_the_run_began_resumes_at_its_default_and_matches(tmp_path, capsys):
+  workdir, reference = _finished_then_reopened(tmp_path, BASE)
+  _drop_from_config(workdir, "ray", "replacements")
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert _outputs(workdir) == reference
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["ray"]["replacements"] == 0  # the resumed config, key and all
+
+
+def test_a_key_added_since_the_run_began_but_set_off_its_default_is_refused(tmp_path, capsys):
+  workdir, _ = _finished_then_reopened(tmp_path, BASE)
+  _drop_from_config(workdir, "ray", "replacements")
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE, "--config.ray.replacements=2"]) == 2
+  assert "differing keys: ray.replacements (absent -> 2)." in capsys.readouterr().err
+
+
 def test_allow_config_change_extends_the_budget_to_an_uninterrupted_longer_run(tmp_path):
   workdir, _ = _finished_then_reopened(tmp_path, BASE)
   longer = [*BASE, "--config.budget.tokens=6000"]
