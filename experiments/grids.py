@@ -516,11 +516,16 @@ def jitter_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> l
 
 
 # Fair baselines (issue 36, item 3): every method's outer lr × these at each of
-# ``SKEPTIC_PRESETS`` (× 1: ``jitter_grid``'s run), with the jitter, ... and further where the
-# mixed-paces check found the best at an edge (Delayed Nesterov: × 16 there). A later session
-# extends a method's factors when its best here lands on an edge.
-SKEPTIC_LR_FACTORS = (0.25, 0.5, 2.0, 4.0)
-SKEPTIC_LR_EDGE_FACTORS = {"delayed_nesterov": (8.0, 16.0, 32.0)}
+# ``SKEPTIC_PRESETS`` (× 1: ``jitter_grid``'s run), with the jitter, on seed 0. × 0.5 and × 2
+# bracket × 1; where an edge wins, the next factor out (× 0.25, × 4, ...) joins
+# ``SKEPTIC_LR_EDGE_FACTORS`` until the best is bracketed. Delayed Nesterov starts at × 4 and × 16
+# too (the mixed-paces check found its best at × 16). Seeds 1 and 2 then run each (preset,
+# method) at its seed-0 best only (``SKEPTIC_LR_BEST``, filled in once seed 0's sweep is in;
+# × 1 needs no runs: the jitter grid's). Bracketing first halves the sweep (24 runs a seed
+# instead of 46), which a 2-core CPU needs.
+SKEPTIC_LR_FACTORS = (0.5, 2.0)
+SKEPTIC_LR_EDGE_FACTORS = {"delayed_nesterov": (4.0, 16.0)}
+SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {}  # (preset, method) -> seed 0's best factor
 
 
 def skeptic_lr_factors(method: str) -> tuple[float, ...]:
@@ -528,14 +533,17 @@ def skeptic_lr_factors(method: str) -> tuple[float, ...]:
 
 
 def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
-  """Each method's outer lr × ``skeptic_lr_factors`` at each of ``SKEPTIC_PRESETS`` (its
-  ``jitter_grid`` run with only ``outer.learning_rate`` changed), seed by seed."""
+  """Each method's outer lr × ``skeptic_lr_factors`` at each of ``SKEPTIC_PRESETS`` on seed 0,
+  and on the other seeds × its ``SKEPTIC_LR_BEST`` (none where that is × 1 or not known yet):
+  its ``jitter_grid`` run with only ``outer.learning_rate`` changed, seed by seed."""
   from heloco_jax import methods  # pylint: disable=g-import-not-at-top
   runs = []
   for seed in (scale.seeds if seeds is None else seeds):
     for preset in SKEPTIC_PRESETS:
       for run in _own_runs(scale, (seed,), (preset,)):
-        for factor in skeptic_lr_factors(run.method):
+        factors = (skeptic_lr_factors(run.method) if seed == 0 else
+                   [f for f in (SKEPTIC_LR_BEST.get((preset, run.method), 1.0),) if f != 1.0])
+        for factor in factors:
           lr = methods.get(run.method).learning_rate * factor
           swept = _skeptic(run, "lr", {"outer.learning_rate": lr})
           runs.append(dataclasses.replace(
@@ -629,22 +637,19 @@ def palsgd_fair_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -
 
 
 def skeptic_grid() -> list[Run]:
-  """Issue 36's runs in the order they are most informative, seed 0 of each question before
-  more seeds of any: the jittered claims' runs seed by seed (the verdicts need 3 seeds); the
-  50k vocabulary's HeLoCo and sync DiLoCo at severe paces, seed 0 (whether the sync verdict
-  hinges on the vocabulary); the lr sweeps' seed 0 (where each method's best lr is); the
-  held-out languages' and PALSGD-fairly's seed 0; the rest of the vocabulary's seed 0; then
-  seeds 1 and 2 of the held-out languages, PALSGD and the vocabulary (their verdicts), and
-  last the lr sweeps' (46 runs a seed: confirming the bests). A 50k-vocabulary run costs
-  about 7.5 times a 2,048-id one on this CPU (measured: experiments/README.md), so they come
-  after the cheaper questions' seed 0."""
+  """Issue 36's runs, the most answer per core-hour first: the jittered claims' runs (the
+  verdicts need 3 seeds); PALSGD fairly, all seeds (1–3 minutes a run); the lr sweeps' seed 0
+  (where each method's best lr is); the held-out languages' seed 0; the 50k vocabulary's HeLoCo
+  and sync DiLoCo at severe paces, all seeds (whether the sync verdict hinges on the
+  vocabulary); the held-out languages' seeds 1 and 2; the lr sweeps' (each method at its best
+  only); last the rest of the vocabulary. A 50k-vocabulary run costs about 7.5 times a
+  2,048-id one on this CPU (measured: experiments/README.md)."""
   rest = (1, 2)
-  vocab0 = vocab_grid(seeds=(0,))
-  sync_question = [r for r in vocab0 if r.preset == "severe" and r.method in ("heloco", "diloco")]
-  return (jitter_grid() + sync_question + lr_sweep_grid(seeds=(0,)) + heldout_grid(seeds=(0,))
-          + palsgd_fair_grid(seeds=(0,)) + [r for r in vocab0 if r not in sync_question]
-          + heldout_grid(seeds=rest) + palsgd_fair_grid(seeds=rest) + vocab_grid(seeds=rest)
-          + lr_sweep_grid(seeds=rest))
+  vocab = vocab_grid()
+  sync_question = [r for r in vocab if r.preset == "severe" and r.method in ("heloco", "diloco")]
+  return (jitter_grid() + palsgd_fair_grid() + lr_sweep_grid(seeds=(0,))
+          + heldout_grid(seeds=(0,)) + sync_question + heldout_grid(seeds=rest)
+          + lr_sweep_grid(seeds=rest) + [r for r in vocab if r not in sync_question])
 
 
 GRIDS.update({"jitter": jitter_grid, "lr_sweep": lr_sweep_grid, "vocab": vocab_grid,

@@ -385,14 +385,18 @@ def test_variant_rows_judge_each_claim_on_the_jitter_vocab_and_heldout_runs():
       not in claims
 
 
-def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset():
-  results = []
+def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset_on_seed_0(monkeypatch):
+  # The sweep's seed 0 at every factor, seeds 1 and 2 at seed 0's best only (grids.py).
+  monkeypatch.setattr(grids, "SKEPTIC_LR_BEST", {("severe", "mla"): 0.5,
+                                                 ("moderate", "mla"): 2.0})
+  results = [_made_up("skeptic/lr/tokens/severe/mla/x2/seed0", 4.8),
+             _made_up("skeptic/lr/tokens/severe/heloco/x2/seed0", 4.9),
+             _made_up("skeptic/lr/tokens/moderate/mla/x2/seed1", 1.0)]  # no seed 0: no choice
   for seed in range(3):
-    results += [_made_up(f"skeptic/jitter/tokens/severe/mla/seed{seed}", 5.0),
+    results += [_made_up(f"skeptic/jitter/tokens/severe/mla/seed{seed}", 5.0 - 0.6 * seed),
                 _made_up(f"skeptic/lr/tokens/severe/mla/x0.5/seed{seed}", 4.5),
-                _made_up(f"skeptic/lr/tokens/severe/mla/x2/seed{seed}", 4.8),
-                _made_up(f"skeptic/jitter/tokens/severe/heloco/seed{seed}", 4.6 - 0.01 * seed),
-                _made_up(f"skeptic/lr/tokens/severe/heloco/x2/seed{seed}", 4.9)]
+                _made_up(f"skeptic/jitter/tokens/moderate/mla/seed{seed}", 5.0),
+                _made_up(f"skeptic/jitter/tokens/severe/heloco/seed{seed}", 4.6 - 0.01 * seed)]
   best, chosen = science.best_lr_results(results)
   assert chosen == {("severe", "heloco"): 1.0, ("severe", "mla"): 0.5}
   assert sorted(r.run.name for r in best if r.run.method == "mla") == [
