@@ -70,8 +70,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     back = membership.away(worker, now)
     if back is not None:  # away already (ALGORITHMS.md, "Elastic membership")
       if now > 0:  # it left as its work arrived: nothing lost (a new worker: none to leave)
-        run.emit({"event": "left", "worker": worker, "sim_time": now,
-                  "dropped_" + spec.unit: 0, "outer_updates": s.version})
+        run.emit(_membership_row(run, "left", worker, now, dropped=0))
       expect(worker, back, "join")
       return
     if spec.streaming:
@@ -105,12 +104,10 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     _, kind, dropped = s.away.pop(worker)
     if kind == "leave":
       s.dropped_units += dropped
-      run.emit({"event": "left", "worker": worker, "sim_time": now, "dropped_" + spec.unit:
-                dropped, "outer_updates": s.version})
+      run.emit(_membership_row(run, "left", worker, now, dropped))
       expect(worker, membership.away(worker, now), "join")
     else:
-      run.emit({"event": "joined", "worker": worker, "sim_time": now,
-                "outer_updates": s.version})
+      run.emit(_membership_row(run, "joined", worker, now))
       dispatch(worker, now)
 
   def event_in_a_group(worker: int, at: float) -> None:
@@ -397,12 +394,22 @@ def _membership_rows(run: Run, start: float, end: float, real_steps: np.ndarray,
   s.dropped_units += int(real_steps[lost].sum()) * spec.units_per_step
   dropped = set()
   for at, worker, kind in spec.membership.events(start, end):
-    row = {"event": kind, "worker": worker, "sim_time": at, "outer_updates": s.version}
+    units = None
     if kind == "left":
       first = lost[worker] and worker not in dropped
-      row["dropped_" + spec.unit] = int(real_steps[worker]) * spec.units_per_step * first
+      units = int(real_steps[worker]) * spec.units_per_step * first
       dropped.add(worker)
-    run.emit(row)
+    run.emit(_membership_row(run, kind, worker, at, units))
+
+
+def _membership_row(run: Run, kind: str, worker: int, at: float,
+                    dropped: Optional[int] = None) -> dict[str, Any]:
+  """A ``left`` (with the units its lost work held) or ``joined`` row (DESIGN.md,
+  "metrics.jsonl"), one key order for every loop."""
+  row = {"event": kind, "worker": worker, "sim_time": at}
+  if dropped is not None:
+    row["dropped_" + run.spec.unit] = dropped
+  return {**row, "outer_updates": run.state.version}
 
 
 def _where_part(run: Run, part: np.ndarray, new: Any, old: Any) -> Any:
