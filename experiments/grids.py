@@ -733,22 +733,24 @@ SCALES["streaming"] = STREAMING
 
 
 # Issue 35: CGAD at the authors' setup. Its Adam step moves each coordinate by about η per
-# arrival, so the registry's η = 1e-2 (best at the streaming grid's scale, whose inner lr is
-# 15 times the authors' 2e-4) is likely too large here: this one-seed check (mixed paces, the
+# arrival, so η = 1e-2 (CGAD_BASE_LR: the registry's default until 2026-11-26, best at the
+# streaming grid's scale, whose inner lr is 15 times the authors' 2e-4) is likely too large here: this one-seed check (mixed paces, the
 # token budget, as ``authors_lr``) picks the η of the later CGAD grid (its token runs, all
 # paces, 3 seeds, against HeLoCo, MLA, async Nesterov and DN at both budgets). The first two
 # (η = 3e-4: 5.936, 1e-3: 6.129 final val loss) put the best at the low edge: 0.01 and 0.003
 # extend it.
 CGAD_LR_FACTORS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+# η the CGAD grids' factors multiply, and the chaos grid's CGAD runs use (the registry's is
+# 1e-3 since: ALGORITHMS.md, "CGAD").
+CGAD_BASE_LR = 1e-2
 
 
 def cgad_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
-  """CGAD's outer lr × ``CGAD_LR_FACTORS`` of the registry's, mixed paces, seed 0, token
+  """CGAD's outer lr × ``CGAD_LR_FACTORS`` of ``CGAD_BASE_LR``, mixed paces, seed 0, token
   budget."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
   runs = []
   for factor in CGAD_LR_FACTORS:
-    lr = methods.get("cgad").learning_rate * factor
+    lr = CGAD_BASE_LR * factor
     overrides = {**scale.overrides(), "method": "cgad", "seed": 0, "speeds": "mixed",
                  "budget.tokens": scale.tokens, "outer.learning_rate": lr}
     runs.append(Run(f"authors/lr/cgad/x{factor:g}", "lr", "mixed", "cgad", 0,
@@ -758,16 +760,15 @@ def cgad_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
 
 GRIDS["cgad_lr"] = cgad_lr_grid
 SCALES["cgad_lr"] = AUTHORS
-# CGAD's η in the CGAD grid: × this the registry's 1e-2, the best of ``cgad_lr`` (final val
+# CGAD's η in the CGAD grid: × this CGAD_BASE_LR, the best of ``cgad_lr`` (final val
 # loss, mixed paces, seed 0): × 0.003 6.983, × 0.01 6.463, × 0.03 (3e-4) 5.936, × 0.1 6.129,
 # × 1 8.847; bracketed (× 0.3 ran after the CGAD grid).
 CGAD_TUNED_FACTOR = 0.03
 
 
 def cgad_learning_rate() -> float:
-  """CGAD's outer lr in ``cgad_grid``: ``CGAD_TUNED_FACTOR`` × the registry's."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
-  return methods.get("cgad").learning_rate * CGAD_TUNED_FACTOR
+  """CGAD's outer lr in ``cgad_grid``: ``CGAD_TUNED_FACTOR`` × ``CGAD_BASE_LR``."""
+  return CGAD_BASE_LR * CGAD_TUNED_FACTOR
 
 
 def cgad_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
@@ -827,6 +828,8 @@ def chaos_grid(scale: Scale = CHAOS, seeds: Sequence[int] | None = None) -> list
                             **scale.overrides(), "method": method, "seed": seed,
                             "speeds": CHAOS_PRESET, "budget.tokens": 0,
                             "budget.sim_seconds": seconds,
+                            **({"outer.learning_rate": CGAD_BASE_LR} if method == "cgad"
+                               else {}),
                             **(failures if failing else {}), **changes}.items())))
   return runs
 

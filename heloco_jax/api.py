@@ -174,7 +174,7 @@ def make_engine(
     outer_tx: Optional[optax.GradientTransformation] = None,
     inner_tx: Optional[optax.GradientTransformation] = None,
     inner_steps: int = 20,
-    speeds: Union[str, Sequence[float]] = "severe",
+    speeds: Union[str, Sequence[float]] = "mixed",
     budget_steps: Optional[int] = None,
     budget_sim_seconds: Optional[float] = None,
     budget_tokens: Optional[int] = None,
@@ -328,7 +328,7 @@ def simulate(
     outer_tx: Optional[optax.GradientTransformation] = None,
     inner_tx: Optional[optax.GradientTransformation] = None,
     inner_steps: int = 20,
-    speeds: Union[str, Sequence[float]] = "severe",
+    speeds: Union[str, Sequence[float]] = "mixed",
     budget_steps: Optional[int] = None,
     budget_sim_seconds: Optional[float] = None,
     budget_tokens: Optional[int] = None,
@@ -383,8 +383,9 @@ def simulate(
       method's AdamW with warm-up + cosine schedule (``hj.inner_adamw``).
       PALSGD needs ``hj.palsgd_inner(...)``.
     inner_steps: H, local steps per dispatch.
-    speeds: a preset name (homogeneous, mild, moderate, severe, mixed) or K
-      simulated seconds per step.
+    speeds: a preset name (homogeneous, mild, moderate, severe, mixed: the
+      HeLoCo authors' 1, 2, 3, 1, 5 and the default) or K simulated seconds per
+      step.
     budget_steps: stop before the applied local steps of all workers
       together pass this (the HeLoCo authors' budget).
     budget_sim_seconds: stop before the simulated clock passes this.

@@ -171,7 +171,7 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            outer_keys=_ASYNC_KEYS),
     Method("heloco", "async", _heloco, lookahead="always",
            outer_keys=_ASYNC_KEYS + HELOCO_OPTIONS),
-    Method("cgad", "async", _cgad, learning_rate=1e-2,
+    Method("cgad", "async", _cgad, learning_rate=1e-3,
            outer_keys=("learning_rate", "momentum", "age_decay", "age_cutoff")),
 ]}
 

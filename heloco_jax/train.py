@@ -4,8 +4,8 @@
   python -m heloco_jax.train --workdir=DIR ...          # the same
 
 Without ``--config`` the quickstart (``heloco_jax/configs/default.py``) runs:
-HeLoCo on 5 workers of severe heterogeneity, one synthetic language each, no
-download. Every invalid config value fails before any work with one line
+HeLoCo on 5 workers at the HeLoCo authors' mixed paces, one synthetic language
+each, no download. Every invalid config value fails before any work with one line
 naming the key, the value and what is allowed (exit status 2).
 
 Writes ``DIR/config.json`` (the resolved config), ``DIR/metrics.jsonl`` (eval,

@@ -226,3 +226,17 @@ def test_progress_lines_show_in_a_batch_job_unless_quiet(tmp_path):
   quiet = subprocess.run([*common, f"--workdir={tmp_path / 'b'}", "--config.quiet=true"],
                          capture_output=True, text=True, check=True)
   assert "tokens of" not in quiet.stderr and "done:" in quiet.stderr
+
+
+@pytest.mark.slow
+def test_the_quickstart_keeps_learning_to_the_end(tmp_path):
+  """Issue 36, item 7: the main job, the CLI's default config untouched (about 2 minutes on 2
+  cores, hence the marker), ends at its lowest validation loss or within 1% of it. A reduced
+  budget is no check of this: before about 300k tokens the non-IID arrivals still swing the
+  loss (200k tokens, evaluated every 20k: lowest 2.958 at 41k, 3.792 at 102k, final 3.048)."""
+  assert train.main([f"--workdir={tmp_path}", "--config.quiet=true"]) == 0
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  losses = [row["val_loss"] for row in rows if row.get("event") == "eval"]
+  assert len(losses) == 7  # at 0, every 100k tokens and at the end
+  assert losses[-1] <= 1.01 * min(losses), losses
+  assert losses[-1] < 0.5 * losses[0], losses

@@ -33,14 +33,15 @@ def dataset(num_workers: int, partition: str = "non_iid") -> data.Data:
 
 
 def config(method: str = "mla", num_workers: int = 3, **overrides) -> ml_collections.ConfigDict:
-  """The quickstart config on a 1-layer d_model 32 GPT, H = 2, no budget or evals by default.
+  """The quickstart config on a 1-layer d_model 32 GPT, H = 2, severe paces (very stale
+  arrivals, which the tests were written for), no budget or evals by default.
 
   ``overrides`` use dotted keys: ``config("diloco", **{"budget.tokens": 512})``.
   """
   c = default.get_config()
   c.method, c.num_workers = method, num_workers
   c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.context = 32, 1, 4, CONTEXT
-  c.batch_size, c.inner_steps = BATCH, H
+  c.batch_size, c.inner_steps, c.speeds = BATCH, H, "severe"
   c.inner.warmup_steps, c.inner.total_steps = 2, 400
   c.budget.tokens, c.eval_every_tokens = 0, 0
   for key, value in overrides.items():

@@ -114,7 +114,7 @@ KEYS: tuple[Key, ...] = (
     Key("num_workers", 5, integer(1, 4096), "K, the number of workers"),
     Key("inner_steps", 20, integer(1, 10**6),
         "H, inner steps per dispatch (per round for synchronous methods)"),
-    Key("speeds", "severe", _SPEEDS,
+    Key("speeds", "mixed", _SPEEDS,
         "simulated seconds per inner step of each worker: a preset or a list", type=object),
     Key("jitter", 0.0, number(0.0, 1.0, high_open=True),
         "relative per-step jitter of the simulated clock"),

@@ -19,7 +19,7 @@ from heloco_jax.outer import weighting as weighting_lib
 
 
 def cgad(
-    learning_rate: float = 1e-2,
+    learning_rate: float = 1e-3,
     b1: float = 0.9,
     b2: float = 0.99,
     eps: float = 1e-8,
