@@ -186,7 +186,11 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
     ax.axhline(0, color="k", lw=0.5)
     ax.set_title(label, fontsize=9)
     ax.set_xlabel("simulated seconds")
-    ax.legend(fontsize=7, loc="lower right")
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7, loc="lower right")
+    else:  # a rule without these diagnostics (e.g. cgad)
+      ax.text(0.5, 0.5, "no cos(Δ, m) or branch rows", ha="center", va="center",
+              transform=ax.transAxes, fontsize=8)
   paths.append(_save(plt, fig, os.path.join(out, "alignment.png")))
 
   fig, axes = _grid(plt, len(with_arrivals), height=0.6 + 0.45 * max(
