@@ -482,6 +482,22 @@ def lr_table(results: Sequence[Result]) -> str:
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def cgad_lr_note(results: Sequence[Result]) -> str:
+  """One sentence: CGAD's η sweep (``grids.cgad_lr_grid``) and the η its grid runs at."""
+  found = {float(r.run.name.rsplit("/x", 1)[1]): r.summary["final_val_loss"] for r in results
+           if r.run.name.startswith("authors/lr/cgad/x")}
+  if not found:
+    return ""
+  best = min(found, key=found.get)
+  cells = ", ".join(f"{grids.CGAD_BASE_LR * f:.2g} " + (f"**{found[f]:.4f}**" if f == best
+                                                          else f"{found[f]:.4f}")
+                    for f in sorted(found))
+  return (f"CGAD (after the paper, so no authors' η): final validation loss at η = {cells}; "
+          f"its grid runs at η = {grids.cgad_learning_rate():.2g}"
+          + (" (the best here)." if grids.CGAD_TUNED_FACTOR == best else
+             f" while the best here is {grids.CGAD_BASE_LR * best:.2g}."))
+
+
 def lr_note(results: Sequence[Result]) -> str:
   """One sentence: HeLoCo at the authors' lr against each baseline at the best lr of its sweep
   (seed 0), next to the same comparison at the authors' lrs."""
@@ -876,7 +892,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           loss_table(results, "time"), time_budget_note(results)),
       *analysis._section(  # pylint: disable=protected-access
           "Outer learning rate: the authors' against a sweep around it (paces [1,2,3,1,5], "
-          "seed 0)", lr_table(results), lr_note(results)),
+          "seed 0)", lr_table(results), " ".join(filter(None, (lr_note(results),
+                                                                cgad_lr_note(results))))),
       *analysis._section(  # pylint: disable=protected-access
           "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
           "Homogeneous workers, IID split, the byte-level small-scale model; shared coins, "

@@ -447,3 +447,16 @@ def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset_on_seed_0(
   assert ("HeLoCo beats MLA, wall-clock budget — each method at its best outer lr here, jitter "
           "0.2; not their setting (heloco severe × 1, mla severe × 0.5) | up to +3.3% | "
           "**reversed** |") in row
+
+
+def test_the_cgad_lr_note_gives_each_eta_and_whether_the_grid_runs_at_the_best():
+  runs = {r.name: r for r in grids.grid("cgad_lr")}
+  result = lambda factor, loss: analysis.Result(runs[f"authors/lr/cgad/x{factor:g}"],
+                                                {"final_val_loss": loss}, [], [])
+  assert science.cgad_lr_note([]) == ""
+  results = [result(0.01, 6.4), result(0.03, 5.9), result(0.1, 6.1)]
+  assert science.cgad_lr_note(results) == (
+      "CGAD (after the paper, so no authors' η): final validation loss at η = 0.0001 6.4000, "
+      "0.0003 **5.9000**, 0.001 6.1000; its grid runs at η = 0.0003 (the best here).")
+  assert science.cgad_lr_note(results + [result(1.0, 5.0)]).endswith(
+      "its grid runs at η = 0.0003 while the best here is 0.01.")
