@@ -913,7 +913,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           palsgd_fair_table(results),
           "The palsgd_c runs' setting (homogeneous, IID, the small-scale model). DDP: its inner "
           f"cosine decay over its own {grids.ddp_own_steps():,} steps (palsgd_c's decayed over "
-          "4,000 and ended at 92% of the peak lr) and its inner lr × 1, √5, 5 and 10 for its "
+          "4,000 and ended at 92% of the peak lr) and its inner lr × "
+          + ", ".join(f"{f:.3g}" for f in grids.DDP_FAIR_LR_FACTORS) + " for its "
           "5× global batch; the tuned DDP is the lowest mean final loss, and its final loss is "
           "each seed's target. PALSGD (shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's "
           "tokens; `palsgd_fair` in experiments/README.md."),

@@ -440,7 +440,7 @@ def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_
   assert grids.ddp_own_steps() == 781  # 1M tokens / (5 workers × 4 × 64)
   ddp = [r for r in runs if dict(r.overrides)["method"] == "ddp"]
   palsgd = [r for r in runs if dict(r.overrides)["method"] == "palsgd"]
-  assert len(ddp) == 3 * 4 * 6 and len(palsgd) == 3 * (4 * 3 - 2)
+  assert len(ddp) == 3 * 5 * 6 and len(palsgd) == 3 * (4 * 3 - 2)
   assert len({r.name for r in runs}) == len(runs) and [r.seed for r in runs] == sorted(
       r.seed for r in runs)
   for run in ddp:
@@ -467,12 +467,12 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
   runs = grids.grid("skeptic")
   names = [r.name for r in runs]
   lr_later = len(grids.grid("lr_sweep")) - 24
-  assert len(set(names)) == len(names) == 30 + 3 * 34 + 24 + 30 + 3 * 9 + lr_later
+  assert len(set(names)) == len(names) == 30 + 3 * 40 + 24 + 30 + 3 * 9 + lr_later
   seed0 = lambda g: [r for r in grids.grid(g) if r.seed == 0]
   later = lambda g: [r for r in grids.grid(g) if r.seed != 0]
   sync_question = [f"skeptic/vocab50257/{t}/severe/{m}/seed{s}" for s in (0, 1, 2)
                    for t, m in (("tokens", "heloco"), ("time", "diloco"))]
-  at = 30 + 3 * 34 + 24 + 10
+  at = 30 + 3 * 40 + 24 + 10
   assert names[at:at + 6] == sync_question
   assert runs == (grids.grid("jitter") + grids.grid("palsgd_fair") + seed0("lr_sweep")
                   + seed0("heldout") + runs[at:at + 6] + later("heldout") + later("lr_sweep")
