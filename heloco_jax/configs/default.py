@@ -1,7 +1,8 @@
 """The quickstart config: HeLoCo on 5 simulated workers at the HeLoCo authors' mixed
-paces (1, 2, 3, 1, 5 seconds per step), one synthetic language each (no download). Every key, its default, what it allows and what it
-means are in one table, ``heloco_jax/configs/schema.py``; ``heloco-jax train --help`` lists
-them (docs/DESIGN.md, "Command line")."""
+paces (1, 2, 3, 1, 5 seconds per step), one synthetic language each (no download). Every
+key, its default, what it allows and what it means are in one table,
+``heloco_jax/configs/schema.py``; ``heloco-jax train --help`` lists them (docs/DESIGN.md,
+"Command line")."""
 
 import ml_collections
 
