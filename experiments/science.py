@@ -275,7 +275,9 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
     reached = bool(times) and bool(np.all(np.isfinite(times)))
     lines.append(f"| PALSGD, outer lr {lr:g} | {pull:g} | "
                  f"{_mean_sd([r.summary['final_val_loss'] for r in runs.values()])} | "
-                 + (f"{np.mean(times):,.0f} | {_gain(t, 'ddp', name):+.1f}%" if reached else
+                 + (f"{np.mean(times):,.0f}"
+                    + (f" ({len(times)} of the seeds)" if len(times) < len(runs) else "")
+                    + f" | {_gain(t, 'ddp', name):+.1f}%" if reached else
                     f"not reached on {sum(~np.isfinite(times))} of {len(times)} seeds | –"
                     if times else "– | –") + f" | {len(runs)} |")
   return "\n".join(lines)
