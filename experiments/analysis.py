@@ -332,6 +332,15 @@ def _pyplot(fig_dir: str):
   return plt
 
 
+def mean_std(values: Sequence[float], digits: int = 3) -> str:
+  """The mean ± sample std of ``values`` (just the mean for one; – for none)."""
+  x = np.asarray(values, float)
+  if not x.size:
+    return "–"
+  std = f" ± {np.std(x, ddof=1):.{digits}f}" if x.size > 1 else ""
+  return f"{x.mean():.{digits}f}{std}"
+
+
 def _save(fig, path: str, dpi: int = 110) -> str:
   """Lays out, writes and closes ``fig``; returns ``path``."""
   fig.tight_layout()

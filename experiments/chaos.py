@@ -89,7 +89,7 @@ def table(results: Sequence[Result]) -> str:
           f"| {method} | {condition} | {len(cell)} | "
           f"{np.mean([_goodput(r) for r in cell.values()]):.3f} | "
           f"{_time([streaming.time_to(r, goal) for r in cell.values()])} | "
-          f"{streaming.mean_std(finals)} | {diff} |")
+          f"{analysis.mean_std(finals)} | {diff} |")
   return "\n".join(lines)
 
 

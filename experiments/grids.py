@@ -558,8 +558,9 @@ def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) ->
   for seed in (scale.seeds if seeds is None else seeds):
     for preset in SKEPTIC_PRESETS:
       for run in _own_runs(scale, (seed,), (preset,)):
-        factors = (skeptic_lr_factors(run.method) if seed == 0 else
-                   [f for f in (SKEPTIC_LR_BEST.get((preset, run.method), 1.0),) if f != 1.0])
+        best = SKEPTIC_LR_BEST.get((preset, run.method), 1.0)
+        factors = (skeptic_lr_factors(run.method) if seed == 0
+                   else (best,) if best != 1.0 else ())
         for factor in factors:
           lr = methods.get(run.method).learning_rate * factor
           swept = _skeptic(run, "lr", {"outer.learning_rate": lr})
@@ -669,9 +670,9 @@ def palsgd_fair_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -
 def skeptic_grid() -> list[Run]:
   """Issue 36's runs, the most answer per core-hour first: the jittered claims' runs (the
   verdicts need 3 seeds); PALSGD fairly, all seeds (1–3 minutes a run); seeds 3 and 4 of the
-  jittered cells whose CI crossed zero; the lr sweeps' seed 0
-  (where each method's best lr is); the held-out languages' seed 0; the 50k vocabulary's HeLoCo
-  and sync DiLoCo at severe paces, all seeds (whether the sync verdict hinges on the
+  jittered cells whose CI crossed zero; the lr sweeps' seed 0 (where each method's best lr
+  is); the held-out languages' seed 0; the 50k vocabulary's HeLoCo and sync DiLoCo at severe
+  paces, all seeds (whether the sync verdict hinges on the
   vocabulary); the held-out languages' seeds 1 and 2; the lr sweeps' (each method at its best
   only); last the rest of the vocabulary. A 50k-vocabulary run costs about 7.5 times a
   2,048-id one on this CPU (measured: experiments/README.md)."""
@@ -679,9 +680,9 @@ def skeptic_grid() -> list[Run]:
   vocab = vocab_grid()
   sync_question = [r for r in vocab if r.preset == "severe" and r.method in ("heloco", "diloco")]
   return (jitter_grid(seeds=AUTHORS.seeds) + palsgd_fair_grid() + _jitter_more_seeds()
-          + lr_sweep_grid(seeds=(0,))
-          + heldout_grid(seeds=(0,)) + sync_question + heldout_grid(seeds=rest)
-          + lr_sweep_grid(seeds=rest) + [r for r in vocab if r not in sync_question])
+          + lr_sweep_grid(seeds=(0,)) + heldout_grid(seeds=(0,)) + sync_question
+          + heldout_grid(seeds=rest) + lr_sweep_grid(seeds=rest)
+          + [r for r in vocab if r not in sync_question])
 
 
 GRIDS.update({"jitter": jitter_grid, "lr_sweep": lr_sweep_grid, "vocab": vocab_grid,
@@ -766,11 +767,11 @@ SCALES["streaming"] = STREAMING
 
 # Issue 35: CGAD at the authors' setup. Its Adam step moves each coordinate by about η per
 # arrival, so η = 1e-2 (CGAD_BASE_LR: the registry's default until 2026-11-26, best at the
-# streaming grid's scale, whose inner lr is 15 times the authors' 2e-4) is likely too large here: this one-seed check (mixed paces, the
-# token budget, as ``authors_lr``) picks the η of the later CGAD grid (its token runs, all
-# paces, 3 seeds, against HeLoCo, MLA, async Nesterov and DN at both budgets). The first two
-# (η = 3e-4: 5.936, 1e-3: 6.129 final val loss) put the best at the low edge: 0.01 and 0.003
-# extend it.
+# streaming grid's scale, whose inner lr is 15 times the authors' 2e-4) is likely too large
+# here: this one-seed check (mixed paces, the token budget, as ``authors_lr``) picks the η of
+# the later CGAD grid (its token runs, all paces, 3 seeds, against HeLoCo, MLA, async
+# Nesterov and DN at both budgets). The first two (η = 3e-4: 5.936, 1e-3: 6.129 final val
+# loss) put the best at the low edge: 0.01 and 0.003 extend it.
 CGAD_LR_FACTORS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 # η the CGAD grids' factors multiply, and the chaos grid's CGAD runs use (the registry's is
 # 1e-3 since: ALGORITHMS.md, "CGAD").

@@ -250,7 +250,7 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
       losses = [r.summary["final_val_loss"] for r in runs.values()]
       ddp_rows.append(f"| DDP, inner lr × {f:.3g}, decay over {grids.ddp_own_steps():,} steps"
                       f"{' (tuned)' if tuned and tuned[1] == f else ''} | – | "
-                      f"{_mean_sd(losses)} | – | – | {len(losses)} |")
+                      f"{analysis.mean_std(losses, 4)} | – | – | {len(losses)} |")
   if not ddp_rows:
     return ""
   plain = _palsgd_runs(results, 0.0, "ddp")
@@ -259,7 +259,7 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
            "|---|---|---|---|---|---|", *ddp_rows]
   if plain:
     lines.append(f"| DDP as in palsgd_c (decay over 4,000 steps) | – | "
-                 f"{_mean_sd([r.summary['final_val_loss'] for r in plain.values()])} | – | – | "
+                 f"{analysis.mean_std([r.summary['final_val_loss'] for r in plain.values()], 4)} | – | – | "
                  f"{len(plain)} |")
   t = palsgd_times(results, tuned[0]).get(grids.PALSGD_WHY_C) if tuned else None
   variants = [(grids.PALSGD_OUTER_LR, grids.PALSGD_PULL, "palsgd"),
@@ -274,7 +274,7 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
     times = list(t.get(name, {}).values()) if t else []
     reached = bool(times) and bool(np.all(np.isfinite(times)))
     lines.append(f"| PALSGD, outer lr {lr:g} | {pull:g} | "
-                 f"{_mean_sd([r.summary['final_val_loss'] for r in runs.values()])} | "
+                 f"{analysis.mean_std([r.summary['final_val_loss'] for r in runs.values()], 4)} | "
                  + (f"{np.mean(times):,.0f}"
                     + (f" ({len(times)} of the seeds)" if len(times) < len(runs) else "")
                     + f" | {_gain(t, 'ddp', name):+.1f}%" if reached else
@@ -282,11 +282,6 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
                     if times else "– | –") + f" | {len(runs)} |")
   return "\n".join(lines)
 
-
-def _mean_sd(values: Sequence[float]) -> str:
-  """mean ± sample std (just the mean for one value)."""
-  return (f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" if len(values) > 1
-          else f"{values[0]:.4f}")
 
 
 def _claim_cells(results: Sequence[Result], table: str, presets: Sequence[str],
@@ -546,16 +541,16 @@ def palsgd_times(results: Sequence[Result], ddp_name: Optional[str] = None
     ddp = (_fair_runs(results, c, ddp_name) if ddp_name else _palsgd_runs(results, c, "ddp"))
     if not ddp:
       continue
-    names = {name: _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
-             for name in ("ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED,
-                          grids.DILOCO_SWAPPED)}
-    names = {"ddp": ddp, **names, **{
-        name: runs for name in (grids.palsgd_fair_name(lr, pull)
-                                for lr in grids.PALSGD_FAIR_OUTER_LRS
-                                for pull in grids.PALSGD_FAIR_PULLS)
-        if (runs := _fair_runs(results, c, name))}}
+    by_name = {"ddp": ddp, **{
+        name: _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
+        for name in ("ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED,
+                     grids.DILOCO_SWAPPED)}}
+    for lr in grids.PALSGD_FAIR_OUTER_LRS:
+      for pull in grids.PALSGD_FAIR_PULLS:
+        if runs := _fair_runs(results, c, grids.palsgd_fair_name(lr, pull)):
+          by_name[grids.palsgd_fair_name(lr, pull)] = runs
     out[c] = {name: {s: analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
-                     for s in sorted(runs) if s in ddp} for name, runs in names.items()}
+                     for s in sorted(runs) if s in ddp} for name, runs in by_name.items()}
   return out
 
 

@@ -52,15 +52,6 @@ def final(r: Result) -> float:
   return r.summary["final_val_loss"]
 
 
-def mean_std(values: Sequence[float]) -> str:
-  """The mean ± sample std of ``values`` (– for none)."""
-  x = np.asarray(values, float)
-  if not x.size:
-    return "–"
-  std = f" ± {np.std(x, ddof=1):.3f}" if x.size > 1 else ""
-  return f"{x.mean():.3f}{std}"
-
-
 def _diff(variant: dict[int, Result], base: dict[int, Result]) -> str:
   """Paired (variant − baseline) final loss over the seeds both have: mean [95% CI]."""
   seeds = sorted(set(variant) & set(base))
@@ -84,7 +75,7 @@ def fragments_table(results: Sequence[Result]) -> str:
     runs = list(rows[name].values())
     peak = np.mean([r.summary["peak_bytes_per_sync"] for r in runs])
     sent = np.mean([r.summary["bytes_sent"] for r in runs])
-    lines.append(f"| {name} | {len(runs)} | {mean_std([final(r) for r in runs])} | "
+    lines.append(f"| {name} | {len(runs)} | {analysis.mean_std([final(r) for r in runs])} | "
                  f"{_diff(rows[name], base) if name != 'p1' else '–'} | {peak:,.0f} | "
                  f"{base_peak / peak:.2f}× less | {sent / 1e6:.1f} MB |")
   return "\n".join(lines)
@@ -103,7 +94,7 @@ def compression_table(results: Sequence[Result]) -> str:
       runs = list(rows[name].values())
       sent = np.mean([r.summary["bytes_sent"] for r in runs])
       lines.append(f"| {method} ({preset}) | {name} | {len(runs)} | "
-                   f"{mean_std([final(r) for r in runs])} | "
+                   f"{analysis.mean_std([final(r) for r in runs])} | "
                    f"{_diff(rows[name], base) if name != 'fp32' and base else '–'} | "
                    f"{sent / base_sent:.3f} |")
   return "\n".join(lines) if len(lines) > 2 else ""
@@ -129,7 +120,7 @@ def bandwidth_table(results: Sequence[Result]) -> str:
     network = np.mean([r.summary.get("network_seconds", math.nan) for r in runs.values()])
     sent = np.mean([r.summary["bytes_sent"] for r in runs.values()])
     lines.append(f"| {name} | {len(runs)} | {np.mean(times):.0f} | "
-                 f"{mean_std([final(r) for r in runs.values()])} | {sent / 1e6:.1f} MB | "
+                 f"{analysis.mean_std([final(r) for r in runs.values()])} | {sent / 1e6:.1f} MB | "
                  f"{network:.0f} |")
   return "\n".join(lines)
 
