@@ -435,15 +435,19 @@ def test_heldout_grid_is_the_jitter_grid_on_other_languages_from_their_own_corpu
   assert "--config.data.path=/c/corpus" in grids.grid("jitter")[0].args("/c/corpus")
 
 
-def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_and_pull():
+def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_and_pull(
+    monkeypatch):
   """Issue 36, item 5: the palsgd_c runs with only DDP's decay span and lr, or PALSGD's outer
-  lr and pull, changed."""
+  lr and pull, changed; seeds 1 and 2 at seed 0's best only."""
   c_runs = {r.name: dict(r.overrides) for r in grids.grid("palsgd_c")}
+  monkeypatch.setattr(grids, "PALSGD_FAIR_BEST", None)
   runs = grids.grid("palsgd_fair")
   assert grids.ddp_own_steps() == 781  # 1M tokens / (5 workers × 4 × 64)
   ddp = [r for r in runs if dict(r.overrides)["method"] == "ddp"]
   palsgd = [r for r in runs if dict(r.overrides)["method"] == "palsgd"]
-  assert len(ddp) == 3 * 5 * 6 and len(palsgd) == 3 * (4 * 3 - 2)
+  assert len(ddp) == (5 + 2) * 6 and len(palsgd) == 4 * 4 - 2
+  assert {r.name.split("/")[-2] for r in ddp if r.seed} == {"ddp_own_decay_x10"}
+  assert {r.seed for r in palsgd} == {0}  # no best known yet: no later seeds
   assert len({r.name for r in runs}) == len(runs) and [r.seed for r in runs] == sorted(
       r.seed for r in runs)
   for run in ddp:
@@ -457,25 +461,30 @@ def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_
         float(run.name.split("_x")[1].split("/")[0]), rel=3e-3)
   lrs = {(dict(r.overrides)["outer.learning_rate"],
           round(dict(r.overrides)["inner.pseudo_sync_rate"] * 6e-4 / 0.2, 6)) for r in palsgd}
-  assert len(lrs) == 10 and (0.1, 0.05) not in lrs and (0.7, 0.05) not in lrs
+  assert len(lrs) == 14 and (0.1, 0.05) not in lrs and (0.7, 0.05) not in lrs
   for run in palsgd:
     keys = dict(run.overrides)
     same = c_runs[f"palsgd_c/c0.25/palsgd/seed{run.seed}"]
     assert set(k for k, v in keys.items() if v != same.get(k)) <= {
         "outer.learning_rate", "inner.pseudo_sync_rate"}
     assert run.name.startswith("skeptic/palsgd_fair/c0.25/palsgd_lr")
+  monkeypatch.setattr(grids, "PALSGD_FAIR_BEST", (0.7, 0.2))
+  later = [r.name for r in grids.grid("palsgd_fair") if r.seed and "palsgd_lr" in r.name]
+  assert later == [f"skeptic/palsgd_fair/c0.25/palsgd_lr0.7_pull0.2/seed{s}" for s in (1, 2)]
 
 
 def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
   runs = grids.grid("skeptic")
   names = [r.name for r in runs]
   lr_later = len(grids.grid("lr_sweep")) - 24
-  assert len(set(names)) == len(names) == 30 + 3 * 40 + 4 + 24 + 30 + 3 * 9 + lr_later
+  fair = len(grids.grid("palsgd_fair"))
+  assert fair in (44 + 2 * 6, 44 + 2 * 7)  # seed 0's sweep, the best (once known) on 1 and 2
+  assert len(set(names)) == len(names) == 30 + fair + 4 + 24 + 30 + 3 * 9 + lr_later
   seed0 = lambda g: [r for r in grids.grid(g) if r.seed == 0]
   later = lambda g: [r for r in grids.grid(g) if r.seed != 0]
   sync_question = [f"skeptic/vocab50257/{t}/severe/{m}/seed{s}" for s in (0, 1, 2)
                    for t, m in (("tokens", "heloco"), ("time", "diloco"))]
-  at = 30 + 3 * 40 + 4 + 24 + 10
+  at = 30 + fair + 4 + 24 + 10
   assert names[at:at + 6] == sync_question
   jitter = grids.grid("jitter")
   assert runs == (jitter[:30] + grids.grid("palsgd_fair") + jitter[30:] + seed0("lr_sweep")
