@@ -624,16 +624,25 @@ def heldout_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> 
 #    then × 10 beat it (2.2034);
 #  * PALSGD's outer lr × pull swept at c = PALSGD_WHY_C (the two palsgd_c ones excluded); pull
 #    0.2 joined when 0.1, the edge, reached the tuned DDP's loss first on seed 0 (at outer lr
-#    0.7: 1,166 s; pull 0.05: 1,197 s; outer lr 1 and pull 0.1: 1,188 s).
-# Seeds 1 and 2 run at seed 0's best only, as the lr sweeps do (so ``science.fair_ddp`` picks
-# on seed 0, the one seed every variant has): DDP × PALSGD_FAIR_DDP_BEST at every c, and PALSGD
-# at PALSGD_FAIR_BEST (outer lr, pull; None until seed 0's sweep brackets it). The claims'
-# PALSGD at every c is palsgd_c's (3 seeds already). 7 runs a seed instead of 40.
+#    0.7: 1,166 s; pull 0.05: 1,197 s; outer lr 1 and pull 0.1: 1,188 s); then (1, 0.2), an
+#    edge in both, was first (1,130 s), so PALSGD_FAIR_EDGE's three join.
+# Seeds 1 and 2 run DDP at every factor at c = 0 (its trajectory, so ``science.fair_ddp``
+# picks on every seed: × 10, seed 0's best at 2.2034, ended at 2.4736 on seed 1), DDP ×
+# PALSGD_FAIR_DDP_BEST (the pick) at the other c's, and PALSGD at PALSGD_FAIR_BEST (outer lr,
+# pull; None until seed 0's sweep brackets it), as the lr sweeps do. The claims' PALSGD at
+# every c is palsgd_c's (3 seeds already). 11 runs a seed instead of 40.
 DDP_FAIR_LR_FACTORS = (1.0, math.sqrt(5), 5.0, 10.0, 20.0)
 PALSGD_FAIR_OUTER_LRS = (0.1, 0.3, 0.7, 1.0)
 PALSGD_FAIR_PULLS = (0.025, 0.05, 0.1, 0.2)
+PALSGD_FAIR_EDGE = ((1.0, 0.4), (1.4, 0.2), (1.4, 0.4))
 PALSGD_FAIR_DDP_BEST = 10.0
 PALSGD_FAIR_BEST: tuple[float, float] | None = None
+
+
+def palsgd_fair_sweep() -> list[tuple[float, float]]:
+  """Seed 0's PALSGD (outer lr, pull) at c = ``PALSGD_WHY_C``: the grid, then its edge."""
+  return [(lr, pull) for lr in PALSGD_FAIR_OUTER_LRS for pull in PALSGD_FAIR_PULLS] + list(
+      PALSGD_FAIR_EDGE)
 
 
 def ddp_fair_name(factor: float) -> str:
@@ -654,18 +663,18 @@ def ddp_own_steps(scale: Scale = PAPER, num_workers: int = 5) -> int:
 
 def palsgd_fair_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) -> list[Run]:
   """Seed 0: DDP at each of ``DDP_FAIR_LR_FACTORS`` with its decay over ``ddp_own_steps`` at
-  every c, then PALSGD at each outer lr × pull at c = ``PALSGD_WHY_C`` not run by palsgd_c
-  or palsgd_why; other seeds: ``PALSGD_FAIR_DDP_BEST`` and ``PALSGD_FAIR_BEST`` only (names
-  ``skeptic/palsgd_fair/c<c>/<variant>/seed<s>``)."""
+  every c, then PALSGD at each of ``palsgd_fair_sweep`` not run by palsgd_c or palsgd_why;
+  other seeds: DDP at each factor at c = 0, ``PALSGD_FAIR_DDP_BEST`` at the other c's and
+  ``PALSGD_FAIR_BEST`` (names ``skeptic/palsgd_fair/c<c>/<variant>/seed<s>``)."""
   runs = []
   for seed in (scale.seeds if seeds is None else seeds):
-    factors = DDP_FAIR_LR_FACTORS if seed == 0 else (PALSGD_FAIR_DDP_BEST,)
     variants = [(c, ddp_fair_name(factor), "ddp", 1,
                  {"inner.total_steps": ddp_own_steps(scale),
                   "inner.learning_rate": scale.inner_learning_rate * factor})
-                for factor in factors for c in COMM_RATIOS]
-    sweep = ([(lr, pull) for lr in PALSGD_FAIR_OUTER_LRS for pull in PALSGD_FAIR_PULLS]
-             if seed == 0 else [PALSGD_FAIR_BEST] if PALSGD_FAIR_BEST else [])
+                for factor in DDP_FAIR_LR_FACTORS for c in COMM_RATIOS
+                if seed == 0 or c == 0 or factor == PALSGD_FAIR_DDP_BEST]
+    sweep = (palsgd_fair_sweep() if seed == 0
+             else [PALSGD_FAIR_BEST] if PALSGD_FAIR_BEST else [])
     p = _palsgd_authors(scale)["inner.pseudo_sync_prob"]
     variants += [(PALSGD_WHY_C, palsgd_fair_name(lr, pull), "palsgd", 2,
                   {**_palsgd_authors(scale), "outer.learning_rate": lr,

@@ -265,7 +265,7 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
   variants = [(grids.PALSGD_OUTER_LR, grids.PALSGD_PULL, "palsgd"),
               (0.7, grids.PALSGD_PULL, grids.PALSGD_SWAPPED)] + [
                   (lr, pull, grids.palsgd_fair_name(lr, pull))
-                  for lr in grids.PALSGD_FAIR_OUTER_LRS for pull in grids.PALSGD_FAIR_PULLS]
+                  for lr, pull in grids.palsgd_fair_sweep()]
   for lr, pull, name in sorted(set(variants)):
     runs = (_palsgd_runs if name in ("palsgd", grids.PALSGD_SWAPPED) else _fair_runs)(
         results, grids.PALSGD_WHY_C, name)
@@ -545,10 +545,9 @@ def palsgd_times(results: Sequence[Result], ddp_name: Optional[str] = None
         name: _palsgd_runs(results, c, name if c or name != "ddp_overlap" else "ddp")
         for name in ("ddp_overlap", "diloco", "palsgd", grids.PALSGD_SWAPPED,
                      grids.DILOCO_SWAPPED)}}
-    for lr in grids.PALSGD_FAIR_OUTER_LRS:
-      for pull in grids.PALSGD_FAIR_PULLS:
-        if runs := _fair_runs(results, c, grids.palsgd_fair_name(lr, pull)):
-          by_name[grids.palsgd_fair_name(lr, pull)] = runs
+    for lr, pull in grids.palsgd_fair_sweep():
+      if runs := _fair_runs(results, c, grids.palsgd_fair_name(lr, pull)):
+        by_name[grids.palsgd_fair_name(lr, pull)] = runs
     out[c] = {name: {s: analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
                      for s in sorted(runs) if s in ddp} for name, runs in by_name.items()}
   return out
@@ -557,8 +556,7 @@ def palsgd_times(results: Sequence[Result], ddp_name: Optional[str] = None
 def fair_ddp(results: Sequence[Result]) -> Optional[tuple[str, float]]:
   """(name, factor) of DDP tuned for its own run: of ``grids.DDP_FAIR_LR_FACTORS``' runs at
   c = 0 (its trajectory does not depend on c), the lowest mean final validation loss over the
-  seeds every factor has: seed 0, as the other seeds run ``grids.PALSGD_FAIR_DDP_BEST`` only
-  (None until every factor has one)."""
+  seeds every factor has (None until every factor has one)."""
   runs = {f: _fair_runs(results, 0.0, grids.ddp_fair_name(f)) for f in grids.DDP_FAIR_LR_FACTORS}
   seeds = set.intersection(*(set(r) for r in runs.values()))
   if not seeds:
@@ -913,8 +911,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           f"cosine decay over its own {grids.ddp_own_steps():,} steps (palsgd_c's decayed over "
           "4,000 and ended at 92% of the peak lr) and its inner lr × "
           + ", ".join(f"{f:.3g}" for f in grids.DDP_FAIR_LR_FACTORS) + " for its "
-          "5× global batch; the tuned DDP is the lowest final loss on seed 0 (seeds 1 and 2 run "
-          "the tuned DDP and PALSGD's best only), and its final loss is each seed's target. PALSGD (shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's "
+          "5× global batch; the tuned DDP is the lowest mean final loss, and its final loss is "
+          "each seed's target (seeds 1 and 2 run PALSGD at seed 0's best only). PALSGD (shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's "
           "tokens; `palsgd_fair` in experiments/README.md."),
       *analysis._section(  # pylint: disable=protected-access
           WHY_SYNC, decay_why_table(results),

@@ -445,8 +445,10 @@ def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_
   assert grids.ddp_own_steps() == 781  # 1M tokens / (5 workers × 4 × 64)
   ddp = [r for r in runs if dict(r.overrides)["method"] == "ddp"]
   palsgd = [r for r in runs if dict(r.overrides)["method"] == "palsgd"]
-  assert len(ddp) == (5 + 2) * 6 and len(palsgd) == 4 * 4 - 2
-  assert {r.name.split("/")[-2] for r in ddp if r.seed} == {"ddp_own_decay_x10"}
+  assert len(ddp) == 5 * 6 + 2 * (5 + 5) and len(palsgd) == 4 * 4 - 2 + 3
+  assert {r.name.split("/")[-2] for r in ddp if r.seed and r.table != "palsgd_fair/c0"} == {
+      "ddp_own_decay_x10"}
+  assert sum(r.table == "palsgd_fair/c0" for r in ddp) == 3 * 5
   assert {r.seed for r in palsgd} == {0}  # no best known yet: no later seeds
   assert len({r.name for r in runs}) == len(runs) and [r.seed for r in runs] == sorted(
       r.seed for r in runs)
@@ -461,7 +463,8 @@ def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_
         float(run.name.split("_x")[1].split("/")[0]), rel=3e-3)
   lrs = {(dict(r.overrides)["outer.learning_rate"],
           round(dict(r.overrides)["inner.pseudo_sync_rate"] * 6e-4 / 0.2, 6)) for r in palsgd}
-  assert len(lrs) == 14 and (0.1, 0.05) not in lrs and (0.7, 0.05) not in lrs
+  assert len(lrs) == 17 and (0.1, 0.05) not in lrs and (0.7, 0.05) not in lrs
+  assert {(1.0, 0.4), (1.4, 0.2), (1.4, 0.4)} <= lrs
   for run in palsgd:
     keys = dict(run.overrides)
     same = c_runs[f"palsgd_c/c0.25/palsgd/seed{run.seed}"]
@@ -478,7 +481,7 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
   names = [r.name for r in runs]
   lr_later = len(grids.grid("lr_sweep")) - 24
   fair = len(grids.grid("palsgd_fair"))
-  assert fair in (44 + 2 * 6, 44 + 2 * 7)  # seed 0's sweep, the best (once known) on 1 and 2
+  assert fair in (47 + 2 * 10, 47 + 2 * 11)  # seed 0's sweep, the bests (once known) on 1, 2
   assert len(set(names)) == len(names) == 30 + fair + 4 + 24 + 30 + 3 * 9 + lr_later
   seed0 = lambda g: [r for r in grids.grid(g) if r.seed == 0]
   later = lambda g: [r for r in grids.grid(g) if r.seed != 0]

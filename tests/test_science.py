@@ -240,16 +240,17 @@ def test_palsgd_fairly_takes_the_tuned_ddps_loss_as_the_target_and_its_time_as_t
   # palsgd_c: DDP ends at 3.0, PALSGD (authors') passes 3.0 at its 4th eval of 10 s.
   results = _palsgd_grid(lambda c: 10.0, lambda c: 10.0)
   assert science.fair_ddp(results) is None and science.palsgd_fair_table(results) == ""
-  # The tuned DDP: × 5 ends lowest (2.5) on seed 0, the only seed the other factors run; at
-  # every c DDP's time per eval grows with c.
+  # The tuned DDP: × 5 ends lowest (2.5) on the mean over seeds, though × 10 does on seed 0;
+  # seeds 1 and 2 run the other factors at c = 0 only. At every c DDP's time per eval grows
+  # with c.
   monkeypatch.setattr(grids, "PALSGD_FAIR_DDP_BEST", 5.0)
   monkeypatch.setattr(grids, "PALSGD_FAIR_BEST", (0.3, 0.1))
   finals = {1.0: 3.0, math.sqrt(5): 2.8, 5.0: 2.5, 10.0: 2.6, 20.0: 2.9}
   for seed in range(3):
     for factor, final in finals.items():
-      if seed == 0 or factor == 5.0:
-        results += [_fair(c, grids.ddp_fair_name(factor), seed, final, 10 * (1 + c))
-                    for c in grids.COMM_RATIOS]
+      final = 2.4 if (factor, seed) == (10.0, 0) else final
+      results += [_fair(c, grids.ddp_fair_name(factor), seed, final, 10 * (1 + c))
+                  for c in grids.COMM_RATIOS if seed == 0 or c == 0 or factor == 5.0]
     results.append(_fair(grids.PALSGD_WHY_C, grids.palsgd_fair_name(0.3, 0.1), seed, 2.0, 8.0))
   assert science.fair_ddp(results) == ("ddp_own_decay_x5", 5.0)
   times = science.palsgd_times(results, "ddp_own_decay_x5")
@@ -261,7 +262,7 @@ def test_palsgd_fairly_takes_the_tuned_ddps_loss_as_the_target_and_its_time_as_t
   table = science.palsgd_fair_table(results)
   assert "| DDP, inner lr × 5, decay over 781 steps (tuned) | – | 2.5000 ± 0.0000 | – | – | 3 |" \
       in table
-  assert "| DDP, inner lr × 10, decay over 781 steps | – | 2.6000 | – | – | 1 |" in table
+  assert "| DDP, inner lr × 10, decay over 781 steps | – | 2.5333 ± 0.1155 | – | – | 3 |" in table
   assert "| PALSGD, outer lr 0.1 | 0.05 | 3.0000 ± 0.0000 | not reached on 3 of 3 seeds | – | 3 |" \
       in table
   assert "| PALSGD, outer lr 0.3 | 0.1 | 2.0000 ± 0.0000 | 27 | +46.7% | 3 |" in table
