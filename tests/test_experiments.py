@@ -447,7 +447,7 @@ def test_palsgd_fair_grid_tunes_ddp_for_its_own_run_and_sweeps_palsgds_outer_lr_
   palsgd = [r for r in runs if dict(r.overrides)["method"] == "palsgd"]
   assert len(ddp) == 5 * 6 + 2 * (5 + 5) and len(palsgd) == 4 * 4 - 2 + 3
   assert {r.name.split("/")[-2] for r in ddp if r.seed and r.table != "palsgd_fair/c0"} == {
-      "ddp_own_decay_x10"}
+      "ddp_own_decay_x5"}
   assert sum(r.table == "palsgd_fair/c0" for r in ddp) == 3 * 5
   assert {r.seed for r in palsgd} == {0}  # no best known yet: no later seeds
   assert len({r.name for r in runs}) == len(runs) and [r.seed for r in runs] == sorted(
