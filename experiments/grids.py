@@ -630,9 +630,9 @@ def heldout_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> 
 # Seeds 1 and 2 run DDP at every factor at c = 0 (its trajectory, so ``science.fair_ddp``
 # picks on every seed: × 10, seed 0's best at 2.2034, ended at 2.4736 and 2.5205 on seeds 1
 # and 2; × 5 at 2.3167, 2.1592, 2.1991 is the pick), DDP × PALSGD_FAIR_DDP_BEST (the pick) at
-# the other c's, and PALSGD at PALSGD_FAIR_BEST (outer lr,
-# pull; None until seed 0's sweep brackets it), as the lr sweeps do. The claims' PALSGD at
-# every c is palsgd_c's (3 seeds already). 11 runs a seed instead of 40.
+# the other c's, and PALSGD at PALSGD_FAIR_BEST (outer lr, pull; None until seed 0's sweep
+# brackets it), as the lr sweeps do. The claims' PALSGD at every c is palsgd_c's (3 seeds
+# already). 11 runs a seed instead of 40.
 DDP_FAIR_LR_FACTORS = (1.0, math.sqrt(5), 5.0, 10.0, 20.0)
 PALSGD_FAIR_OUTER_LRS = (0.1, 0.3, 0.7, 1.0)
 PALSGD_FAIR_PULLS = (0.025, 0.05, 0.1, 0.2)

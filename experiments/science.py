@@ -912,8 +912,9 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "4,000 and ended at 92% of the peak lr) and its inner lr × "
           + ", ".join(f"{f:.3g}" for f in grids.DDP_FAIR_LR_FACTORS) + " for its "
           "5× global batch; the tuned DDP is the lowest mean final loss, and its final loss is "
-          "each seed's target (seeds 1 and 2 run PALSGD at seed 0's best only). PALSGD (shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's "
-          "tokens; `palsgd_fair` in experiments/README.md."),
+          "each seed's target (seeds 1 and 2 run PALSGD at seed 0's best only). PALSGD "
+          "(shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's tokens; `palsgd_fair` in "
+          "experiments/README.md."),
       *analysis._section(  # pylint: disable=protected-access
           WHY_SYNC, decay_why_table(results),
           "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s, so "
