@@ -247,10 +247,9 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
   for f in grids.DDP_FAIR_LR_FACTORS:
     runs = _fair_runs(results, 0.0, grids.ddp_fair_name(f))
     if runs:
-      losses = [r.summary["final_val_loss"] for r in runs.values()]
       ddp_rows.append(f"| DDP, inner lr × {f:.3g}, decay over {grids.ddp_own_steps():,} steps"
                       f"{' (tuned)' if tuned and tuned[1] == f else ''} | – | "
-                      f"{analysis.mean_std(losses, 4)} | – | – | {len(losses)} |")
+                      f"{_final_losses(runs)} | – | – | {len(runs)} |")
   if not ddp_rows:
     return ""
   plain = _palsgd_runs(results, 0.0, "ddp")
@@ -258,9 +257,8 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
            f"{grids.PALSGD_WHY_C:g}, s | vs the tuned DDP | seeds |",
            "|---|---|---|---|---|---|", *ddp_rows]
   if plain:
-    lines.append(f"| DDP as in palsgd_c (decay over 4,000 steps) | – | "
-                 f"{analysis.mean_std([r.summary['final_val_loss'] for r in plain.values()], 4)} | – | – | "
-                 f"{len(plain)} |")
+    lines.append(f"| DDP as in palsgd_c (decay over 4,000 steps) | – | {_final_losses(plain)} "
+                 f"| – | – | {len(plain)} |")
   t = palsgd_times(results, tuned[0]).get(grids.PALSGD_WHY_C) if tuned else None
   variants = [(grids.PALSGD_OUTER_LR, grids.PALSGD_PULL, "palsgd"),
               (0.7, grids.PALSGD_PULL, grids.PALSGD_SWAPPED)] + [
@@ -273,8 +271,7 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
       continue
     times = list(t.get(name, {}).values()) if t else []
     reached = bool(times) and bool(np.all(np.isfinite(times)))
-    lines.append(f"| PALSGD, outer lr {lr:g} | {pull:g} | "
-                 f"{analysis.mean_std([r.summary['final_val_loss'] for r in runs.values()], 4)} | "
+    lines.append(f"| PALSGD, outer lr {lr:g} | {pull:g} | {_final_losses(runs)} | "
                  + (f"{np.mean(times):,.0f}"
                     + (f" ({len(times)} of the seeds)" if len(times) < len(runs) else "")
                     + f" | {_gain(t, 'ddp', name):+.1f}%" if reached else
@@ -282,6 +279,10 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
                     if times else "– | –") + f" | {len(runs)} |")
   return "\n".join(lines)
 
+
+def _final_losses(runs: dict[int, Result]) -> str:
+  """The final validation losses of ``runs`` (seed -> run): mean ± sample std, 4 digits."""
+  return analysis.mean_std([r.summary["final_val_loss"] for r in runs.values()], 4)
 
 
 def _claim_cells(results: Sequence[Result], table: str, presets: Sequence[str],
