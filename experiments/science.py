@@ -413,7 +413,7 @@ def loss_table(results: Sequence[Result], table: str) -> str:
   lines = ["| paces | method | 25% | 50% | 100% | seeds |", "|---|---|---|---|---|---|"]
   rows = 0
   for preset in grids.AUTHORS_PRESETS:
-    for method in grids.METHODS:
+    for method in (*grids.METHODS, "cgad"):  # CGAD: issue 35's grid, at its tuned η
       cells = [list(losses(authors, table, preset, method, f).values())
                for f in grids.BUDGET_FRACTIONS]
       if not cells[-1]:

@@ -12,7 +12,7 @@ from experiments import analysis, grids, science
 
 def _authors_run(table, preset, method, seed, final, curve=None):
   name = f"authors/{table}/{preset}/{method}/seed{seed}"
-  run = next((r for r in grids.grid("authors") if r.name == name), None)
+  run = next((r for r in grids.grid("authors") + grids.grid("cgad") if r.name == name), None)
   assert run is not None, name
   budget = dict(run.overrides)["budget.tokens"] or grids.AUTHORS.tokens
   t = grids.time_budget(grids.AUTHORS, preset)
@@ -32,6 +32,19 @@ def test_losses_are_read_at_25_50_and_100_percent_of_each_budget():
   # The time table interpolates over simulated seconds (here evals sit at f·T).
   assert science.loss_at(r, "time", 0.25) == pytest.approx(8.5)
   assert science.loss_at_time(r.evals, 10 * r.evals[-1]["sim_time"]) == 5.0  # ended before
+
+
+def test_cgad_has_its_loss_rows_and_claim_rows_against_heloco():
+  results = []
+  for seed in range(3):
+    results += [_authors_run("tokens", "mild", "heloco", seed, 5.0),
+                _authors_run("tokens", "mild", "cgad", seed, 5.5 + 0.1 * seed)]
+  table = science.loss_table(results, "tokens").splitlines()
+  assert table[-1] == "| mild | cgad | 6.3500 ± 0.1000 | 6.1000 ± 0.1000 | 5.6000 ± 0.1000 | 3 |"
+  claims = science.claims_table(results)
+  row = next(line for line in claims.splitlines() if line.startswith("| HeLoCo beats CGAD, tok"))
+  assert "| **reproduced** | mild vs cgad: window +10.25% [+6.43, +14.06] better; " in row and row.endswith("(3/3) |")
+  assert "| HeLoCo beats CGAD, wall-clock budget" in claims  # from the same token runs
 
 
 def _flat_cell(per_seed_gaps, preset="severe", baseline="mla", base=5.0):
