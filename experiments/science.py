@@ -14,7 +14,7 @@ A claim's verdict (issue 36, pre-registered before its grids ran; ``verdict``):
    points: the seed's *window gain*. One evaluation's dip or jump then moves it by 1/11.
 2. Paired 95% CI over seeds: the seeds both methods have (paired by seed), mean ± t₀.₉₇₅(n−1)
    · s/√n with the sample std s (ddof = 1) of the per-seed window gains and Student's t
-   (``T_975``, no scipy needed).
+   (``t_975``).
 3. Each cell (a preset × baseline the claim covers) is *better* when the whole CI is above 0,
    *worse* when the whole CI is below 0, *unclear* otherwise.
 4. The claim, over its cells (each with ≥ ``MIN_SEEDS`` paired seeds, else *pending*):
@@ -32,6 +32,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from scipy import stats
 
 from experiments import analysis, grids
 from heloco_jax import clock
@@ -124,18 +125,11 @@ def improvement(results, table, preset, baseline, fraction=1.0) -> Optional[dict
 # The verdict's window (module docstring): every 5% of the budget from 50% to 100%.
 WINDOW_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(10, 21))
 MIN_SEEDS = 3
-# Student's t quantile t_0.975(df) for df = 1..30 (scipy.stats.t.ppf(0.975, df), 4 decimals).
-T_975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-
-
 def t_975(df: int) -> float:
-  """Student's t 0.975 quantile with ``df`` degrees of freedom (1..30; beyond, 1.96 + 2.4/df,
-  within 0.002 of the exact value)."""
+  """Student's t 0.975 quantile with ``df`` degrees of freedom (``scipy.stats.t``)."""
   if df < 1:
     raise ValueError(f"df={df!r} is not allowed; allowed: an integer >= 1")
-  return T_975[df - 1] if df <= len(T_975) else 1.96 + 2.4 / df
+  return float(stats.t.ppf(0.975, df))
 
 
 def paired_ci(values: Sequence[float]) -> tuple[float, float, float]:
