@@ -632,7 +632,8 @@ def heldout_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> 
 # and 2; × 5 at 2.3167, 2.1592, 2.1991 is the pick), DDP × PALSGD_FAIR_DDP_BEST (the pick) at
 # the other c's, and PALSGD at PALSGD_FAIR_BEST (outer lr, pull; None until seed 0's sweep
 # brackets it), as the lr sweeps do. The claims' PALSGD at every c is palsgd_c's (3 seeds
-# already). 11 runs a seed instead of 40.
+# already). 11 runs a seed instead of 40. Over 3 seeds the pick took 1,121 s to the tuned DDP's
+# loss and palsgd_c's (0.7, 0.05) 1,070 s: seed 0's pick did not hold (RESULTS.md).
 DDP_FAIR_LR_FACTORS = (1.0, math.sqrt(5), 5.0, 10.0, 20.0)
 PALSGD_FAIR_OUTER_LRS = (0.1, 0.3, 0.7, 1.0)
 PALSGD_FAIR_PULLS = (0.025, 0.05, 0.1, 0.2)
