@@ -125,6 +125,8 @@ def improvement(results, table, preset, baseline, fraction=1.0) -> Optional[dict
 # The verdict's window (module docstring): every 5% of the budget from 50% to 100%.
 WINDOW_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(10, 21))
 MIN_SEEDS = 3
+
+
 def t_975(df: int) -> float:
   """Student's t 0.975 quantile with ``df`` degrees of freedom (``scipy.stats.t``)."""
   if df < 1:
