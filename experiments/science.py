@@ -348,6 +348,28 @@ def window_loss(result: Result, table: str) -> float:
   return float(np.mean([loss_at(result, table, f) for f in WINDOW_FRACTIONS]))
 
 
+def _lr_sweep(results: Sequence[Result]) -> dict[tuple[str, str], dict[float, list[Result]]]:
+  """(preset, method) -> factor of its outer lr -> runs: ``grids.lr_sweep_grid``'s and, as
+  × 1, the ``jitter`` runs; only cells with a swept factor."""
+  by_cell: dict[tuple[str, str], dict[float, list[Result]]] = {}
+  for r in results:
+    if r.run.name.startswith("skeptic/lr/"):
+      factor = float(r.run.name.split("/")[-2][1:])
+    elif r.run.name.startswith("skeptic/jitter/"):
+      factor = 1.0
+    else:
+      continue
+    by_cell.setdefault((r.run.preset, r.run.method), {}).setdefault(factor, []).append(r)
+  return {cell: factors for cell, factors in sorted(by_cell.items())
+          if any(f != 1.0 for f in factors)}
+
+
+def _seed0_window_losses(factors: dict[float, list[Result]]) -> dict[float, float]:
+  """Factor -> seed 0's ``window_loss`` (the seed the whole sweep runs on)."""
+  return {f: window_loss(r, r.run.table.split("/")[-1])
+          for f, runs in factors.items() for r in runs if r.run.seed == 0}
+
+
 def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple[str, str],
                                                                             float]]:
   """Each method at its best outer lr per preset (``grids.lr_sweep_grid`` and its × 1, the
@@ -357,24 +379,10 @@ def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple
   seeds run at that factor only, ``grids.SKEPTIC_LR_BEST``). Seed 0 then also judges the
   claims, so the choice favours each method a little on it (HeLoCo as much as the baselines).
   """
-  by_cell: dict[tuple[str, str], dict[float, list[Result]]] = {}
-  for r in results:
-    parts = r.run.name.split("/")
-    if r.run.name.startswith("skeptic/lr/"):
-      factor = float(parts[-2][1:])
-    elif r.run.name.startswith("skeptic/jitter/"):
-      factor = 1.0
-    else:
-      continue
-    by_cell.setdefault((r.run.preset, r.run.method), {}).setdefault(factor, []).append(r)
   chosen, out = {}, []
-  for (preset, method), factors in sorted(by_cell.items()):
-    swept = [f for f in factors if f != 1.0]
-    if not swept:
-      continue
-    loss = {f: window_loss(r, r.run.table.split("/")[-1])
-            for f, runs in factors.items() for r in runs if r.run.seed == 0}
-    if not any(f in loss for f in swept):
+  for (preset, method), factors in _lr_sweep(results).items():
+    loss = _seed0_window_losses(factors)
+    if not any(f != 1.0 for f in loss):
       continue
     best = min((f for f in loss if np.isfinite(loss[f])), key=loss.get)
     chosen[(preset, method)] = best
@@ -382,6 +390,30 @@ def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple
       table = r.run.table.split("/")[-1]
       out.append(_as_authors(r, f"authors/{table}/{preset}/{method}/seed{r.run.seed}", table))
   return out, chosen
+
+
+def skeptic_lr_table(results: Sequence[Result]) -> str:
+  """Markdown: the per-preset outer-lr sweep (``grids.lr_sweep_grid``), seed 0's window loss
+  at each factor, the best in bold and whether a factor on each side of it was run."""
+  sweep = {cell: _seed0_window_losses(factors) for cell, factors in _lr_sweep(results).items()}
+  sweep = {cell: loss for cell, loss in sweep.items() if any(f != 1.0 for f in loss)}
+  if not sweep:
+    return ""
+  factors = sorted(set(itertools.chain(*sweep.values())))
+  lines = ["| preset | method | " + " | ".join(f"× {f:g}" for f in factors)
+           + " | best (seed 0) | seeds 1, 2 run at |",
+           "|---|---|" + "---|" * len(factors) + "---|---|"]
+  for (preset, method), loss in sweep.items():
+    finite = [f for f in loss if np.isfinite(loss[f])]
+    best = min(finite, key=loss.get)
+    cells = [("–" if f not in loss else f"**{loss[f]:.4f}**" if f == best
+              else f"{loss[f]:.4f}") for f in factors]
+    bracketed = min(loss) < best < max(loss)
+    where = f"× {best:g}" + ("" if bracketed else ", the edge of its sweep so far")
+    runs_at = grids.SKEPTIC_LR_BEST.get((preset, method))
+    lines.append(f"| {preset} | {method} | {' | '.join(cells)} | {where} | "
+                 + ("not chosen yet" if runs_at is None else f"× {runs_at:g}") + " |")
+  return "\n".join(lines)
 
 
 def variant_claim_rows(results: Sequence[Result]) -> list[str]:
@@ -897,6 +929,15 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "Outer learning rate: the authors' against a sweep around it (paces [1,2,3,1,5], "
           "seed 0)", lr_table(results), " ".join(filter(None, (lr_note(results),
                                                                 cgad_lr_note(results))))),
+      *analysis._section(  # pylint: disable=protected-access
+          "Outer learning rate per preset: each method's sweep (jitter "
+          f"{grids.JITTER:g}, seed 0)", skeptic_lr_table(results),
+          "Validation loss averaged over the claims' window (every 5% from 50% to 100% of "
+          "the budget: tokens for the asynchronous methods, time for synchronous DiLoCo), "
+          "seed 0, one run per factor of the method's own outer lr (× 1: the jitter grid's "
+          "run). The sweep starts at × 0.5 and × 2 (Delayed Nesterov also × 4 and × 16) and "
+          "goes a factor further out where an edge is the best (`grids.lr_sweep_grid`). Seeds "
+          "1 and 2 run each method at seed 0's best, and the claims' best-lr rows read them."),
       *analysis._section(  # pylint: disable=protected-access
           "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
           "Homogeneous workers, IID split, the byte-level small-scale model; shared coins, "

@@ -477,6 +477,25 @@ def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset_on_seed_0(
           "**reversed** |") in row
 
 
+def test_skeptic_lr_table_gives_seed_0s_window_loss_per_factor_and_says_if_the_best_is_an_edge(
+    monkeypatch):
+  monkeypatch.setattr(grids, "SKEPTIC_LR_BEST", {("severe", "mla"): 1.0})
+  results = [_made_up("skeptic/jitter/tokens/severe/mla/seed0", 5.0),
+             _made_up("skeptic/lr/tokens/severe/mla/x0.5/seed0", 5.2),
+             _made_up("skeptic/lr/tokens/severe/mla/x2/seed0", 5.1),
+             _made_up("skeptic/jitter/tokens/severe/mla/seed1", 1.0),  # not seed 0: not read
+             _made_up("skeptic/jitter/tokens/severe/heloco/seed0", 4.9),
+             _made_up("skeptic/lr/tokens/severe/heloco/x2/seed0", 4.7),
+             _made_up("skeptic/jitter/tokens/moderate/heloco/seed0", 4.0)]  # no sweep: no row
+  table = science.skeptic_lr_table(results).splitlines()
+  assert table[0] == "| preset | method | × 0.5 | × 1 | × 2 | best (seed 0) | seeds 1, 2 run at |"
+  assert table[2:] == [
+      "| severe | heloco | – | 4.9000 | **4.7000** | × 2, the edge of its sweep so far | "
+      "not chosen yet |",
+      "| severe | mla | 5.2000 | **5.0000** | 5.1000 | × 1 | × 1 |"]
+  assert science.skeptic_lr_table(results[-1:]) == ""
+
+
 def test_the_cgad_lr_note_gives_each_eta_and_whether_the_grid_runs_at_the_best():
   runs = {r.name: r for r in grids.grid("cgad_lr")}
   result = lambda factor, loss: analysis.Result(runs[f"authors/lr/cgad/x{factor:g}"],
