@@ -453,6 +453,41 @@ def loss_table(results: Sequence[Result], table: str) -> str:
   return "\n".join(lines) if rows else ""
 
 
+def vocab_table(results: Sequence[Result]) -> str:
+  """Markdown: final validation loss at the token budget per ``grids.VOCAB_PRESETS`` and
+  ``grids.VOCAB_METHODS`` with the authors' vocabulary size (``grids.vocab_grid``), with the
+  2,048-id BPE (the authors grid) and the authors' own (``AUTHORS_FINAL``, mixed paces), each
+  with its gap to synchronous DiLoCo ((L − L_sync) / L_sync)."""
+  sets = (variant_results(results, f"vocab{grids.VOCAB_50K}"), _authors(results))
+  lines = ["| paces | method | " + " | ".join(
+      f"{label} | vs sync DiLoCo" for label in (f"{grids.VOCAB_50K:,} ids",
+                                                f"{grids.AUTHORS_VOCAB:,} ids",
+                                                "the authors' (GPT-2's vocabulary)"))
+           + " |", "|---|---|" + "---|" * 6]
+  for preset in grids.VOCAB_PRESETS:
+    finals = [{m: list(losses(runs, "tokens", preset, m).values()) for m in grids.VOCAB_METHODS}
+              for runs in sets]
+    if not any(v for m, v in finals[0].items() if m != "diloco"):  # sync's: at every paces
+      continue
+    for method in grids.VOCAB_METHODS:
+      cells = []
+      for final in finals:
+        if not final[method]:
+          cells += ["–", "–"]
+          continue
+        mean, sync = np.mean(final[method]), final["diloco"]
+        spread = f" ± {np.std(final[method], ddof=1):.4f}" if len(final[method]) > 1 else ""
+        cells += [f"{mean:.4f}{spread} ({len(final[method])})",
+                  f"{100 * (mean - np.mean(sync)) / np.mean(sync):+.2f}%"
+                  if sync and method != "diloco" else "–"]
+      theirs, sync = AUTHORS_FINAL[method], AUTHORS_FINAL["diloco"]
+      cells += (["–", "–"] if preset != "mixed" else  # theirs: paces [1,2,3,1,5]
+                [f"{theirs:.2f}", f"{100 * (theirs - sync) / sync:+.2f}%"
+                 if method != "diloco" else "–"])
+      lines.append(f"| {preset} | {method} | {' | '.join(cells)} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def time_budget_note(results: Sequence[Result]) -> str:
   """How close to T the asynchronous token runs ended, and what synchronous DiLoCo read."""
   authors = _authors(results)
@@ -963,6 +998,16 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "each seed's target (seeds 1 and 2 run PALSGD at seed 0's best only). PALSGD "
           "(shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's tokens; `palsgd_fair` in "
           "experiments/README.md."),
+      *analysis._section(  # pylint: disable=protected-access
+          f"The authors' vocabulary size: {grids.VOCAB_50K:,} ids against "
+          f"{grids.AUTHORS_VOCAB:,}", vocab_table(results),
+          "Final validation loss at the token budget (10,000 local steps), mean ± sample std "
+          f"(seeds); synchronous DiLoCo's is its one run at every paces. The {grids.VOCAB_50K:,}"
+          f"-id BPE is trained on the corpus like the {grids.AUTHORS_VOCAB:,}-id one; the model "
+          "grows to 14.5M parameters (the untied embedding and head), as the authors' does; "
+          "jitter 0, as the authors grid. Losses per token of different vocabularies are not "
+          "comparable across columns, their gaps to sync DiLoCo are. The claims on these "
+          "runs: the claims table's rows marked with the vocabulary."),
       *analysis._section(  # pylint: disable=protected-access
           WHY_SYNC, decay_why_table(results),
           "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s, so "

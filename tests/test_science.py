@@ -496,6 +496,25 @@ def test_skeptic_lr_table_gives_seed_0s_window_loss_per_factor_and_says_if_the_b
   assert science.skeptic_lr_table(results[-1:]) == ""
 
 
+def test_vocab_table_gives_each_vocabularys_gap_to_sync_diloco_and_the_authors_at_mixed():
+  results = [_made_up("skeptic/vocab50257/tokens/homogeneous/diloco/seed0", 8.0),
+             _made_up("skeptic/vocab50257/tokens/mixed/heloco/seed0", 8.0),
+             _made_up("skeptic/vocab50257/tokens/mixed/heloco/seed1", 8.4),
+             _made_up("skeptic/vocab50257/time/mixed/diloco/seed0", 1.0),  # the time table's
+             _authors_run("tokens", "homogeneous", "diloco", 0, 5.0),
+             _authors_run("tokens", "mixed", "heloco", 0, 5.5),
+             _authors_run("tokens", "severe", "heloco", 0, 6.0)]  # no 50k run at severe: no row
+  table = science.vocab_table(results).splitlines()
+  assert table[0] == ("| paces | method | 50,257 ids | vs sync DiLoCo | 2,048 ids | vs sync "
+                      "DiLoCo | the authors' (GPT-2's vocabulary) | vs sync DiLoCo |")
+  assert table[2:] == [
+      "| mixed | async_nesterov | – | – | – | – | 7.98 | +5.14% |",
+      "| mixed | mla | – | – | – | – | 7.68 | +1.19% |",
+      "| mixed | heloco | 8.2000 ± 0.2828 (2) | +2.50% | 5.5000 (1) | +10.00% | 7.60 | +0.13% |",
+      "| mixed | diloco | 8.0000 (1) | – | 5.0000 (1) | – | 7.59 | – |"]
+  assert science.vocab_table(results[4:]) == ""
+
+
 def test_the_cgad_lr_note_gives_each_eta_and_whether_the_grid_runs_at_the_best():
   runs = {r.name: r for r in grids.grid("cgad_lr")}
   result = lambda factor, loss: analysis.Result(runs[f"authors/lr/cgad/x{factor:g}"],
