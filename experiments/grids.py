@@ -536,12 +536,13 @@ def _jitter_more_seeds(scale: Scale = AUTHORS) -> list[Run]:
 # ``SKEPTIC_PRESETS`` (× 1: ``jitter_grid``'s run), with the jitter, on seed 0. × 0.5 and × 2
 # bracket × 1; where an edge wins, the next factor out (× 0.25, × 4, ...) joins
 # ``SKEPTIC_LR_EDGE_FACTORS`` until the best is bracketed. Delayed Nesterov starts at × 4 and × 16
-# too (the mixed-paces check found its best at × 16). Seeds 1 and 2 then run each (preset,
-# method) at its seed-0 best only (``SKEPTIC_LR_BEST``, filled in once seed 0's sweep is in;
-# × 1 needs no runs: the jitter grid's). Bracketing first halves the sweep (24 runs a seed
-# instead of 46), which a 2-core CPU needs.
+# too (the mixed-paces check found its best at × 16); at severe paces × 4 was the best of those
+# (window loss 6.529; × 2 6.636, × 16 6.911), so × 8 joined, for factor-2 steps around it.
+# Seeds 1 and 2 then run each (preset, method) at its seed-0 best only (``SKEPTIC_LR_BEST``,
+# filled in once seed 0's sweep is in; × 1 needs no runs: the jitter grid's). Bracketing first
+# halves the sweep (26 runs a seed instead of 46), which a 2-core CPU needs.
 SKEPTIC_LR_FACTORS = (0.5, 2.0)
-SKEPTIC_LR_EDGE_FACTORS = {"delayed_nesterov": (4.0, 16.0)}
+SKEPTIC_LR_EDGE_FACTORS = {"delayed_nesterov": (4.0, 8.0, 16.0)}
 SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {}  # (preset, method) -> seed 0's best factor
 
 
