@@ -236,13 +236,39 @@ def commit_digests(results_dir: str, message: str) -> None:
           f"in {results_dir}", file=sys.stderr, flush=True)
 
 
+def prune_checkpoints(workdir: str) -> None:
+  """Deletes a finished run's checkpoints but its newest (its final state): a 50,257-id run
+  keeps three of 776 MB each otherwise."""
+  from heloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return
+  checkpointer = checkpoint.Checkpointer(directory, keep=1)
+  try:
+    if checkpointer.steps():
+      checkpointer.drop_before(checkpointer.steps()[-1])
+  finally:
+    checkpointer.close()
+
+
+def finish(run: grids.Run, out: str, results_dir: str, commit: bool, prune: bool) -> None:
+  """A finished run's digest into ``results_dir`` (and git, with ``commit``); with ``prune``,
+  its checkpoints but the newest deleted."""
+  workdir = os.path.join(out, "runs", run.name)
+  analysis.write_digest(workdir, results_dir, run)
+  if commit:
+    commit_digests(results_dir, f"experiments/results: {run.name}")
+  if prune:
+    prune_checkpoints(workdir)
+
+
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
                  jobs: int, heartbeat: float = 300.0, commit: bool = False,
-                 timed: Sequence[tuple[grids.Run, float]] = ()) -> int:
+                 timed: Sequence[tuple[grids.Run, float]] = (), prune: bool = False) -> int:
   """Runs ``todo`` as ``python -m heloco_jax.train`` processes, ``jobs`` at a time, each pinned
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
-  ``results_dir`` (and, with ``commit``, into git). ``timed``: finished runs' (run,
+  ``results_dir`` (and, with ``commit``, into git; ``prune``: ``finish``). ``timed``: finished runs' (run,
   wall_seconds), for the time left (``Progress``) before a run of this call ends. SIGTERM or
   Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the command
   is run again). Returns 0, 1 (some run failed) or 130."""
@@ -288,9 +314,7 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
         del running[index]
         minutes = (time.monotonic() - started) / 60
         if proc.returncode == 0:
-          analysis.write_digest(os.path.join(out, "runs", run.name), results_dir, run)
-          if commit:
-            commit_digests(results_dir, f"experiments/results: {run.name}")
+          finish(run, out, results_dir, commit, prune)
           with open(os.path.join(out, "runs", run.name, "summary.json")) as f:
             summary = json.load(f)
           progress.finished(run, summary["wall_seconds"])
@@ -348,6 +372,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--isolate", action="store_true",
                       help="each run in a process of its own (pinned, logs in OUT/logs) also "
                            "with --jobs=1: for a grid that runs for days in the background")
+  parser.add_argument("--prune", action="store_true",
+                      help="delete each finished run's checkpoints but its newest (its final "
+                           "state), so that a long grid does not fill the disk")
   parser.add_argument("--report-only", action="store_true",
                       help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
@@ -373,6 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         todo.append(run)
         continue
       analysis.write_digest(workdir, results_dir, run)  # finished before digests were kept
+    if args.prune and not args.report_only:
+      prune_checkpoints(workdir)
     finished.append(run)
   print(f"reproduce: grid {args.grid}: {len(chosen)} runs, {len(chosen) - len(todo)} already "
         f"finished", file=sys.stderr)
@@ -387,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       with open(analysis.digest_path(results_dir, run)) as f:
         timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
     status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit,
-                          timed=timed)
+                          timed=timed, prune=args.prune)
     if status != 0:
       return status
   start, failed = time.perf_counter(), []
@@ -406,9 +435,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"reproduce: {run.name} failed (exit {status}); the next run starts",
             file=sys.stderr, flush=True)
       continue
-    analysis.write_digest(workdir, results_dir, run)
-    if args.commit:
-      commit_digests(results_dir, f"experiments/results: {run.name}")
+    finish(run, args.out, results_dir, args.commit, args.prune)
   if failed:
     print(f"reproduce: {len(failed)} runs failed: {', '.join(failed)}; re-run the command to "
           "retry them (finished runs are skipped)", file=sys.stderr)

@@ -307,6 +307,12 @@ class Checkpointer:
       self._manager.delete(newer)
     self._manager.wait_until_finished()  # deletions may run on orbax's own threads
 
+  def drop_before(self, step: int) -> None:
+    """Deletes the checkpoints older than ``step`` (e.g. a finished run's, but its last)."""
+    for older in [s for s in self.steps() if s < step]:
+      self._manager.delete(older)
+    self._manager.wait_until_finished()
+
   def close(self) -> None:
     self._manager.close()
 

@@ -63,6 +63,10 @@ def test_checkpointer_keeps_the_newest_and_restores_the_latest(tmp_path):
   assert step == 3 and meta == {"step": 3, "big": 2**100, "time": 3.1}
   assert np.array_equal(arrays["w"], _tree()["w"] * 3)
   assert checkpoint.Checkpointer(str(tmp_path / "empty")).restore(lambda meta: _tree()) is None
+  ckpt.save(4, _tree(), {"step": 4})
+  ckpt.drop_before(4)
+  assert ckpt.steps() == [4] and sorted(os.listdir(tmp_path / "c")) == ["4"]
+  assert ckpt.restore(lambda meta: _tree())[0] == 4
 
 
 def _largest_file(directory):

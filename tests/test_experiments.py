@@ -587,6 +587,24 @@ def test_one_job_runner_goes_on_past_a_failed_run(tmp_path, monkeypatch, capsys)
   assert os.listdir(tmp_path / "digests" / "tokens" / "homogeneous") == ["heloco"]
 
 
+def test_prune_keeps_only_the_newest_checkpoint_of_finished_runs(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from heloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  saved = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"))
+  for step in (1, 2, 3):
+    saved.save(step, {"w": jnp.ones(3) * step}, {"step": step})
+  saved.close()
+  reproduce.prune_checkpoints(str(tmp_path / "run"))
+  assert os.listdir(tmp_path / "run" / "checkpoints") == ["3"]
+  reproduce.prune_checkpoints(str(tmp_path / "no_run"))  # nothing there: nothing to do
+  # the runner: a run pruned as it finishes
+  out = tmp_path / "out"
+  assert reproduce.main(["--grid=smoke", f"--out={out}", f"--digests={tmp_path / 'digests'}",
+                         "--jobs=1", "--prune", "--only=tokens/homogeneous/heloco/"]) == 0
+  assert len(os.listdir(out / "runs" / "tokens" / "homogeneous" / "heloco" / "seed0"
+                        / "checkpoints")) == 1
+
+
 def test_isolate_runs_one_job_in_its_own_process_with_its_log(tmp_path, capsys):
   out = tmp_path / "out"
   args = ["--grid=smoke", f"--out={out}", f"--digests={tmp_path / 'digests'}", "--jobs=1",
