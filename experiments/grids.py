@@ -534,20 +534,24 @@ def _jitter_more_seeds(scale: Scale = AUTHORS) -> list[Run]:
 
 # Fair baselines (issue 36, item 3): every method's outer lr × these at each of
 # ``SKEPTIC_PRESETS`` (× 1: ``jitter_grid``'s run), with the jitter, on seed 0. × 0.5 and × 2
-# bracket × 1; where an edge wins, the next factor out (× 0.25, × 4, ...) joins
-# ``SKEPTIC_LR_EDGE_FACTORS`` until the best is bracketed. Delayed Nesterov starts at × 4 and × 16
-# too (the mixed-paces check found its best at × 16); at severe paces × 4 was the best of those
-# (window loss 6.529; × 2 6.636, × 16 6.911), so × 8 joined, for factor-2 steps around it.
+# bracket × 1; where an edge wins, the next factor out (× 0.25, × 4, ...) joins that preset's
+# and method's ``SKEPTIC_LR_EDGE_FACTORS`` until the best is bracketed. Delayed Nesterov starts
+# at × 4 and × 16 too (the mixed-paces check found its best at × 16); at severe paces × 4 was
+# the best of those (window loss 6.529; × 2 6.636, × 16 6.911), so × 8 joined, for factor-2
+# steps around it (6.468, the best). MLA at severe paces: × 0.5 6.308 < × 1 6.481, × 2 far
+# above, so × 0.25.
 # Seeds 1 and 2 then run each (preset, method) at its seed-0 best only (``SKEPTIC_LR_BEST``,
 # filled in once seed 0's sweep is in; × 1 needs no runs: the jitter grid's). Bracketing first
-# halves the sweep (26 runs a seed instead of 46), which a 2-core CPU needs.
+# halves the sweep (27 runs a seed instead of 46), which a 2-core CPU needs.
 SKEPTIC_LR_FACTORS = (0.5, 2.0)
-SKEPTIC_LR_EDGE_FACTORS = {"delayed_nesterov": (4.0, 8.0, 16.0)}
+SKEPTIC_LR_EDGE_FACTORS = {  # (preset, method) -> factors beyond SKEPTIC_LR_FACTORS
+    **{(preset, "delayed_nesterov"): (4.0, 8.0, 16.0) for preset in SKEPTIC_PRESETS},
+    ("severe", "mla"): (0.25,)}
 SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {}  # (preset, method) -> seed 0's best factor
 
 
-def skeptic_lr_factors(method: str) -> tuple[float, ...]:
-  return SKEPTIC_LR_FACTORS + SKEPTIC_LR_EDGE_FACTORS.get(method, ())
+def skeptic_lr_factors(preset: str, method: str) -> tuple[float, ...]:
+  return tuple(sorted(SKEPTIC_LR_FACTORS + SKEPTIC_LR_EDGE_FACTORS.get((preset, method), ())))
 
 
 def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
@@ -560,7 +564,7 @@ def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) ->
     for preset in SKEPTIC_PRESETS:
       for run in _own_runs(scale, (seed,), (preset,)):
         best = SKEPTIC_LR_BEST.get((preset, run.method), 1.0)
-        factors = (skeptic_lr_factors(run.method) if seed == 0
+        factors = (skeptic_lr_factors(preset, run.method) if seed == 0
                    else (best,) if best != 1.0 else ())
         for factor in factors:
           lr = methods.get(run.method).learning_rate * factor

@@ -970,10 +970,9 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "Validation loss averaged over the claims' window (every 5% from 50% to 100% of "
           "the budget: tokens for the asynchronous methods, time for synchronous DiLoCo), "
           "seed 0, one run per factor of the method's own outer lr (× 1: the jitter grid's "
-          "run). The sweep starts at × 0.5 and × 2 (" + "; ".join(
-              f"{m} also × " + ", ".join(f"{f:g}" for f in fs)
-              for m, fs in grids.SKEPTIC_LR_EDGE_FACTORS.items()) + ") and "
-          "goes a factor further out where an edge is the best (`grids.lr_sweep_grid`). Seeds "
+          "run; –: not run). Each sweep runs × 0.5 and × 2, and a factor further out where an "
+          "edge is the best (`grids.SKEPTIC_LR_EDGE_FACTORS`; Delayed Nesterov also × 4, 8 "
+          "and 16, around the best of the mixed-paces check, × 16). Seeds "
           "1 and 2 run each method at seed 0's best, and the claims' best-lr rows read them."),
       *analysis._section(  # pylint: disable=protected-access
           "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
