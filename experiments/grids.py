@@ -547,7 +547,9 @@ SKEPTIC_LR_FACTORS = (0.5, 2.0)
 SKEPTIC_LR_EDGE_FACTORS = {  # (preset, method) -> factors beyond SKEPTIC_LR_FACTORS
     **{(preset, "delayed_nesterov"): (4.0, 8.0, 16.0) for preset in SKEPTIC_PRESETS},
     ("severe", "mla"): (0.25,)}
-SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {}  # (preset, method) -> seed 0's best factor
+# (preset, method) -> seed 0's best factor (``science.best_lr_results``), once bracketed.
+SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {
+    ("severe", "async_nesterov"): 1.0, ("severe", "delayed_nesterov"): 8.0}
 
 
 def skeptic_lr_factors(preset: str, method: str) -> tuple[float, ...]:
