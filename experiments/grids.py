@@ -539,7 +539,7 @@ def _jitter_more_seeds(scale: Scale = AUTHORS) -> list[Run]:
 # at × 4 and × 16 too (the mixed-paces check found its best at × 16); at severe paces × 4 was
 # the best of those (window loss 6.529; × 2 6.636, × 16 6.911), so × 8 joined, for factor-2
 # steps around it (6.468, the best). MLA at severe paces: × 0.5 6.308 < × 1 6.481, × 2 far
-# above, so × 0.25.
+# above, so × 0.25 (6.518: × 0.5 is the best).
 # Seeds 1 and 2 then run each (preset, method) at its seed-0 best only (``SKEPTIC_LR_BEST``,
 # filled in once seed 0's sweep is in; × 1 needs no runs: the jitter grid's). Bracketing first
 # halves the sweep (27 runs a seed instead of 46), which a 2-core CPU needs.
@@ -549,7 +549,8 @@ SKEPTIC_LR_EDGE_FACTORS = {  # (preset, method) -> factors beyond SKEPTIC_LR_FAC
     ("severe", "mla"): (0.25,)}
 # (preset, method) -> seed 0's best factor (``science.best_lr_results``), once bracketed.
 SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {
-    ("severe", "async_nesterov"): 1.0, ("severe", "delayed_nesterov"): 8.0}
+    ("severe", "async_nesterov"): 1.0, ("severe", "delayed_nesterov"): 8.0,
+    ("severe", "mla"): 0.5}
 
 
 def skeptic_lr_factors(preset: str, method: str) -> tuple[float, ...]:
