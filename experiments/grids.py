@@ -540,7 +540,7 @@ def _jitter_more_seeds(scale: Scale = AUTHORS) -> list[Run]:
 # the best of those (window loss 6.529; × 2 6.636, × 16 6.911), so × 8 joined, for factor-2
 # steps around it (6.468, the best). MLA at severe paces: × 0.5 6.308 < × 1 6.481, × 2 far
 # above, so × 0.25 (6.518: × 0.5 is the best). HeLoCo at severe paces likewise: × 0.5 6.292
-# < × 1 6.437, × 2 far above (7.63 at half the budget), so × 0.25.
+# < × 1 6.437, × 2 far above (7.63 at half the budget), so × 0.25 (6.484: × 0.5 is the best).
 # Seeds 1 and 2 then run each (preset, method) at its seed-0 best only (``SKEPTIC_LR_BEST``,
 # filled in once seed 0's sweep is in; × 1 needs no runs: the jitter grid's). Bracketing first
 # halves the sweep (28 runs a seed instead of 46), which a 2-core CPU needs.
@@ -551,7 +551,7 @@ SKEPTIC_LR_EDGE_FACTORS = {  # (preset, method) -> factors beyond SKEPTIC_LR_FAC
 # (preset, method) -> seed 0's best factor (``science.best_lr_results``), once bracketed.
 SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {
     ("severe", "async_nesterov"): 1.0, ("severe", "delayed_nesterov"): 8.0,
-    ("severe", "mla"): 0.5}
+    ("severe", "mla"): 0.5, ("severe", "heloco"): 0.5, ("severe", "diloco"): 1.0}
 
 
 def skeptic_lr_factors(preset: str, method: str) -> tuple[float, ...]:
