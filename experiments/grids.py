@@ -551,7 +551,8 @@ SKEPTIC_LR_EDGE_FACTORS = {  # (preset, method) -> factors beyond SKEPTIC_LR_FAC
 # (preset, method) -> seed 0's best factor (``science.best_lr_results``), once bracketed.
 SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {
     ("severe", "async_nesterov"): 1.0, ("severe", "delayed_nesterov"): 8.0,
-    ("severe", "mla"): 0.5, ("severe", "heloco"): 0.5, ("severe", "diloco"): 1.0}
+    ("severe", "mla"): 0.5, ("severe", "heloco"): 0.5, ("severe", "diloco"): 1.0,
+    ("moderate", "async_nesterov"): 1.0}
 
 
 def skeptic_lr_factors(preset: str, method: str) -> tuple[float, ...]:
