@@ -241,12 +241,13 @@ def prune_checkpoints(workdir: str) -> None:
   keeps three of 776 MB each otherwise."""
   from heloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
   directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    return
+  if not os.path.isdir(directory) or len(os.listdir(directory)) <= 1:
+    return  # nothing to prune (most runs at start-up, once pruned): no checkpoint manager
   checkpointer = checkpoint.Checkpointer(directory, keep=1)
   try:
-    if checkpointer.steps():
-      checkpointer.drop_before(checkpointer.steps()[-1])
+    steps = checkpointer.steps()
+    if steps:
+      checkpointer.drop_before(steps[-1])
   finally:
     checkpointer.close()
 

@@ -348,9 +348,12 @@ def window_loss(result: Result, table: str) -> float:
   return float(np.mean([loss_at(result, table, f) for f in WINDOW_FRACTIONS]))
 
 
-def _lr_sweep(results: Sequence[Result]) -> dict[tuple[str, str], dict[float, list[Result]]]:
-  """(preset, method) -> factor of its outer lr -> runs: ``grids.lr_sweep_grid``'s and, as
-  × 1, the ``jitter`` runs; only cells with a swept factor."""
+def _lr_sweeps(results: Sequence[Result]
+               ) -> dict[tuple[str, str], tuple[dict[float, list[Result]], dict[float, float],
+                                                float]]:
+  """(preset, method) -> (factor of its outer lr -> runs, factor -> seed 0's ``window_loss``,
+  the best factor): ``grids.lr_sweep_grid``'s runs and, as × 1, the ``jitter`` runs, for the
+  cells whose seed 0 has a swept factor (seed 0 is the seed the whole sweep runs on)."""
   by_cell: dict[tuple[str, str], dict[float, list[Result]]] = {}
   for r in results:
     if r.run.name.startswith("skeptic/lr/"):
@@ -360,14 +363,14 @@ def _lr_sweep(results: Sequence[Result]) -> dict[tuple[str, str], dict[float, li
     else:
       continue
     by_cell.setdefault((r.run.preset, r.run.method), {}).setdefault(factor, []).append(r)
-  return {cell: factors for cell, factors in sorted(by_cell.items())
-          if any(f != 1.0 for f in factors)}
-
-
-def _seed0_window_losses(factors: dict[float, list[Result]]) -> dict[float, float]:
-  """Factor -> seed 0's ``window_loss`` (the seed the whole sweep runs on)."""
-  return {f: window_loss(r, r.run.table.split("/")[-1])
-          for f, runs in factors.items() for r in runs if r.run.seed == 0}
+  sweeps = {}
+  for cell, factors in sorted(by_cell.items()):
+    loss = {f: window_loss(r, r.run.table.split("/")[-1])
+            for f, runs in factors.items() for r in runs if r.run.seed == 0}
+    if any(f != 1.0 for f in loss):
+      sweeps[cell] = (factors, loss, min((f for f in loss if np.isfinite(loss[f])),
+                                         key=loss.get))
+  return sweeps
 
 
 def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple[str, str],
@@ -380,11 +383,7 @@ def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple
   claims, so the choice favours each method a little on it (HeLoCo as much as the baselines).
   """
   chosen, out = {}, []
-  for (preset, method), factors in _lr_sweep(results).items():
-    loss = _seed0_window_losses(factors)
-    if not any(f != 1.0 for f in loss):
-      continue
-    best = min((f for f in loss if np.isfinite(loss[f])), key=loss.get)
+  for (preset, method), (factors, _, best) in _lr_sweeps(results).items():
     chosen[(preset, method)] = best
     for r in factors[best]:
       table = r.run.table.split("/")[-1]
@@ -395,17 +394,14 @@ def best_lr_results(results: Sequence[Result]) -> tuple[list[Result], dict[tuple
 def skeptic_lr_table(results: Sequence[Result]) -> str:
   """Markdown: the per-preset outer-lr sweep (``grids.lr_sweep_grid``), seed 0's window loss
   at each factor, the best in bold and whether a factor on each side of it was run."""
-  sweep = {cell: _seed0_window_losses(factors) for cell, factors in _lr_sweep(results).items()}
-  sweep = {cell: loss for cell, loss in sweep.items() if any(f != 1.0 for f in loss)}
-  if not sweep:
+  sweeps = _lr_sweeps(results)
+  if not sweeps:
     return ""
-  factors = sorted(set(itertools.chain(*sweep.values())))
+  factors = sorted(set(itertools.chain(*(loss for _, loss, _ in sweeps.values()))))
   lines = ["| preset | method | " + " | ".join(f"× {f:g}" for f in factors)
            + " | best (seed 0) | seeds 1, 2 run at |",
            "|---|---|" + "---|" * len(factors) + "---|---|"]
-  for (preset, method), loss in sweep.items():
-    finite = [f for f in loss if np.isfinite(loss[f])]
-    best = min(finite, key=loss.get)
+  for (preset, method), (_, loss, best) in sweeps.items():
     cells = [("–" if f not in loss else f"**{loss[f]:.4f}**" if f == best
               else f"{loss[f]:.4f}") for f in factors]
     bracketed = min(loss) < best < max(loss)
@@ -453,6 +449,13 @@ def loss_table(results: Sequence[Result], table: str) -> str:
   return "\n".join(lines) if rows else ""
 
 
+def _gap_to_sync(loss: float, sync: Sequence[float], method: str) -> str:
+  """(L − L_sync) / L_sync in %, against the mean of ``sync``; – for sync DiLoCo or none."""
+  if method == "diloco" or not sync:
+    return "–"
+  return f"{100 * (loss - np.mean(sync)) / np.mean(sync):+.2f}%"
+
+
 def vocab_table(results: Sequence[Result]) -> str:
   """Markdown: final validation loss at the token budget per ``grids.VOCAB_PRESETS`` and
   ``grids.VOCAB_METHODS`` with the authors' vocabulary size (``grids.vocab_grid``), with the
@@ -475,15 +478,13 @@ def vocab_table(results: Sequence[Result]) -> str:
         if not final[method]:
           cells += ["–", "–"]
           continue
-        mean, sync = np.mean(final[method]), final["diloco"]
+        mean = np.mean(final[method])
         spread = f" ± {np.std(final[method], ddof=1):.4f}" if len(final[method]) > 1 else ""
         cells += [f"{mean:.4f}{spread} ({len(final[method])})",
-                  f"{100 * (mean - np.mean(sync)) / np.mean(sync):+.2f}%"
-                  if sync and method != "diloco" else "–"]
-      theirs, sync = AUTHORS_FINAL[method], AUTHORS_FINAL["diloco"]
+                  _gap_to_sync(mean, final["diloco"], method)]
+      theirs = AUTHORS_FINAL[method]
       cells += (["–", "–"] if preset != "mixed" else  # theirs: paces [1,2,3,1,5]
-                [f"{theirs:.2f}", f"{100 * (theirs - sync) / sync:+.2f}%"
-                 if method != "diloco" else "–"])
+                [f"{theirs:.2f}", _gap_to_sync(theirs, [AUTHORS_FINAL["diloco"]], method)])
       lines.append(f"| {preset} | {method} | {' | '.join(cells)} |")
   return "\n".join(lines) if len(lines) > 2 else ""
 
