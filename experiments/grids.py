@@ -542,8 +542,9 @@ def _jitter_more_seeds(scale: Scale = AUTHORS) -> list[Run]:
 # above, so × 0.25 (6.518: × 0.5 is the best). HeLoCo at severe paces likewise: × 0.5 6.292
 # < × 1 6.437, × 2 far above (7.63 at half the budget), so × 0.25 (6.484: × 0.5 is the best).
 # At moderate paces DN's × 8 is bracketed (6.084; × 4 6.306, × 16 6.239); MLA's × 0.5 6.054
-# < × 1 6.061 (× 2 6.820) and HeLoCo's × 0.5 5.989 < × 1 6.000, so × 0.25 for both; sync
-# DiLoCo's × 1 is bracketed (5.626; × 0.5 5.807, × 2 5.721).
+# < × 1 6.061 (× 2 6.820) and HeLoCo's × 0.5 5.989 < × 1 6.000, so × 0.25 for both (6.334,
+# 6.277: × 0.5 is the best of each); sync DiLoCo's × 1 is bracketed (5.626; × 0.5 5.807, × 2
+# 5.721).
 # Seeds 1 and 2 then run each (preset, method) at its seed-0 best only (``SKEPTIC_LR_BEST``,
 # filled in once seed 0's sweep is in; × 1 needs no runs: the jitter grid's). Bracketing first
 # halves the sweep (30 runs a seed instead of 46), which a 2-core CPU needs.
@@ -556,7 +557,7 @@ SKEPTIC_LR_BEST: dict[tuple[str, str], float] = {
     ("severe", "async_nesterov"): 1.0, ("severe", "delayed_nesterov"): 8.0,
     ("severe", "mla"): 0.5, ("severe", "heloco"): 0.5, ("severe", "diloco"): 1.0,
     ("moderate", "async_nesterov"): 1.0, ("moderate", "delayed_nesterov"): 8.0,
-    ("moderate", "diloco"): 1.0}
+    ("moderate", "mla"): 0.5, ("moderate", "heloco"): 0.5, ("moderate", "diloco"): 1.0}
 
 
 def skeptic_lr_factors(preset: str, method: str) -> tuple[float, ...]:
