@@ -415,16 +415,19 @@ def skeptic_lr_table(results: Sequence[Result]) -> str:
 def variant_claim_rows(results: Sequence[Result]) -> list[str]:
   """Claims-table rows: every claim (``CLAIMS``) on each of ``VARIANTS``' runs and with each
   method at its best outer lr (``best_lr_results``), where such runs exist."""
-  sets = [(label, variant_results(results, kind)) for kind, label in VARIANTS]
+  plain = lambda preset, baseline: f"{preset} vs {baseline}"
+  sets = [(label, variant_results(results, kind), plain) for kind, label in VARIANTS]
   best, chosen = best_lr_results(results)
-  if best:
-    factors = ", ".join(f"{m} {p} × {f:g}" for (p, m), f in sorted(chosen.items()))
-    sets.append((f"each method at its best outer lr here, jitter {grids.JITTER:g}; not their "
-                 f"setting ({factors})", best))
+  if best:  # each cell names its two factors of the authors' outer lrs
+    at_best = lambda preset, baseline: (
+        f"{preset} vs {baseline} (× {chosen[(preset, 'heloco')]:g} vs "
+        f"× {chosen[(preset, baseline)]:g})")
+    sets.append((f"each method at its best outer lr here (× the authors'), jitter "
+                 f"{grids.JITTER:g}; not their setting", best, at_best))
   rows = []
-  for label, runs in sets:
+  for label, runs, cell_label in sets:
     for name, table, presets, baselines, paper in CLAIMS:
-      cells, text = _claim_cells(runs, table, presets, baselines)
+      cells, text = _claim_cells(runs, table, presets, baselines, cell_label)
       if cells:
         rows.append(f"| {name} — {label} | {paper} | {verdict(cells)} | {'; '.join(text)} |")
   return rows

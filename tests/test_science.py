@@ -472,9 +472,9 @@ def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset_on_seed_0(
   assert [r.summary["final_val_loss"] for r in best if r.run.method == "mla"] == [4.5] * 3
   row = next(r for r in science.variant_claim_rows(results) if "best outer lr" in r)
   # HeLoCo 4.60, 4.59, 4.58 against MLA at × 0.5 (4.5): significantly worse
-  assert ("HeLoCo beats MLA, wall-clock budget — each method at its best outer lr here, jitter "
-          "0.2; not their setting (heloco severe × 1, mla severe × 0.5) | up to +3.3% | "
-          "**reversed** |") in row
+  assert ("HeLoCo beats MLA, wall-clock budget — each method at its best outer lr here (× the "
+          "authors'), jitter 0.2; not their setting | up to +3.3% | **reversed** | severe vs mla "
+          "(× 1 vs × 0.5): window ") in row
 
 
 def test_skeptic_lr_table_gives_seed_0s_window_loss_per_factor_and_says_if_the_best_is_an_edge(
