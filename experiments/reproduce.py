@@ -271,9 +271,8 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
   ``results_dir`` (and, with ``commit``, into git; ``prune``: see ``finish``). ``timed``:
   finished runs' (run, wall_seconds), for the time left (``Progress``) before a run of this
-  call ends. SIGTERM or
-  Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the command
-  is run again). Returns 0, 1 (some run failed) or 130."""
+  call ends. SIGTERM or Ctrl-C stops the running runs at their next checkpoint boundary (they
+  resume when the command is run again). Returns 0, 1 (some run failed) or 130."""
   cores = _cores()
   jobs = max(1, min(jobs, len(cores), len(todo)))
   per_job = len(cores) // jobs

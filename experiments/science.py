@@ -287,8 +287,12 @@ def _final_losses(runs: dict[int, Result]) -> str:
   return analysis.mean_std([r.summary["final_val_loss"] for r in runs.values()], 4)
 
 
+def _cell_label(preset: str, baseline: str) -> str:
+  return f"{preset} vs {baseline}"
+
+
 def _claim_cells(results: Sequence[Result], table: str, presets: Sequence[str],
-                 baselines: Sequence[str], label=lambda preset, baseline: f"{preset} vs {baseline}"
+                 baselines: Sequence[str], label=_cell_label
                  ) -> tuple[list[dict[str, Any]], list[str]]:
   """A claims row's cells (``window_gain``, for ``verdict``) and its text: per preset and
   baseline, the window gain with its paired 95% CI and category, then HeLoCo's gain at each of
@@ -415,12 +419,11 @@ def skeptic_lr_table(results: Sequence[Result]) -> str:
 def variant_claim_rows(results: Sequence[Result]) -> list[str]:
   """Claims-table rows: every claim (``CLAIMS``) on each of ``VARIANTS``' runs and with each
   method at its best outer lr (``best_lr_results``), where such runs exist."""
-  plain = lambda preset, baseline: f"{preset} vs {baseline}"
-  sets = [(label, variant_results(results, kind), plain) for kind, label in VARIANTS]
+  sets = [(label, variant_results(results, kind), _cell_label) for kind, label in VARIANTS]
   best, chosen = best_lr_results(results)
   if best:  # each cell names its two factors of the authors' outer lrs
     at_best = lambda preset, baseline: (
-        f"{preset} vs {baseline} (× {chosen[(preset, 'heloco')]:g} vs "
+        f"{_cell_label(preset, baseline)} (× {chosen[(preset, 'heloco')]:g} vs "
         f"× {chosen[(preset, baseline)]:g})")
     sets.append((f"each method at its best outer lr here (× the authors'), jitter "
                  f"{grids.JITTER:g}; not their setting", best, at_best))

@@ -363,7 +363,8 @@ def test_jitter_grid_is_the_claims_runs_at_severe_and_moderate_with_jitter_seed_
 
 def test_lr_sweep_grid_changes_only_the_outer_lr_of_the_jitter_runs_seed_0_first(monkeypatch):
   """Issue 36, item 3: on seed 0 every method's outer lr × 0.5 and 2 (DN also × 4, 8 and 16;
-  MLA and HeLoCo also × 0.25) at severe and moderate paces; seeds 1 and 2 at seed 0's best only; × 1 is the jitter grid's."""
+  MLA and HeLoCo also × 0.25) at severe and moderate paces; seeds 1 and 2 at seed 0's best
+  only; × 1 is the jitter grid's."""
   from heloco_jax import methods  # pylint: disable=g-import-not-at-top
   jitter = {r.name: dict(r.overrides) for r in grids.grid("jitter")}
   monkeypatch.setattr(grids, "SKEPTIC_LR_BEST", {})
