@@ -722,9 +722,9 @@ def skeptic_grid() -> list[Run]:
   is); the held-out languages' seed 0; the 50k vocabulary's HeLoCo and sync DiLoCo at severe
   paces, all seeds (whether the sync verdict hinges on the vocabulary); the held-out
   languages' seeds 1 and 2; the lr sweeps' (each method at its best only); seeds 3 and 4 of
-  the held-out cells whose CI crossed zero; then the rest of the vocabulary, last its synchronous DiLoCo token runs (no claim
-  reads them). A 50k-vocabulary run costs about 7.5 times a 2,048-id one on this CPU
-  (measured: experiments/README.md)."""
+  the held-out cells whose CI crossed zero; then the rest of the vocabulary, last its
+  synchronous DiLoCo token runs (no claim reads them). A 50k-vocabulary run costs about 7.5
+  times a 2,048-id one on this CPU (measured: experiments/README.md)."""
   rest = (1, 2)
   vocab = vocab_grid()
   sync_question = [r for r in vocab if r.preset == "severe" and r.method in ("heloco", "diloco")]
