@@ -503,7 +503,8 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
   jitter = grids.grid("jitter")
   assert runs == (jitter[:30] + grids.grid("palsgd_fair") + jitter[30:] + seed0("lr_sweep")
                   + seed0("heldout") + runs[at:at + 6] + later("heldout") + later("lr_sweep")
-                  + more("heldout") + [r for r in grids.grid("vocab") if r not in runs[at:at + 6] + no_claim]
+                  + more("heldout")
+                  + [r for r in grids.grid("vocab") if r not in runs[at:at + 6] + no_claim]
                   + no_claim)
   for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35):
     assert grids.family(name) == (grids.grid("science") + runs + grids.grid("streaming")
