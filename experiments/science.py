@@ -403,7 +403,7 @@ def skeptic_lr_table(results: Sequence[Result]) -> str:
     return ""
   factors = sorted(set(itertools.chain(*(loss for _, loss, _ in sweeps.values()))))
   lines = ["| preset | method | " + " | ".join(f"× {f:g}" for f in factors)
-           + " | best (seed 0) | seeds 1, 2 run at |",
+           + " | best (seed 0) | the other seeds run at |",
            "|---|---|" + "---|" * len(factors) + "---|---|"]
   for (preset, method), (_, loss, best) in sweeps.items():
     cells = [("–" if f not in loss else f"**{loss[f]:.4f}**" if f == best
@@ -980,7 +980,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
           "run; –: not run). Each sweep runs × 0.5 and × 2, and a factor further out where an "
           "edge is the best (`grids.SKEPTIC_LR_EDGE_FACTORS`; Delayed Nesterov also × 4, 8 "
           "and 16, around the best of the mixed-paces check, × 16). Seeds "
-          "1 and 2 run each method at seed 0's best, and the claims' best-lr rows read them."),
+          "1 and 2 run each method at seed 0's best, and seeds 3 and 4 the cells whose CI "
+          "crossed zero at 3 seeds (`grids.LR_UNCLEAR`); the claims' best-lr rows read them."),
       *analysis._section(  # pylint: disable=protected-access
           "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
           "Homogeneous workers, IID split, the byte-level small-scale model; shared coins, "

@@ -390,7 +390,9 @@ def test_lr_sweep_grid_changes_only_the_outer_lr_of_the_jitter_runs_seed_0_first
   monkeypatch.setattr(grids, "SKEPTIC_LR_BEST", {("severe", "mla"): 2.0,
                                                  ("moderate", "heloco"): 1.0})
   later = [r.name for r in grids.grid("lr_sweep") if r.seed != 0]
-  assert later == [f"skeptic/lr/tokens/severe/mla/x2/seed{s}" for s in (1, 2)]
+  # ... and the ``LR_UNCLEAR`` cells at their best on seeds 3 and 4 (HeLoCo's × 1: none).
+  assert grids.LR_UNCLEAR == (("severe", ("heloco", "mla")),)
+  assert later == [f"skeptic/lr/tokens/severe/mla/x2/seed{s}" for s in (1, 2, 3, 4)]
 
 
 def test_vocab_grid_changes_only_the_vocabulary_of_the_claims_runs_at_severe_and_mixed():
@@ -503,7 +505,7 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
   jitter = grids.grid("jitter")
   assert runs == (jitter[:30] + grids.grid("palsgd_fair") + jitter[30:] + seed0("lr_sweep")
                   + seed0("heldout") + runs[at:at + 6] + later("heldout") + later("lr_sweep")
-                  + more("heldout")
+                  + more("heldout") + more("lr_sweep")
                   + [r for r in grids.grid("vocab") if r not in runs[at:at + 6] + no_claim]
                   + no_claim)
   for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35):
