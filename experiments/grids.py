@@ -522,14 +522,15 @@ def jitter_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> l
   ``JITTER_UNCLEAR`` cells at ``MORE_SEEDS`` (not with ``seeds`` given)."""
   runs = [_skeptic(run, "jitter", {}) for seed in (scale.seeds if seeds is None else seeds)
           for preset in SKEPTIC_PRESETS for run in _own_runs(scale, (seed,), (preset,))]
-  return runs + (_more_seeds("jitter", {}, JITTER_UNCLEAR, scale) if seeds is None else [])
+  more = [] if seeds is not None else [_skeptic(run, "jitter", {})
+                                       for run in _unclear_runs(JITTER_UNCLEAR, scale)]
+  return runs + more
 
 
-def _more_seeds(kind: str, changes: dict[str, Any],
-                unclear: Sequence[tuple[str, Sequence[str]]],
-                scale: Scale = AUTHORS) -> list[Run]:
-  """The ``kind`` grid's runs of the ``unclear`` cells ((preset, methods)) at ``MORE_SEEDS``."""
-  return [_skeptic(run, kind, changes) for seed in MORE_SEEDS for preset, methods in unclear
+def _unclear_runs(unclear: Sequence[tuple[str, Sequence[str]]], scale: Scale) -> list[Run]:
+  """The claims' runs (``_own_runs``) of the ``unclear`` cells ((preset, methods)) at
+  ``MORE_SEEDS``, for a grid to change as it changes its other seeds' runs."""
+  return [run for seed in MORE_SEEDS for preset, methods in unclear
           for run in _own_runs(scale, (seed,), (preset,), methods)]
 
 
@@ -583,18 +584,18 @@ def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) ->
     return dataclasses.replace(
         swept, name=swept.name.replace(f"/{run.method}/", f"/{run.method}/x{factor:g}/"))
 
-  best = lambda preset, method: SKEPTIC_LR_BEST.get((preset, method), 1.0)
+  def at_best(run: Run) -> list[Run]:  # × 1 is the jitter grid's run
+    best = SKEPTIC_LR_BEST.get((run.preset, run.method), 1.0)
+    return [at(run, best)] if best != 1.0 else []
+
   runs = []
   for seed in (scale.seeds if seeds is None else seeds):
     for preset in SKEPTIC_PRESETS:
       for run in _own_runs(scale, (seed,), (preset,)):
-        factors = (skeptic_lr_factors(preset, run.method) if seed == 0
-                   else (best(preset, run.method),) if best(preset, run.method) != 1.0 else ())
-        runs += [at(run, factor) for factor in factors]
+        runs += ([at(run, factor) for factor in skeptic_lr_factors(preset, run.method)]
+                 if seed == 0 else at_best(run))
   more = [] if seeds is not None else [
-      at(run, best(preset, run.method)) for seed in MORE_SEEDS for preset, methods_ in LR_UNCLEAR
-      for run in _own_runs(scale, (seed,), (preset,), methods_)
-      if best(preset, run.method) != 1.0]
+      swept for run in _unclear_runs(LR_UNCLEAR, scale) for swept in at_best(run)]
   return runs + more
 
 
@@ -649,8 +650,9 @@ def heldout_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> 
              "data.tokenizer": f"{folder}/tokenizer.json"}
   runs = [_skeptic(run, "heldout", changes) for seed in (scale.seeds if seeds is None else seeds)
           for preset in SKEPTIC_PRESETS for run in _own_runs(scale, (seed,), (preset,))]
-  return runs + (_more_seeds("heldout", changes, HELDOUT_UNCLEAR, scale)
-                 if seeds is None else [])
+  more = [] if seeds is not None else [_skeptic(run, "heldout", changes)
+                                       for run in _unclear_runs(HELDOUT_UNCLEAR, scale)]
+  return runs + more
 
 
 # PALSGD fairly (issue 36, item 5), at the palsgd_c grid's scale (homogeneous, IID):
@@ -736,8 +738,8 @@ def skeptic_grid() -> list[Run]:
   paces, all seeds (whether the sync verdict hinges on the vocabulary); the held-out
   languages' seeds 1 and 2; the lr sweeps' (each method at its best only); seeds 3 and 4 of
   the held-out cells and of the lr bests' cells whose CI crossed zero; then the rest of the
-  vocabulary, last its synchronous DiLoCo token runs (no claim reads them). A 50k-vocabulary run costs about 7.5
-  times a 2,048-id one on this CPU (measured: experiments/README.md)."""
+  vocabulary, last its synchronous DiLoCo token runs (no claim reads them). A 50k-vocabulary
+  run costs about 7.5 times a 2,048-id one on this CPU (measured: experiments/README.md)."""
   rest = (1, 2)
   vocab = vocab_grid()
   sync_question = [r for r in vocab if r.preset == "severe" and r.method in ("heloco", "diloco")]

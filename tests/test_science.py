@@ -488,7 +488,8 @@ def test_skeptic_lr_table_gives_seed_0s_window_loss_per_factor_and_says_if_the_b
              _made_up("skeptic/lr/tokens/severe/heloco/x2/seed0", 4.7),
              _made_up("skeptic/jitter/tokens/moderate/heloco/seed0", 4.0)]  # no sweep: no row
   table = science.skeptic_lr_table(results).splitlines()
-  assert table[0] == "| preset | method | × 0.5 | × 1 | × 2 | best (seed 0) | the other seeds run at |"
+  assert table[0] == ("| preset | method | × 0.5 | × 1 | × 2 | best (seed 0) "
+                      "| the other seeds run at |")
   assert table[2:] == [
       "| severe | heloco | – | 4.9000 | **4.7000** | × 2, the edge of its sweep so far | "
       "not chosen yet |",
