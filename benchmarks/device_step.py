@@ -23,7 +23,9 @@
    every state leaf. HeLoCo's per-block coefficients need reductions over
    Δ and m before the update pass, so a second estimate adds one more read
    of Δ and m for it. Achieved GB/s = bytes / median time per update, also
-   as a fraction of the device's peak HBM bandwidth when known.
+   as a fraction of the device's peak HBM bandwidth when known. Both rules
+   run again, interleaved, on the same numbers packed into one flat leaf
+   (``ravel_pytree``): tree ÷ flat is what the tree's leaves cost.
 
 Prints the device, the jax version and every measured number, then one line
 ``RESULT {json}`` with all of them. On a CPU without ``--small`` the sizes
@@ -45,6 +47,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 import numpy as np
 
 import heloco_jax as hj
@@ -219,47 +222,59 @@ def bench_outer(sizes: dict, num_workers: int) -> dict:
             for s, k in zip((1.0, -1.0, 0.1, 0.5), keys[1:])]
   del drift
   rules = {"heloco": hj.heloco(num_workers=num_workers), "mla": hj.mla(num_workers=num_workers)}
+  # The same numbers in one leaf: what the tree's per-leaf structure costs (heloco's
+  # per-tensor rule then sees one tensor; a bound on cost, not the same math).
+  flat = lambda tree: {"flat": ravel_pytree(tree)[0]}
+  inputs = {name: (params, deltas) for name in rules}
+  inputs |= {f"flat_{name}": (flat(params), [flat(d) for d in deltas]) for name in rules}
   steps, states, current, counts = {}, {}, {}, {}
-  for name, tx in rules.items():
-    steps[name] = server.jit_outer_step(tx)
-    current[name] = jax.tree.map(jnp.copy, params)
-    states[name] = tx.init(current[name])
-    param_b, state_b = _nbytes(current[name]), _nbytes(states[name])
-    delta_b, momentum_b = _nbytes(deltas[0]), _nbytes(states[name].momentum)
+  for key, (start, key_deltas) in inputs.items():
+    name = key.removeprefix("flat_")
+    tx = rules[name]
+    steps[key] = server.jit_outer_step(tx)
+    current[key] = jax.tree.map(jnp.copy, start)
+    states[key] = tx.init(current[key])
+    param_b, state_b = _nbytes(current[key]), _nbytes(states[key])
+    delta_b, momentum_b = _nbytes(key_deltas[0]), _nbytes(states[key].momentum)
     # Read θ, Δ, state; write θ, state (scalar state leaves included: < 1 KB).
-    counts[name] = dict(param_bytes=param_b, delta_bytes=delta_b, state_bytes=state_b,
-                        state_leaves=len(jax.tree.leaves(states[name])),
-                        bytes_lower_bound=2 * param_b + delta_b + 2 * state_b)
+    counts[key] = dict(param_bytes=param_b, delta_bytes=delta_b, state_bytes=state_b,
+                       state_leaves=len(jax.tree.leaves(states[key])),
+                       bytes_lower_bound=2 * param_b + delta_b + 2 * state_b)
     if name == "heloco":  # + the reduction pass over Δ and m before the update pass
-      counts[name]["bytes_two_pass"] = counts[name]["bytes_lower_bound"] + delta_b + momentum_b
+      counts[key]["bytes_two_pass"] = counts[key]["bytes_lower_bound"] + delta_b + momentum_b
     for i in range(3):  # compile and warm up; momentum becomes non-zero
-      current[name], states[name] = steps[name](current[name], states[name], deltas[i % 4],
-                                                jnp.int32(i))
-    jax.block_until_ready((current[name], states[name]))
+      current[key], states[key] = steps[key](current[key], states[key], key_deltas[i % 4],
+                                             jnp.int32(i))
+    jax.block_until_ready((current[key], states[key]))
   n_leaves, n_params = len(leaves), int(sum(x.size for x in leaves))
-  del params, leaves
+  del params, leaves, deltas
   chain = sizes["chain"]
-  samples = {name: [] for name in rules}
+  samples = {key: [] for key in inputs}
   for r in range(sizes["outer_repeats"]):
-    for name in rules:  # interleaved: machine noise hits both rules alike
+    for key, (_, key_deltas) in inputs.items():  # interleaved: noise hits every variant alike
       t0 = time.perf_counter()
       for c in range(chain):
         i = r * chain + c
-        current[name], states[name] = steps[name](current[name], states[name], deltas[i % 4],
-                                                  jnp.int32(i % 7))
-      jax.block_until_ready((current[name], states[name]))
-      samples[name].append((time.perf_counter() - t0) / chain)
+        current[key], states[key] = steps[key](current[key], states[key], key_deltas[i % 4],
+                                               jnp.int32(i % 7))
+      jax.block_until_ready((current[key], states[key]))
+      samples[key].append((time.perf_counter() - t0) / chain)
   out = dict(tree=sizes["tree"], params=n_params, leaves=n_leaves, num_workers=num_workers,
              repeats=sizes["outer_repeats"], chain=chain)
-  for name in rules:
-    seconds = statistics.median(samples[name])
-    entry = dict(counts[name], seconds_per_update=seconds,
-                 seconds_per_update_min=min(samples[name]),
-                 achieved_bytes_per_s=counts[name]["bytes_lower_bound"] / seconds)
+  for key in inputs:
+    seconds = statistics.median(samples[key])
+    entry = dict(counts[key], seconds_per_update=seconds,
+                 seconds_per_update_min=min(samples[key]),
+                 achieved_bytes_per_s=counts[key]["bytes_lower_bound"] / seconds)
     if "bytes_two_pass" in entry:
       entry["achieved_bytes_per_s_two_pass"] = entry["bytes_two_pass"] / seconds
-    out[name] = entry
-  out["ratio_heloco_mla"] = out["heloco"]["seconds_per_update"] / out["mla"]["seconds_per_update"]
+    out[key] = entry
+  for prefix in ("", "flat_"):
+    out[f"{prefix}ratio_heloco_mla"] = (out[f"{prefix}heloco"]["seconds_per_update"]
+                                        / out[f"{prefix}mla"]["seconds_per_update"])
+  for name in rules:
+    out[f"tree_over_flat_{name}"] = (out[name]["seconds_per_update"]
+                                     / out[f"flat_{name}"]["seconds_per_update"])
   return out
 
 
@@ -360,6 +375,14 @@ def _report_outer(o: dict, args: argparse.Namespace, hbm_peak: Optional[float]) 
         f"{_fraction(e['achieved_bytes_per_s_two_pass'], hbm)} of peak HBM")
   print(f"  peak HBM: {f'{hbm / 1e12:.2f} TB/s' if hbm else 'unknown (pass --peak-hbm-gbs)'}")
   print(f"  ratio heloco/mla time   {o['ratio_heloco_mla']:.3f}")
+  print("  the same numbers in one flat leaf (what the per-leaf structure costs):")
+  for name in ("heloco", "mla"):
+    e = o[f"flat_{name}"]
+    print(f"  {name:7s} {e['seconds_per_update'] * 1e3:9.3f} ms/update  "
+          f"{e['achieved_bytes_per_s'] / 1e9:8.1f} GB/s  "
+          f"{_fraction(e['achieved_bytes_per_s'], hbm)} of peak HBM  "
+          f"tree ÷ flat {o[f'tree_over_flat_{name}']:.2f}x")
+  print(f"  ratio heloco/mla time, flat   {o['flat_ratio_heloco_mla']:.3f}")
   return o
 
 
