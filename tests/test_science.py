@@ -396,8 +396,9 @@ def test_results_md_and_figures_from_made_up_runs(tmp_path):
   results += [_authors_run("time", p, "diloco", s, 6.0) for p in ("mild", "mixed")
               for s in range(3)]
   path = str(tmp_path / "RESULTS.md")
-  science.write_results(results, path, str(tmp_path / "figures"), "CMD", "NOTE")
+  science.write_results(results, path, str(tmp_path / "figures"), "CMD", "NOTE", planned=40)
   text = open(path).read()
+  assert f"{len(results)} of 40 runs are finished" in text
   for part in ("## The claims, measured", "## The authors' harness: fixed token budget",
                "## The authors' harness: fixed wall-clock", "| mixed | heloco |",
                "| mixed | diloco |", "RESULTS_small_scale.md", "NOTE", "CMD"):
