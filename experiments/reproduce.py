@@ -459,8 +459,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         [r for r in results if r.run not in streamed | chaotic], path, fig_dir, command,
         _scale_note("science"),
         sections=streaming.sections([r for r in results if r.run in streamed], fig_dir, path)
-        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path),
-        planned=len(set(family) - streamed - chaotic))
+        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path))
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
