@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -225,12 +226,12 @@ def bench_outer(sizes: dict, num_workers: int) -> dict:
   # The same numbers in one leaf: what the tree's per-leaf structure costs (heloco's
   # per-tensor rule then sees one tensor; a bound on cost, not the same math).
   flat = lambda tree: {"flat": ravel_pytree(tree)[0]}
-  inputs = {name: (params, deltas) for name in rules}
-  inputs |= {f"flat_{name}": (flat(params), [flat(d) for d in deltas]) for name in rules}
-  steps, states, current, counts = {}, {}, {}, {}
-  for key, (start, key_deltas) in inputs.items():
-    name = key.removeprefix("flat_")
-    tx = rules[name]
+  variants = {"": (params, deltas), "flat_": (flat(params), [flat(d) for d in deltas])}
+  steps, states, current, counts, deltas_of = {}, {}, {}, {}, {}
+  for (prefix, (start, key_deltas)), (name, tx) in itertools.product(variants.items(),
+                                                                     rules.items()):
+    key = prefix + name
+    deltas_of[key] = key_deltas
     steps[key] = server.jit_outer_step(tx)
     current[key] = jax.tree.map(jnp.copy, start)
     states[key] = tx.init(current[key])
@@ -247,11 +248,11 @@ def bench_outer(sizes: dict, num_workers: int) -> dict:
                                              jnp.int32(i))
     jax.block_until_ready((current[key], states[key]))
   n_leaves, n_params = len(leaves), int(sum(x.size for x in leaves))
-  del params, leaves, deltas
+  del params, leaves, deltas, variants  # θ lives on in ``current`` (copies)
   chain = sizes["chain"]
-  samples = {key: [] for key in inputs}
+  samples = {key: [] for key in steps}
   for r in range(sizes["outer_repeats"]):
-    for key, (_, key_deltas) in inputs.items():  # interleaved: noise hits every variant alike
+    for key, key_deltas in deltas_of.items():  # interleaved: noise hits every variant alike
       t0 = time.perf_counter()
       for c in range(chain):
         i = r * chain + c
@@ -261,7 +262,7 @@ def bench_outer(sizes: dict, num_workers: int) -> dict:
       samples[key].append((time.perf_counter() - t0) / chain)
   out = dict(tree=sizes["tree"], params=n_params, leaves=n_leaves, num_workers=num_workers,
              repeats=sizes["outer_repeats"], chain=chain)
-  for key in inputs:
+  for key in steps:
     seconds = statistics.median(samples[key])
     entry = dict(counts[key], seconds_per_update=seconds,
                  seconds_per_update_min=min(samples[key]),
