@@ -455,11 +455,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   command = f"python -m experiments.reproduce --grid={args.grid} --out=DIR"
   if one_report:  # issues 34 and 35's grids in sections of their own
     streamed, chaotic = set(grids.grid("streaming")), set(grids.grid("chaos"))
+    reported = set(family) - streamed - chaotic
     science.write_results(
-        [r for r in results if r.run not in streamed | chaotic], path, fig_dir, command,
+        [r for r in results if r.run in reported], path, fig_dir, command,
         _scale_note("science"),
         sections=streaming.sections([r for r in results if r.run in streamed], fig_dir, path)
-        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path))
+        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path),
+        planned=len(reported))
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",

@@ -928,20 +928,16 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
 
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
                   scale_note: str, small_scale: str = "RESULTS_small_scale.md",
-                  sections: Sequence[str] = (), planned: Optional[int] = None) -> None:
+                  sections: Sequence[str] = (), *, planned: int) -> None:
   """Writes RESULTS.md for issue 18's and 36's grids with its figures under ``fig_dir``, and
   ``sections`` (markdown lines: other grids' sections) before the small-scale note.
-  ``planned``: how many runs ``results`` are drawn from (default: every run of the science
-  scale but the streaming and chaos grids', as ``reproduce`` reports them)."""
+  ``planned``: how many runs ``results`` are drawn from (finished or not)."""
   authors = [r for r in _authors(results) if r.run.table == "tokens"]
   figures = (curves(results, fig_dir) + palsgd_figure(results, fig_dir)
              + analysis.diagnostics_figures(authors, fig_dir, presets=grids.AUTHORS_PRESETS,
                                             branches_preset="mixed"))
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
   core_hours = sum(r.summary.get("wall_seconds", 0.0) for r in results) / 3600
-  if planned is None:  # every run of this scale but issues 34 and 35's (sections of their own)
-    planned = len(set(grids.family("science")) - set(grids.grid("streaming"))
-                  - set(grids.grid("chaos")))
   steps_per_second = 1 / clock.seconds_per_step(grids.DECAY_WHY_PRESET, 5)
   fast_share = steps_per_second.max() / steps_per_second.sum()
   parts = [
