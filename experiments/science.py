@@ -960,7 +960,7 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       *analysis._section(  # pylint: disable=protected-access
           "The authors' harness: fixed token budget (10,000 local steps)",
           loss_table(results, "tokens"),
-          "Validation loss at 25%, 50% and 100% of the budget, mean ± std over seeds. The "
+          "Validation loss at 25%, 50% and 100% of the budget, mean ± sample std over seeds. The "
           "authors' own final losses (GPT-2 vocabulary, paces [1,2,3,1,5]): "
           + ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()) + ". Synchronous "
           "DiLoCo's row is one run at every paces: each round waits for all workers, so the "
