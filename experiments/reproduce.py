@@ -113,7 +113,9 @@ def _scale_note(name: str) -> str:
         f"(2.56M tokens) per run, inner AdamW lr 2e-4 with cosine decay to 1e-6 over each "
         f"worker's 2,000 steps, weight decay 1e-2, no clipping, a fresh AdamW state per "
         f"dispatch; outer lrs 0.07 (async Nesterov, DN), 0.7 (MLA, HeLoCo, sync), μ 0.9, "
-        f"ρ = 1/√5; seeds {list(scale.seeds)}. **One change:** a {grids.AUTHORS_VOCAB}-id "
+        f"ρ = 1/√5; seeds {list(scale.seeds)}, and {list(grids.SYMMETRIC_SEEDS)} for every run "
+        f"of the authors'-setting, jitter and best-lr claims rows (`--grid=symmetric`, the claims "
+        f"table's seeds column says how many have landed). **One change:** a {grids.AUTHORS_VOCAB}-id "
         f"byte-level BPE trained on the corpus instead of GPT-2's 50,257 ids (2.1M instead of "
         f"14.5M parameters; the depth and width are the authors'), so that the grid fits a "
         f"2-core CPU; losses are therefore not comparable with the authors' in absolute terms.")
@@ -447,7 +449,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
   # Issues 18, 36 and 34's grids: one RESULTS.md, issue 34's runs in sections of their own.
-  one_report = args.grid in grids.SCIENCE + grids.SKEPTIC + ("streaming",) + grids.ISSUE35
+  one_report = args.grid in (grids.SCIENCE + grids.SKEPTIC + ("streaming",) + grids.ISSUE35
+                             + grids.ISSUE60)
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if one_report else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
@@ -456,12 +459,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if one_report:  # issues 34 and 35's grids in sections of their own
     streamed, chaotic = set(grids.grid("streaming")), set(grids.grid("chaos"))
     reported = set(family) - streamed - chaotic
+    on_gpu = set(grids.grid("scale"))  # RESULTS.md counts the scale grid's runs apart
     science.write_results(
         [r for r in results if r.run in reported], path, fig_dir, command,
         _scale_note("science"),
         sections=streaming.sections([r for r in results if r.run in streamed], fig_dir, path)
         + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path),
-        planned=len(reported))
+        planned=len(reported - on_gpu))
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",

@@ -1,5 +1,6 @@
 """The reproduction grid: its runs, budgets and flags, and the smoke grid end to end."""
 
+import dataclasses
 import json
 import os
 import re
@@ -319,10 +320,11 @@ def test_science_grid_finishes_seed_by_seed():
   assert all(r.table == "lr" for r in runs[-34:-15])  # the one-seed lr check
   assert all(r.table == "dn_tuned" for r in runs[-15:])
   assert [r.seed for r in runs[-15:]] == sorted(r.seed for r in runs[-15:])
-  for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36 and 34
-    assert grids.family(name) == (runs + grids.grid("skeptic") + grids.grid("streaming")
-                                  + grids.grid("cgad_lr") + grids.grid("cgad")
-                                  + grids.grid("chaos"))
+  for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36, 34, 35 and 60
+    assert grids.family(name) == list(dict.fromkeys(
+        runs + grids.grid("skeptic") + grids.grid("streaming") + grids.grid("cgad_lr")
+        + grids.grid("cgad") + grids.grid("chaos") + grids.grid("symmetric")
+        + grids.grid("scale")))
 
 
 def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
@@ -508,10 +510,13 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
                   + more("heldout") + more("lr_sweep")
                   + [r for r in grids.grid("vocab") if r not in runs[at:at + 6] + no_claim]
                   + no_claim)
-  for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35):
-    assert grids.family(name) == (grids.grid("science") + runs + grids.grid("streaming")
-                                  + grids.grid("cgad_lr") + grids.grid("cgad")
-                                  + grids.grid("chaos"))
+  for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35, *grids.ISSUE60):
+    family = grids.family(name)
+    assert family == list(dict.fromkeys(
+        grids.grid("science") + runs + grids.grid("streaming") + grids.grid("cgad_lr")
+        + grids.grid("cgad") + grids.grid("chaos") + grids.grid("symmetric")
+        + grids.grid("scale")))
+    assert len(family) == len(set(family))  # the symmetric grid's runs of other grids once
 
 
 def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_commands():
@@ -677,3 +682,98 @@ def test_the_cgad_lr_check_changes_only_cgads_outer_lr():
     assert overrides.pop("method") == "cgad"
     assert overrides == {k: v for k, v in heloco.items()
                          if k not in ("outer.learning_rate", "method")}
+
+
+def test_symmetric_grid_gives_every_cell_of_the_authors_jitter_and_best_lr_rows_seeds_3_and_4():
+  """Issue 60, item 1: seeds 3 and 4 of every claims run of those rows, chosen before the
+  runs; the jitter and best-lr runs first (seed by seed, severe first), then the authors
+  grid's claims runs (severe first), then CGAD's and DN's at its tuned lr."""
+  runs = grids.grid("symmetric")
+  names = [r.name for r in runs]
+  assert len(set(names)) == len(names) == 2 * (10 + 6) + 2 * 21 + 2 * 10
+  assert {r.seed for r in runs} == set(grids.SYMMETRIC_SEEDS) == {3, 4}
+  lr_best = lambda seed: [r for r in grids.lr_sweep_grid(seeds=(seed,))]
+  first = []
+  for seed in (3, 4):
+    for preset in ("severe", "moderate"):
+      first += [r for r in grids.jitter_grid(seeds=(seed,)) + lr_best(seed) if r.preset == preset]
+  assert runs[:32] == first
+  assert [r.name for r in runs[:8]] == [
+      f"skeptic/jitter/{n}/seed3" for n in ("tokens/severe/async_nesterov",
+                                            "tokens/severe/delayed_nesterov", "tokens/severe/mla",
+                                            "tokens/severe/heloco", "time/severe/diloco")] + [
+          f"skeptic/lr/tokens/severe/{m}/seed3" for m in ("delayed_nesterov/x8", "mla/x0.5",
+                                                          "heloco/x0.5")]
+  # every run the claims read of those rows: each (preset, method) of the jitter and lr runs
+  for grid in ("jitter", "lr_sweep"):
+    cells = {(r.table, r.preset, r.method, r.name.split("/")[-2]) for r in grids.grid(grid)
+             if r.seed in (1, 2)}
+    for seed in (3, 4):
+      assert cells <= {(r.table, r.preset, r.method, r.name.split("/")[-2]) for r in runs
+                       if r.seed == seed}
+  authors = runs[32:74]
+  assert all(r.name.startswith("authors/") and r.table in ("tokens", "time") for r in authors)
+  assert [r.seed for r in authors] == [3] * 21 + [4] * 21
+  assert [r.preset for r in authors[:5]] == ["severe"] * 5
+  assert [r.name for r in authors if r.method == "diloco"] == [
+      f"authors/time/severe/diloco/seed{s}" for s in (3, 4)]  # the other sync runs: no claim's
+  assert {(r.preset, r.method) for r in authors if r.table == "tokens"} == {
+      (p, m) for p in grids.AUTHORS_PRESETS for m in grids.METHODS if m != "diloco"}
+  assert runs[74:] == (grids.cgad_grid(seeds=(3,)) + grids.dn_tuned_grid(seeds=(3,))
+                       + grids.cgad_grid(seeds=(4,)) + grids.dn_tuned_grid(seeds=(4,)))
+  # each is the run of that name its own grid would make with seeds 3 and 4
+  same = {r.name: r for r in grids.authors_grid(seeds=(3, 4)) + grids.jitter_grid(seeds=(3, 4))
+          + grids.lr_sweep_grid(seeds=(3, 4)) + grids.cgad_grid(seeds=(3, 4))
+          + grids.dn_tuned_grid(seeds=(3, 4))}
+  assert all(same[r.name] == r for r in runs)
+  assert grids.SCALES["symmetric"] is grids.AUTHORS
+
+
+def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp_path):
+  """Issue 60, item 5: d_model 512, 8 layers, the 50,257-id BPE, ≥ 1 token per parameter;
+  severe and mixed paces, HeLoCo, MLA, async Nesterov and sync DiLoCo at the authors' lr."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from heloco_jax import model, train  # pylint: disable=g-import-not-at-top
+  runs = grids.grid("scale")
+  assert len(runs) == 3 * 2 * 4 and len({r.name for r in runs}) == len(runs)
+  assert [r.name for r in runs[:4]] == [f"scale/tokens/severe/{m}/seed0"
+                                         for m in ("async_nesterov", "mla", "heloco")] + [
+                                             "scale/time/severe/diloco/seed0"]
+  for run in runs:
+    keys = dict(run.overrides)
+    assert (keys["model.d_model"], keys["model.num_layers"], keys["model.num_heads"]) == (
+        512, 8, 8)
+    assert keys["data.tokenizer"] == "{corpus}/tokenizer_50257.json"
+    assert keys["jitter"] == grids.JITTER and "outer.learning_rate" not in keys  # authors' lr
+    assert run.preset in ("severe", "mixed") and run.method in grids.SCALE_METHODS
+    assert run.table == ("scale/time" if run.method == "diloco" else "scale/tokens")
+    if run.method == "diloco":
+      assert keys["budget.sim_seconds"] == pytest.approx(
+          grids.time_budget(grids.SCALE, run.preset))
+    else:
+      assert keys["budget.tokens"] == grids.SCALE.tokens == 20_000 * 16 * 256
+    assert run.needs_corpus()
+  assert reproduce.corpus_vocabularies(runs) == {"tokenizer_50257.json": 50_257}
+  # the parameters, counted on the model itself (abstractly: nothing is allocated)
+  config = model.ModelConfig(vocab_size=50_257, d_model=512, num_layers=8, num_heads=8,
+                             context=256)
+  state = nnx.state(nnx.eval_shape(lambda: model.GPT(config, rngs=nnx.Rngs(params=0))),
+                    nnx.Param)
+  params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+  assert params == grids.scale_params() == 76_852_305
+  assert params >= 10 * grids.scale_params(grids.AUTHORS, grids.AUTHORS_VOCAB) == 10 * 2_126_080
+  assert grids.SCALE.tokens >= params  # ≥ 1 token per parameter
+  assert grids.family("scale")[-len(runs):] == runs and grids.SCALES["scale"] is grids.SCALE
+  # one run of the grid at toy size on the CPU: the same overrides, a shrunk model and data
+  toy = dataclasses.replace(grids.SCALE, d_model=16, num_layers=1, num_heads=2, context=16,
+                            batch_size=2, tokens=2 * 16 * 5 * 2 * 4, eval_every_tokens=320,
+                            inner_total_steps=40, data=grids.SMOKE.data)
+  run = next(r for r in grids.scale_grid(toy, seeds=(0,)) if r.method == "heloco")
+  assert run.name == "scale/tokens/severe/heloco/seed0"
+  workdir = str(tmp_path / "run")
+  assert train.main([f"--workdir={workdir}", *run.args()]) == 0
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["tokens"] == toy.tokens and np.isfinite(summary["final_val_loss"])
+  assert summary["method"] == "heloco"

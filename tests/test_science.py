@@ -1,18 +1,24 @@
 """RESULTS.md of issue 18's grids (experiments/science.py) on made-up runs: budget points,
-verdicts, the outer-lr table and the PALSGD crossover."""
+verdicts, the outer-lr table and the PALSGD crossover; issue 60's Holm correction, TOST and
+symmetric seeds against scipy, and every number of the claims table recomputed from the
+committed digests."""
 
+import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from experiments import analysis, grids, science
 
 
 def _authors_run(table, preset, method, seed, final, curve=None):
   name = f"authors/{table}/{preset}/{method}/seed{seed}"
-  run = next((r for r in grids.grid("authors") + grids.grid("cgad") if r.name == name), None)
+  run = next((r for r in grids.grid("authors") + grids.grid("cgad") + grids.grid("symmetric")
+              if r.name == name), None)
   assert run is not None, name
   budget = dict(run.overrides)["budget.tokens"] or grids.AUTHORS.tokens
   t = grids.time_budget(grids.AUTHORS, preset)
@@ -43,7 +49,9 @@ def test_cgad_has_its_loss_rows_and_claim_rows_against_heloco():
   assert table[-1] == "| mild | cgad | 6.3500 ± 0.1000 | 6.1000 ± 0.1000 | 5.6000 ± 0.1000 | 3 |"
   claims = science.claims_table(results)
   row = next(line for line in claims.splitlines() if line.startswith("| HeLoCo beats CGAD, tok"))
-  assert "| **reproduced** | mild vs cgad: window +10.25% [+6.43, +14.06] better; " in row
+  assert ("| **reproduced** | **reproduced** | – | mild vs cgad: window +10.25% [+6.43, +14.06] "
+          "better, p 0.007, Holm p 0.007; ") in row
+  assert f"| {science.PRE_REGISTERED} | 3 of 5 |" in row  # CGAD ran after the window rule
   assert row.endswith("(3/3) |")
   assert "| HeLoCo beats CGAD, wall-clock budget" in claims  # from the same token runs
 
@@ -125,12 +133,15 @@ def test_claims_row_gives_the_window_gain_its_ci_and_the_budget_points():
   row = next(line for line in science.claims_table(results).splitlines()
              if line.startswith("| HeLoCo beats MLA"))
   half = 4.3027 * 1.0 / 3 ** 0.5  # gains 2, 3, 4 %: s = 1
-  assert (f"| **reproduced** | mild vs mla: window +3.00% [{3 - half:+.2f}, {3 + half:+.2f}] "
-          "better; +3.00% / +3.00% / +3.00% (3/3) |") in row
+  assert (f"| **reproduced** | **reproduced** | – | mild vs mla: window +3.00% "
+          f"[{3 - half:+.2f}, {3 + half:+.2f}] better, p 0.035, Holm p 0.035; "
+          "+3.00% / +3.00% / +3.00% (3/3) |") in row
+  assert f"| {science.REJUDGED} | 3 of 5 |" in row  # the authors grid ran before the rule
   # gains 2, 4, 6 %: the same sign on every seed, but s = 2 and the CI reaches below 0
   row = next(line for line in science.claims_table(_flat_cell((0.1, 0.2, 0.3), "mild", "mla"))
              .splitlines() if line.startswith("| HeLoCo beats MLA"))
-  assert "| **not reproduced** | mild vs mla: window +4.00% [-0.97, +8.97] unclear;" in row
+  assert ("| **not reproduced** | **not reproduced** | – | mild vs mla: window +4.00% "
+          "[-0.97, +8.97] unclear, p 0.074, Holm p 0.074;") in row
 
 
 def test_time_table_uses_the_token_runs_of_async_methods_and_diloco_own_run():
@@ -181,10 +192,11 @@ def test_claims_compare_heloco_with_delayed_nesterov_at_its_tuned_lr_too():
   claims = science.claims_table(results).splitlines()
   authors_row = next(line for line in claims if line.startswith("| HeLoCo beats async"))
   assert "mixed vs delayed_nesterov: " in authors_row and "+15.38% (3/3)" in authors_row
-  tuned_row = next(line for line in claims if "DN's best outer lr here (1.12, × 16" in line)
+  tuned_row = next(line for line in claims if "DN at outer lr 1.12 (× 16 the authors'), the "
+                   "best of its check on mixed paces, seed 0" in line)
   # mean 5.5 against 5.5: +0.00%, HeLoCo lower on 1 of 3 seeds
-  assert "| **not reproduced** | mixed: window " in tuned_row
-  assert tuned_row.endswith(" unclear; +0.00% / +0.00% / +0.00% (1/3) |")
+  assert "| **not reproduced** | **not reproduced** | – | mixed: window " in tuned_row
+  assert tuned_row.endswith(" unclear, p 0.929, Holm p 0.929; +0.00% / +0.00% / +0.00% (1/3) |")
 
 
 def _palsgd(c, name, seed, final, seconds_per_eval):
@@ -234,9 +246,9 @@ def test_palsgd_crossover_is_the_c_from_which_palsgd_stays_faster():
   assert verdict == "**partly**" and "c=0: -10.0%" in measured and "c=0.25: +10.9%" in measured
   claims = science.claims_table(results + fast)
   assert "at DiLoCo's outer lr 0.7 instead of the authors' 0.1 (not their setting) | 21.1–24.4% " \
-      "faster | **partly** |" in claims
+      f"faster | {science.REJUDGED} | 3 per c | **partly** | – | – |" in claims
   assert "| PALSGD trains faster than DDP (time to DDP's final loss) | 21.1–24.4% faster | " \
-      "**partly** |" in claims  # the authors' setting, from ``results``
+      f"{science.REJUDGED} | 3 per c | **partly** |" in claims  # the authors' setting
   row = next(line for line in table.splitlines() if line.startswith("| 0.25 |")).split(" | ")
   assert row[-3:] == ["45", "+10.9%", "3 |"]  # 4 evals of 11.1375 s vs DDP's 50 s
 
@@ -284,10 +296,11 @@ def test_palsgd_fairly_takes_the_tuned_ddps_loss_as_the_target_and_its_time_as_t
   claims = science.claims_table(results)
   assert ("| PALSGD trains faster than DDP (time to DDP's final loss), DDP tuned for its own run "
           "(inner lr × 5, its decay over its own 781 steps); not their setting | 21.1–24.4% "
-          "faster | **not reproduced** |") in claims
+          f"faster | {science.PRE_REGISTERED} | 3 per c | **not reproduced** | – | – |") in claims
   # PALSGD at its swept best, judged at the one c it ran at: faster on every seed.
   assert ("781 steps), PALSGD at its best outer lr 0.3 and pull 0.1 (swept at c = 0.25 only); "
-          "not their setting | 21.1–24.4% faster | **reproduced** | faster than DDP by "
+          f"not their setting | 21.1–24.4% faster | {science.PRE_REGISTERED} | 3 per c | "
+          "**reproduced** | – | – | faster than DDP by "
           "c=0.25: +46.7% (mean over seeds) |") in claims
   monkeypatch.setattr(grids, "PALSGD_FAIR_BEST", (1.0, 0.2))  # not run yet: no row
   assert "PALSGD at its best outer lr" not in science.claims_table(results)
@@ -443,11 +456,14 @@ def test_variant_rows_judge_each_claim_on_the_jitter_vocab_and_heldout_runs():
   rows = science.variant_claim_rows(results)
   assert len(rows) == 2, rows
   assert rows[0].startswith("| HeLoCo beats MLA, wall-clock budget — jitter 0.2: each seed its "
-                            "own arrival schedule | up to +3.3% | **reproduced** | moderate vs "
+                            f"own arrival schedule | up to +3.3% | {science.PRE_REGISTERED} | "
+                            "3 of 5 | **reproduced** | **reproduced** | – | moderate vs "
                             "mla: window +3.00% [")
   assert rows[1].startswith("| HeLoCo beats synchronous DiLoCo, wall-clock budget, extreme "
                             "paces — a 50,257-id BPE (the authors' size) | up to +22.1% | "
-                            "**reversed** | severe vs diloco: window -2.14% [")
+                            f"{science.PRE_REGISTERED} | 3 of 3 | **reversed** | **reversed** | "
+                            "severe vs diloco: no tie shown (p 0.945) | severe vs diloco: "
+                            "window -2.14% [")
   # the claims table carries them, and the authors grid's own rows ignore them
   claims = science.claims_table(results)
   assert rows[0] in claims and "| HeLoCo beats MLA, wall-clock budget | up to +3.3% | **" \
@@ -474,8 +490,9 @@ def test_best_lr_rows_pick_each_methods_lowest_window_loss_per_preset_on_seed_0(
   row = next(r for r in science.variant_claim_rows(results) if "best outer lr" in r)
   # HeLoCo 4.60, 4.59, 4.58 against MLA at × 0.5 (4.5): significantly worse
   assert ("HeLoCo beats MLA, wall-clock budget — each method at its best outer lr here (× the "
-          "authors'), jitter 0.2; not their setting | up to +3.3% | **reversed** | severe vs mla "
-          "(× 1 vs × 0.5): window ") in row
+          "authors'), jitter 0.2; not their setting | up to +3.3% | "
+          f"{science.PRE_REGISTERED} | 3 of 5 | **reversed** | **reversed** | severe vs mla "
+          "(× 1 vs × 0.5): ") in row
 
 
 def test_skeptic_lr_table_gives_seed_0s_window_loss_per_factor_and_says_if_the_best_is_an_edge(
@@ -528,3 +545,313 @@ def test_the_cgad_lr_note_gives_each_eta_and_whether_the_grid_runs_at_the_best()
       "0.0003 **5.9000**, 0.001 6.1000; its grid runs at η = 0.0003 (the best here).")
   assert science.cgad_lr_note(results + [result(1.0, 5.0)]).endswith(
       "its grid runs at η = 0.0003 while the best here is 0.01.")
+
+
+# Issue 60: the Holm correction, the TOST and the symmetric seeds (science.py's docstring,
+# items 5–7), each against a computation by hand or by scipy.
+
+
+def test_holm_adjusts_a_family_step_down_as_computed_by_hand():
+  # sorted: 0.005·4 = 0.02, 0.01·3 = 0.03, 0.03·2 = 0.06, max(0.06, 0.04·1) = 0.06
+  assert science.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+  # rejected at 0.05: the two smallest only, though 0.04 < 0.05 alone (the procedure stops at
+  # 0.03 > 0.05 / 2)
+  assert [p < 0.05 for p in science.holm([0.01, 0.04, 0.03, 0.005])] == [True, False, False,
+                                                                        True]
+  assert science.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1, monotone
+  assert science.holm([0.2, 0.9]) == pytest.approx([0.4, 0.9])
+  assert science.holm([0.02]) == [0.02] and science.holm([0.3, 0.6, 0.9]) == pytest.approx(
+      [0.9, 1.0, 1.0])
+  assert science.holm([math.nan, 0.01]) == pytest.approx([1.0, 0.02])  # no test: p = 1
+
+
+def test_paired_p_and_tost_are_scipys_one_sample_t_tests():
+  gains = [0.2, 0.4, 0.3, 0.5, 0.1]
+  assert science.paired_p(gains) == pytest.approx(stats.ttest_1samp(gains, 0.0).pvalue)
+  # TOST ±1: the larger of the one-sided tests of mean > −1 and mean < +1
+  lower = stats.ttest_1samp(gains, -1.0, alternative="greater").pvalue
+  upper = stats.ttest_1samp(gains, 1.0, alternative="less").pvalue
+  assert science.tost_p(gains) == pytest.approx(max(lower, upper))
+  # by hand: mean 0.3, s = 0.158114, se = 0.0707107, t = (0.3 − 1) / se = −9.8995, df 4
+  assert science.tost_p(gains) == pytest.approx(stats.t.cdf(-9.8995, 4), rel=1e-4)
+  assert science.tost_p(gains) < 0.05  # the 90% CI 0.3 ± 2.1318·0.0707 lies inside ±1
+  # a mean of 0.5 with a wide spread: neither test rejects, no tie
+  wide = [-1.5, 2.5, 0.5]
+  assert science.tost_p(wide) == pytest.approx(max(
+      stats.ttest_1samp(wide, -1.0, alternative="greater").pvalue,
+      stats.ttest_1samp(wide, 1.0, alternative="less").pvalue)) and science.tost_p(wide) > 0.05
+  assert science.tost_p([0.1, 0.2, 0.3], margin=0.05) > 0.5  # the margin is a parameter
+  for f in (science.paired_p, science.tost_p):
+    assert math.isnan(f([1.0])) and math.isnan(f([0.5, 0.5]))
+
+
+def test_holm_verdict_and_ties_in_a_claims_row():
+  # MLA row, time table: mild gains 2, 3, 4 % (p 0.035), severe about 0 with ±1% noise
+  # (Holm-unclear; TOST: within ±1%).
+  results = _flat_cell((0.1, 0.15, 0.2), "mild", "mla")
+  results += _flat_cell((0.015, -0.01, 0.005), "severe", "mla")
+  cells, _ = science._claim_cells(  # pylint: disable=protected-access
+      results, "time", ("mild", "severe"), ("mla",))
+  mild, severe = cells
+  assert mild["p"] == pytest.approx(stats.ttest_1samp([2, 3, 4], 0).pvalue)
+  assert mild["category"] == "better" and severe["category"] == "unclear"
+  # Holm over the two: 0.035 · 2 = 0.070 > 0.05, so mild is no longer better
+  assert mild["p"] < severe["p"] and mild["p_holm"] == pytest.approx(2 * mild["p"])
+  assert mild["holm_category"] == "unclear" and mild["tie"] is None
+  assert severe["tie"] is True and severe["tost_p"] == pytest.approx(max(
+      stats.ttest_1samp([0.3, -0.2, 0.1], -1.0, alternative="greater").pvalue,
+      stats.ttest_1samp([0.3, -0.2, 0.1], 1.0, alternative="less").pvalue))
+  assert science.verdict(cells) == "**partly**"
+  label = lambda c: f"{c['preset']} vs {c['baseline']}"
+  assert science.holm_verdict(cells, label) == "**not reproduced**; tie within ±1%: severe vs mla"
+  row = next(line for line in science.claims_table(results).splitlines()
+             if line.startswith("| HeLoCo beats MLA"))
+  assert ("| **partly** | **not reproduced**; tie within ±1%: severe vs mla | severe vs mla: "
+          f"**tie** (p {severe['tost_p']:.3f}) |") in row
+
+
+def test_a_row_reads_the_planned_seeds_every_cell_has():
+  # severe vs MLA has seeds 0–4, mild vs MLA 0–2: the row reads 0–2 for both
+  results = _flat_cell((0.1, 0.15, 0.2), "mild", "mla")
+  results += _flat_cell((0.1, 0.1, 0.1, -0.3, -0.4), "severe", "mla")
+  assert science.row_seeds(results, "time", ("mild", "severe"), ("mla",)) == [0, 1, 2]
+  assert science.row_seeds(results, "time", ("severe",), ("mla",)) == [0, 1, 2, 3, 4]
+  assert science.row_seeds(results, "time", ("severe",), ("mla",), planned=(0, 1, 2)) == [0, 1, 2]
+  row = next(line for line in science.claims_table(results).splitlines()
+             if line.startswith("| HeLoCo beats MLA"))
+  assert "| 3 of 5 (seeds 3, 4 of 1 cell not read) |" in row
+  assert "severe vs mla: window +2.00% [" in row  # seeds 3 and 4 (−6%, −8%) are not read
+  with_all = results + _flat_cell((0.1, 0.15, 0.2, 0.1, 0.1), "mild", "mla")[6:]
+  row = next(line for line in science.claims_table(with_all).splitlines()
+             if line.startswith("| HeLoCo beats MLA"))
+  assert "| 5 of 5 |" in row and "severe vs mla: window -1.60% [" in row
+
+
+def test_the_window_table_judges_each_row_under_each_window():
+  # HeLoCo ahead only at the last evaluation: better at the final point alone
+  results = []
+  for seed in range(3):
+    results.append(_authors_run("tokens", "severe", "mla", seed, 5.0, curve=lambda f: 5.0))
+    results.append(_authors_run("tokens", "severe", "heloco", seed, 4.9 - 0.01 * seed,
+                                curve=lambda f: 5.2))
+  table = science.window_table(results).splitlines()
+  assert table[0] == ("| claim | final point | 25–100% | 50–100% (the rule) | whole curve "
+                      "(5–100%) |")
+  assert table[2] == ("| HeLoCo beats MLA, wall-clock budget | **reproduced**; Holm "
+                      "**reproduced** | **reversed**; Holm **reversed** | **reversed**; Holm "
+                      "**reversed** | **reversed**; Holm **reversed** |")
+  assert science.WINDOWS[0][1] == (1.0,) and len(science.WINDOWS[1][1]) == 16
+  assert science.WINDOWS[2][1] == science.WINDOW_FRACTIONS and len(science.WINDOWS[3][1]) == 20
+
+
+def test_scale_grid_rows_report_their_seeds_as_they_land(tmp_path):
+  def scale_run(method, seed, loss):
+    name = f"scale/tokens/severe/{method}/seed{seed}"
+    run = next(r for r in grids.grid("scale") if r.name == name)
+    t = science.run_time_budget(run)
+    evals = [{"tokens": int(f * grids.SCALE.tokens), "sim_time": f * t, "val_loss": loss}
+             for f in np.linspace(0, 1, 21)]
+    return analysis.Result(run, {"final_val_loss": loss, "wall_seconds": 3600.0}, evals, [])
+  results = [scale_run("mla", s, 5.0) for s in range(2)] + [scale_run("heloco", s, 4.9 - 0.01 * s)
+                                                           for s in range(2)]
+  assert science.run_time_budget(results[0].run) == pytest.approx(
+      grids.time_budget(grids.SCALE, "severe"))
+  row = next(r for r in science.variant_claim_rows(results) if "— scale:" in r)
+  assert row.startswith("| HeLoCo beats MLA, wall-clock budget — scale: d_model 512, 8 layers, "
+                        "a 50,257-id BPE, 81.9M tokens, jitter 0.2 (GPU) | up to +3.3% | "
+                        f"{science.PRE_REGISTERED} | 2 of 3 | pending (fewer than 3 seeds")
+  path = str(tmp_path / "RESULTS.md")
+  science.write_results(results, path, str(tmp_path / "figures"), "CMD", "NOTE", planned=10)
+  text = open(path).read()
+  assert ("0 of 10 runs are finished (0.0 core-hours, one core per run); the scale grid "
+          "(`--grid=scale`, for a GPU): 4 of 24 runs.") in text
+
+
+# The recompute: every number of the claims table's HeLoCo rows and every verdict of the window
+# table, computed again from the digests' JSON with numpy and scipy alone (the audit's kind).
+_RESULTS = os.path.join(os.path.dirname(__file__), "..", "experiments", "results")
+_CLAIMS = {  # claim -> (table, baselines)
+    "HeLoCo beats async DiLoCo (Nesterov, Delayed Nesterov), token budget":
+        ("tokens", ("async_nesterov", "delayed_nesterov")),
+    "HeLoCo beats MLA, wall-clock budget": ("time", ("mla",)),
+    "HeLoCo beats synchronous DiLoCo, wall-clock budget, extreme paces": ("time", ("diloco",)),
+    "HeLoCo beats CGAD, token budget (CGAD's η tuned here)": ("tokens", ("cgad",)),
+    "HeLoCo beats CGAD, wall-clock budget (CGAD's η tuned here)": ("time", ("cgad",)),
+}
+_PRESETS = ("homogeneous", "mild", "moderate", "severe", "mixed")
+# Seconds per step of each worker (heloco_jax.clock's presets, ALGORITHMS.md).
+_SECONDS = {"homogeneous": [1] * 5, "mild": [1, 1, 1, 2, 2], "moderate": [1, 6, 6, 6, 6],
+            "severe": [1, 15, 15, 15, 15], "mixed": [1, 2, 3, 1, 5]}
+
+
+def _digest(path):
+  full = os.path.join(_RESULTS, path + ".json")
+  if not os.path.exists(full):
+    return None
+  with open(full) as f:
+    return json.load(f)
+
+
+def _run_path(kind, table, preset, method, seed, factor=1.0):
+  """The digest of a cell's run: its own table's (sync DiLoCo's time run in the time table,
+  everything else the token run), under the row's kind of runs."""
+  own = "time" if table == "time" and method == "diloco" else "tokens"
+  if kind == "best lr" and factor != 1.0:
+    return f"skeptic/lr/{own}/{preset}/{method}/x{factor:g}/seed{seed}"
+  prefix = {"authors": "authors", "dn_tuned": "authors/dn_tuned", "best lr": "skeptic/jitter",
+            "jitter": "skeptic/jitter", "vocab": "skeptic/vocab50257",
+            "heldout": "skeptic/heldout"}[kind]
+  if kind == "dn_tuned" and method != "delayed_nesterov":
+    prefix = "authors"
+  return f"{prefix}/{own}/{preset}/{method}/seed{seed}"
+
+
+def _loss(digest, table, preset, fraction):
+  """The validation loss at ``fraction`` of the budget: the token table's evaluation nearest
+  to it (the summary's at 100%), the time table's interpolated at fraction·T."""
+  if table == "tokens":
+    if fraction >= 1:
+      return digest["summary"]["final_val_loss"]
+    return min(digest["evals"], key=lambda e: abs(e["tokens"] - fraction * 2_560_000))["val_loss"]
+  t = 2_560_000 / (2 * 128 * sum(1 / s for s in _SECONDS[preset]))
+  return float(np.interp(fraction * t, [e["sim_time"] for e in digest["evals"]],
+                         [e["val_loss"] for e in digest["evals"]]))
+
+
+def _p_text(p):
+  return "–" if not np.isfinite(p) else "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _holm_by_hand(ps):
+  ps = [1.0 if not np.isfinite(p) else p for p in ps]
+  order = sorted(range(len(ps)), key=lambda i: ps[i])
+  out, running = [0.0] * len(ps), 0.0
+  for rank, i in enumerate(order):
+    running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+    out[i] = running
+  return out
+
+
+def _verdict_by_hand(kinds):
+  if all(k == "better" for k in kinds):
+    return "**reproduced**"
+  if "better" in kinds:
+    return "**partly**"
+  return "**reversed**" if "worse" in kinds else "**not reproduced**"
+
+
+def _recompute_row(kind, table, cells, planned, fractions):
+  """(seeds, per cell: dict of the numbers the row prints) for ``cells`` ((preset, baseline,
+  HeLoCo's factor, the baseline's factor))."""
+  have = []
+  for preset, baseline, hf, bf in cells:
+    seeds = [s for s in range(10) if _digest(_run_path(kind, table, preset, "heloco", s, hf))
+             and _digest(_run_path(kind, table, preset, baseline, s, bf))]
+    have.append(set(seeds))
+  seeds = sorted(set.intersection(*have) & set(range(planned)))
+  out = []
+  for preset, baseline, hf, bf in cells:
+    h = {s: _digest(_run_path(kind, table, preset, "heloco", s, hf)) for s in seeds}
+    b = {s: _digest(_run_path(kind, table, preset, baseline, s, bf)) for s in seeds}
+    gains = np.array([[100 * (_loss(b[s], table, preset, f) - _loss(h[s], table, preset, f))
+                       / _loss(b[s], table, preset, f) for s in seeds] for f in fractions])
+    x = gains.mean(axis=0)
+    low, high = stats.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=stats.sem(x))
+    points = []
+    for f in (0.25, 0.5, 1.0):
+      hm = np.mean([_loss(h[s], table, preset, f) for s in seeds])
+      bm = np.mean([_loss(b[s], table, preset, f) for s in seeds])
+      points.append(100 * (bm - hm) / bm)
+    wins = sum(_loss(h[s], table, preset, 1.0) < _loss(b[s], table, preset, 1.0) for s in seeds)
+    tost = max(stats.ttest_1samp(x, -1.0, alternative="greater").pvalue,
+               stats.ttest_1samp(x, 1.0, alternative="less").pvalue)
+    out.append({"gain": x.mean(), "low": low, "high": high,
+                "category": "better" if low > 0 else "worse" if high < 0 else "unclear",
+                "p": stats.ttest_1samp(x, 0.0).pvalue, "points": points, "wins": wins,
+                "seeds": len(seeds), "tost": tost, "preset": preset})
+  for cell, p in zip(out, _holm_by_hand([c["p"] for c in out])):
+    cell["p_holm"] = p
+    cell["holm"] = ("unclear" if p >= 0.05 else "better" if cell["gain"] > 0 else "worse")
+  return seeds, out
+
+
+_CELL = re.compile(r"^(?P<preset>\w+)(?: vs (?P<baseline>\w+))?(?: \(× (?P<hf>[\d.]+) vs "
+                   r"× (?P<bf>[\d.]+)\))?: window ")
+
+
+def _row_kind(name):
+  """(claim, kind of runs) of a claims row by its name."""
+  if name.startswith("HeLoCo beats Delayed Nesterov, token budget, DN at outer lr"):
+    return "HeLoCo beats DN", "dn_tuned"
+  claim, _, variant = name.partition(" — ")
+  kind = ("authors" if not variant else "jitter" if variant.startswith("jitter") else "vocab"
+          if "50,257" in variant else "heldout" if variant.startswith("held-out") else "best lr")
+  return claim, kind
+
+
+def test_every_number_of_the_claims_table_recomputes_from_the_digests():
+  runs = grids.family("science")
+  results = analysis.load("", runs, _RESULTS)
+  assert len(results) >= 580
+  claims = [line for line in science.claims_table(results).splitlines()
+            if line.startswith("| HeLoCo beats")]
+  assert len(claims) >= 18
+  checked = 0
+  for line in claims:
+    name, _, rule, seeds_text, plain, holm_text, tost_text, text = line[2:-2].split(" | ")
+    claim, kind = _row_kind(name)
+    table, baselines = _CLAIMS.get(claim, ("tokens", ("delayed_nesterov",)))
+    assert rule == (science.REJUDGED if kind in ("authors", "dn_tuned") and "CGAD" not in claim
+                    else science.PRE_REGISTERED), name
+    planned = int(re.match(r"\d+ of (\d+)", seeds_text).group(1))
+    assert planned == (3 if kind in ("vocab", "heldout") else 5), name
+    parts = [p for p in text.split("; ") if not p.startswith("inner lr ")]
+    cells_text = [(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    cells = []
+    for head, _ in cells_text:
+      m = _CELL.match(head)
+      cells.append((m["preset"], m["baseline"] or baselines[0], float(m["hf"] or 1),
+                    float(m["bf"] or 1)))
+    # every cell with runs is in the row, and no other
+    presets = {"authors": _PRESETS, "dn_tuned": _PRESETS, "vocab": ("severe", "mixed")}.get(
+        kind, ("moderate", "severe"))
+    if claim.endswith("extreme paces"):
+      presets = ("severe",)
+    expected = [(p, b) for p in presets for b in baselines
+                if any(_digest(_run_path(kind, table, p, b, s, f))
+                       for s in range(3) for f in (1.0, 0.5, 8.0))]
+    assert [(c[0], c[1]) for c in cells] == expected, name
+    seeds, numbers = _recompute_row(kind, table, cells, planned, science.WINDOW_FRACTIONS)
+    assert seeds_text.startswith(f"{len(seeds)} of {planned}")
+    for (head, points), n in zip(cells_text, numbers):
+      assert head.endswith(
+          f"window {n['gain']:+.2f}% [{n['low']:+.2f}, {n['high']:+.2f}] {n['category']}, "
+          f"p {_p_text(n['p'])}, Holm p {_p_text(n['p_holm'])}"), (name, head, n)
+      assert points == (" / ".join(f"{g:+.2f}%" for g in n["points"])
+                        + f" ({n['wins']}/{n['seeds']})"), (name, points, n)
+      checked += 1
+    assert plain == _verdict_by_hand([n["category"] for n in numbers]), name
+    assert holm_text.startswith(_verdict_by_hand([n["holm"] for n in numbers])), name
+    severe = [(head.split(": window")[0], n) for (head, _), n in zip(cells_text, numbers)
+              if n["preset"] == "severe"]
+    assert tost_text == "; ".join(
+        f"{label}: {'**tie**' if n['tost'] < 0.05 else 'no tie shown'} (p {_p_text(n['tost'])})"
+        for label, n in severe), name
+  assert checked >= 50
+  # the window table: each row's verdicts under each window, recomputed the same way
+  rows = {line[2:-2].split(" | ")[0]: line[2:-2].split(" | ")[1:]
+          for line in science.window_table(results).splitlines()[2:]}
+  for line in claims:
+    name, text = line[2:-2].split(" | ")[0], line[2:-2].split(" | ")[7]
+    claim, kind = _row_kind(name)
+    table, baselines = _CLAIMS.get(claim, ("tokens", ("delayed_nesterov",)))
+    planned = 3 if kind in ("vocab", "heldout") else 5
+    cells = []
+    for head in [p for p in text.split("; ") if " window " in p]:
+      m = _CELL.match(head)
+      cells.append((m["preset"], m["baseline"] or baselines[0], float(m["hf"] or 1),
+                    float(m["bf"] or 1)))
+    for (label, fractions), found in zip(science.WINDOWS, rows[name]):
+      _, numbers = _recompute_row(kind, table, cells, planned, fractions)
+      assert found == (f"{_verdict_by_hand([n['category'] for n in numbers])}; Holm "
+                       f"{_verdict_by_hand([n['holm'] for n in numbers])}"), (name, label)
