@@ -43,16 +43,19 @@ def refuse_links_below(directory: str) -> None:
 
 
 def make_dirs(directory: str) -> None:
-  """``os.makedirs(directory, exist_ok=True)``; a link in its place is refused."""
+  """``os.makedirs(directory, exist_ok=True)``; a link in its place is refused (before and
+  after, so that a link swapped in meanwhile is caught)."""
   refuse_link(directory)
   os.makedirs(directory, exist_ok=True)
   refuse_link(directory)
 
 
-def open_fd(path: str, flags: int, mode: int = 0o644) -> int:
-  """``os.open`` with ``O_NOFOLLOW``: a link at ``path`` is a ``LinkError``."""
+def open_fd(path: str, flags: int, mode: int = 0o644, follow_links: bool = False) -> int:
+  """``os.open`` with ``O_NOFOLLOW`` (unless ``follow_links``): a link at ``path`` is a
+  ``LinkError``."""
+  nofollow = 0 if follow_links else os.O_NOFOLLOW
   try:
-    return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    return os.open(path, flags | nofollow | getattr(os, "O_CLOEXEC", 0), mode)
   except OSError as error:
     if error.errno == errno.ELOOP:
       raise _refusal(path) from None

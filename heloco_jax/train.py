@@ -47,7 +47,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from absl import flags
 from ml_collections import config_flags
@@ -258,6 +258,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stderr = stderr
 
 
+def _check_same_command(config: Any) -> None:
+  """Refuses, on every process, a ``jax.distributed`` run whose processes resolved other
+  configs (all keys but ``distributed.process_id`` and the coordinator) or share a
+  ``process_id``."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from heloco_jax import processes  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    return
+  ids = processes.exchange("process ids", str(config.distributed.process_id))
+  if len(set(ids)) < len(ids):
+    raise processes.ProcessesError(
+        f"config.distributed.process_id: the processes gave {', '.join(ids)}; allowed: "
+        f"each of 0 … {len(ids) - 1} once")
+  shared = config.copy_and_resolve_references()
+  with shared.unlocked():
+    shared.distributed.process_id = 0
+    shared.distributed.coordinator = ""
+  digest = hashlib.sha256(shared.to_json_best_effort(sort_keys=True).encode()).hexdigest()
+  processes.check_same("resolved configs", digest)
+
+
 def _main(argv: list[str]) -> int:
   if any(arg in ("-h", "--help", "--helpfull", "help") for arg in argv):
     from heloco_jax.configs import default, help as config_help  # pylint: disable=g-import-not-at-top
@@ -302,6 +324,10 @@ def _main(argv: list[str]) -> int:
   except ValueError as error:  # safe_files.LinkError
     return _error(f"--compilation_cache: {error}")
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  try:  # the processes of a jax.distributed run: one command but process_id (FAILURES.md)
+    _check_same_command(config)
+  except RuntimeError as error:  # processes.ProcessesError
+    return _error(str(error))
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
   directory = api.Workdir(workdir, keep_checkpoints=config.keep_checkpoints,

@@ -30,6 +30,7 @@ null.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -38,13 +39,13 @@ import os
 import socket
 import uuid
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from heloco_jax import checkpoint, safe_files
+from heloco_jax import checkpoint, processes, safe_files
 
 Row = dict[str, Any]
 
@@ -107,10 +108,12 @@ class WorkdirLock:
     WorkdirError: another process holds the lock.
   """
 
-  def __init__(self, path: str, flag: str, workdir: str):
+  def __init__(self, path: str, flag: str, workdir: str, follow_links: bool = True):
     import fcntl  # pylint: disable=g-import-not-at-top  (POSIX)
     self.path, self.workdir, self.flag = path, workdir, flag
-    self._dir = os.open(workdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    self._dir = None
+    self._dir = safe_files.open_fd(workdir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0),
+                                   follow_links=follow_links)
     previous = self._read()
     try:
       fcntl.flock(self._dir, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -257,28 +260,38 @@ class RunDirectory:
     self.path = path if self.process == 0 else os.path.join(path, f"process_{self.process}")
     self._config_json = config_json
     self._defaults = json.loads(defaults_json) if defaults_json else None
-    try:  # nothing the run writes may go through a link
-      for name in RUN_FILES:
-        safe_files.refuse_link(self._file(name))
-      for name in RUN_DIRS:
-        if os.path.lexists(self._file(name)):
-          safe_files.refuse_links_below(self._file(name))
-    except safe_files.LinkError as error:
-      raise WorkdirError(f"{flag}={path!r}: {error}") from None
-    if os.path.exists(self._file("summary.json")):
-      raise WorkdirError(f"{flag}={path!r} already holds a finished run (summary.json); "
-                         "allowed: a new directory, or one holding an unfinished run to resume.")
+    self._flag, self._given = flag, path
     checkpoints_dir = os.path.join(path, "checkpoints")  # one for every process
     self.checkpointer: Optional[checkpoint.Checkpointer] = None
     self.lock: Optional[WorkdirLock] = None
     self._metrics = None
     self.rows_written = 0
-    try:
-      os.makedirs(self.path, exist_ok=True)
-      self.lock = WorkdirLock(self._file("lock"), flag, self.path)
+    # Each process checks its part, then all agree before anything collective (orbax's
+    # manager, the run id): one refusal stops every process (docs/FAILURES.md).
+    with self._agreed("opening the workdir"):
+      # nothing the run writes may go through a link, nor DIR/process_i be one
+      if self.process > 0:
+        safe_files.refuse_link(self.path)
+      safe_files.refuse_link(checkpoints_dir)
+      for name in RUN_FILES:
+        safe_files.refuse_link(self._file(name))
+      for name in RUN_DIRS:
+        if os.path.lexists(self._file(name)):
+          safe_files.refuse_links_below(self._file(name))
+      if os.path.exists(self._file("summary.json")):
+        raise WorkdirError(f"{flag}={path!r} already holds a finished run (summary.json); "
+                           "allowed: a new directory, or one holding an unfinished run to "
+                           "resume.")
+      if self.process > 0:  # DIR/process_i: made here, never through a link
+        os.makedirs(path, exist_ok=True)
+        safe_files.make_dirs(self.path)
+      else:
+        os.makedirs(self.path, exist_ok=True)
+      self.lock = WorkdirLock(self._file("lock"), flag, self.path,
+                              follow_links=self.process == 0)
+    with self._agreed("reading the checkpoints"):
       if checkpoint_every > 0 or os.path.isdir(checkpoints_dir):
         self.checkpointer = checkpoint.Checkpointer(checkpoints_dir, keep=keep_checkpoints)
-      self.run_id = _run_id_of_process_0(self._run_id())
       if self.checkpointer is not None and self.checkpointer.steps():
         if not os.path.exists(self._file("config.json")):
           raise WorkdirError(f"{checkpoints_dir} holds checkpoints but "
@@ -293,14 +306,33 @@ class RunDirectory:
               f"{', '.join(differences)}. Use a new {flag}{instead}.")
       # config.json is replaced only once a resume has succeeded (``restore``): a
       # failed --allow_config_change leaves the workdir's own config in place.
-    except (OSError, checkpoint.CheckpointError, WorkdirError, safe_files.LinkError) as error:
+    with self._agreed("agreeing on the run id"):
+      self.run_id = _run_id_of_process_0(self._run_id())
+
+  @contextlib.contextmanager
+  def _agreed(self, step: str) -> Iterator[None]:
+    """Runs the block; a failure in it (on this process or, in a ``jax.distributed`` run,
+    on any other) closes the workdir and raises a one-line ``WorkdirError``."""
+    error: Optional[BaseException] = None
+    try:
+      yield
+    except (OSError, checkpoint.CheckpointError, WorkdirError, safe_files.LinkError) as raised:
+      if isinstance(raised, WorkdirError):
+        error = raised
+      elif isinstance(raised, safe_files.LinkError):
+        error = WorkdirError(f"{self._flag}={self._given!r}: {raised}")
+      else:
+        error = WorkdirError(f"{self._flag}={self._given!r} is not writable: "
+                             f"{getattr(raised, 'strerror', 0) or raised}")
+    try:
+      processes.agree(step, error)
+    except processes.ProcessesError as other:
+      error = WorkdirError(str(other))
+    except WorkdirError as own:
+      error = own
+    if error is not None:
       self.close()
-      if isinstance(error, WorkdirError):
-        raise
-      if isinstance(error, safe_files.LinkError):
-        raise WorkdirError(f"{flag}={path!r}: {error}") from None
-      raise WorkdirError(f"{flag}={path!r} is not writable: "
-                         f"{getattr(error, 'strerror', 0) or error}") from None
+      raise error from None
 
   def _file(self, name: str) -> str:
     return os.path.join(self.path, name)

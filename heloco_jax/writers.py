@@ -20,6 +20,8 @@ import importlib.util
 import os
 from typing import Any, Callable, Optional, Sequence
 
+from heloco_jax import safe_files
+
 Row = dict[str, Any]
 
 # Arrival-row fields written as scalars (tag: field); HeLoCo's λ and β are its mean rotation
@@ -152,6 +154,8 @@ def for_workdir(names: Sequence[str], workdir: str,
   extra = []
   if "tensorboard" in names:
     logdir = os.path.join(workdir, "tensorboard")
+    safe_files.make_dirs(logdir)  # never writes or deletes through a link
+    safe_files.refuse_links_below(logdir)
     if os.path.isdir(logdir):
       for name in os.listdir(logdir):
         if name.startswith("events.out.tfevents."):

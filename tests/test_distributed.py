@@ -167,3 +167,63 @@ def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
       r["val_loss"] for r in _rows(tmp_path / "whole")]
   assert [r["val_loss"] for r in _rows(killed / "process_1")] == [
       r["val_loss"] for r in _rows(tmp_path / "whole")]
+
+
+_CPU2 = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+_DILOCO = ["--config.method=diloco", "--config.num_workers=2", "--config.budget.tokens=3072",
+           *TINY]
+
+
+def test_a_link_at_process_1s_folder_stops_both_processes_and_writes_nothing_through_it(
+    tmp_path):
+  """Issue 61, security: DIR/process_1 a link to another folder (the README's two-process
+  command with --workdir=DIR). Before: process 1 wrote config.json, lock, run_id, summary.json
+  and tensorboard/ there and rewrote its metrics.jsonl; process 0 ran."""
+  outside = tmp_path / "victim"
+  outside.mkdir()
+  (outside / "metrics.jsonl").write_text('{"event": "eval"}\n' * 68)
+  before = {p.name: p.read_bytes() for p in outside.iterdir()}
+  run = tmp_path / "D"
+  run.mkdir()
+  os.symlink(outside, run / "process_1")
+  start = time.monotonic()
+  codes, outputs = run_processes(_commands(run, _DILOCO), {**os.environ, **_CPU2}, timeout=200)
+  assert codes == [2, 2], outputs
+  assert time.monotonic() - start < 120  # process 0 does not wait for a peer that stopped
+  assert "process_1 is a symbolic link" in outputs[1]
+  assert "process 1 refused the run" in outputs[0] and "process_1 is a symbolic link" in outputs[0]
+  assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+  assert not (run / "summary.json").exists()
+
+
+def test_processes_started_with_other_configs_are_refused_before_any_step(tmp_path):
+  commands = _commands(tmp_path / "run", _DILOCO)
+  commands[1].append("--config.inner_steps=3")  # before: gloo aborted ("Received data size")
+  codes, outputs = run_processes(commands, {**os.environ, **_CPU2}, timeout=200)
+  assert codes == [2, 2], outputs
+  for output in outputs:
+    assert "the processes' resolved configs differ: process 1 against process 0" in output
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_second_process_0_is_refused_in_one_line(tmp_path):
+  """Before: two processes with process_id=0 waited for peers until killed."""
+  command = _commands(tmp_path / "run", _DILOCO)[0]
+  env = {**os.environ, **_CPU2}
+  first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    port = int(command[-3].rsplit(":", 1)[1])
+    deadline = time.monotonic() + 60
+    while True:  # until process 0 serves the coordinator
+      with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+          break
+      assert time.monotonic() < deadline
+      time.sleep(0.2)
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+  finally:
+    first.kill()
+    first.wait()
+  assert second.returncode == 2
+  assert "something already listens at 127.0.0.1:" in second.stderr
+  assert "each process_id once" in second.stderr

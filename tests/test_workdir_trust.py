@@ -214,3 +214,67 @@ def test_a_checkpoint_whose_metadata_lost_its_checksum_is_not_trusted(tmp_path):
   with pytest.warns(UserWarning, match=f"checkpoint {steps[-1]}: its metadata fails its checksum"):
     resumed = _simulate(run)
   assert resumed.summary["steps"] <= 40
+
+
+def _victim_dir(tmp_path):
+  """A folder outside the run holding a metrics.jsonl of known bytes; (folder, its bytes)."""
+  outside = tmp_path / "victim_dir"
+  outside.mkdir()
+  (outside / "metrics.jsonl").write_text('{"event": "eval", "val_loss": 1.0}\n' * 30)
+  return outside, {name: (outside / name).read_bytes() for name in os.listdir(outside)}
+
+
+def test_process_i_of_a_multiprocess_run_refuses_a_link_at_its_folder(tmp_path, monkeypatch):
+  """Issue 61: DIR/process_1 a link to another folder; process 1 writes nothing there."""
+  outside, before = _victim_dir(tmp_path)
+  run = tmp_path / "run"
+  run.mkdir()
+  os.symlink(outside, run / "process_1")
+  monkeypatch.setattr(workdir_lib.jax, "process_index", lambda: 1)
+  with pytest.raises(hj.WorkdirError, match="process_1 is a symbolic link"):
+    workdir_lib.RunDirectory(str(run), "{}", checkpoint_every=2, flag="workdir")
+  assert {name: (outside / name).read_bytes() for name in os.listdir(outside)} == before
+
+
+def test_process_i_refuses_a_link_at_the_shared_checkpoints_folder(tmp_path, monkeypatch):
+  outside, before = _victim_dir(tmp_path)
+  run = tmp_path / "run"
+  run.mkdir()
+  os.symlink(outside, run / "checkpoints")
+  monkeypatch.setattr(workdir_lib.jax, "process_index", lambda: 1)
+  with pytest.raises(hj.WorkdirError, match="checkpoints is a symbolic link"):
+    workdir_lib.RunDirectory(str(run), "{}", checkpoint_every=2, flag="workdir")
+  assert {name: (outside / name).read_bytes() for name in os.listdir(outside)} == before
+  assert not (run / "process_1").exists()
+
+
+def test_the_tensorboard_writer_refuses_a_link_made_after_the_run_started(tmp_path):
+  from heloco_jax import writers  # pylint: disable=g-import-not-at-top
+  outside, before = _victim_dir(tmp_path)
+  (outside / "events.out.tfevents.1.host").write_bytes(b"someone's events")
+  before = {name: (outside / name).read_bytes() for name in os.listdir(outside)}
+  run = tmp_path / "run"
+  run.mkdir()
+  os.symlink(outside, run / "tensorboard")
+  with pytest.raises(safe_files.LinkError, match="tensorboard is a symbolic link"):
+    writers.for_workdir(["jsonl", "tensorboard"], str(run))
+  assert {name: (outside / name).read_bytes() for name in os.listdir(outside)} == before
+
+
+def test_the_ray_token_this_library_makes_is_private(tmp_path, monkeypatch):
+  from heloco_jax.runtime import ray as ray_runtime  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("HOME", str(tmp_path))
+  for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+    monkeypatch.delenv(name, raising=False)
+  ray_runtime._make_private_token()  # pylint: disable=protected-access
+  token = tmp_path / ".ray" / "auth_token"
+  assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text()) == 64
+  first = token.read_text()
+  ray_runtime._make_private_token()  # pylint: disable=protected-access
+  assert token.read_text() == first  # an existing token is left as it is
+  token.unlink()
+  victim = tmp_path / "victim"
+  victim.write_text(VICTIM_TEXT)
+  os.symlink(victim, token)  # a link where the token goes: never written through
+  ray_runtime._make_private_token()  # pylint: disable=protected-access
+  assert victim.read_text() == VICTIM_TEXT

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import errno
 import math
+import socket
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -142,8 +144,27 @@ def initialize_distributed(config: Any) -> None:
   if dist.coordinator == "auto":
     jax.distributed.initialize()
   else:
+    if dist.process_id == 0:
+      _refuse_a_second_process_0(dist.coordinator)
     jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
                                process_id=dist.process_id)
+
+
+def _refuse_a_second_process_0(coordinator: str) -> None:
+  """A RuntimeError when something already listens at ``coordinator`` on this host: process 0
+  serves the coordinator there, so a second process 0 would wait for peers forever (JAX's
+  server shares the port). A coordinator on another host is not checked."""
+  host, _, port = coordinator.rpartition(":")
+  family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+  with socket.socket(family, socket.SOCK_STREAM) as probe:
+    try:
+      probe.bind((host.strip("[]"), int(port)))
+    except OSError as error:
+      if error.errno == errno.EADDRINUSE:
+        raise RuntimeError(
+            f"something already listens at {coordinator} (another process with "
+            "config.distributed.process_id=0?); allowed: each process_id once, and a free "
+            "port for process 0") from None
 
 
 class DeviceExecutor(base.OneProcess):

@@ -54,7 +54,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from heloco_jax import inner as inner_lib, server as server_lib, sharding
+from heloco_jax import inner as inner_lib, safe_files, server as server_lib, sharding
 from heloco_jax.runtime import base, devices as devices_lib, simulated
 
 INSTALL_HINT = "pip install 'heloco-jax[ray]'"
@@ -287,6 +287,30 @@ def _check_local_instance_authenticated() -> None:
         "cluster you secured with ray.address=HOST:PORT (docs/DESIGN.md)")
 
 
+def _make_private_token() -> None:
+  """Ray's token for a new local instance, made 0600 before ``ray.init`` would make it 0644.
+
+  Ray (2.60) writes ``~/.ray/auth_token`` with the umask's mode, readable by every user of
+  the machine, who could then run code in the instance. Where Ray would make one (token
+  mode, no ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``, no file yet), this makes it first,
+  as Ray does (256 random bits in hex) but 0600 and never through a link; Ray then reads it.
+  An existing token file is the user's and is left as it is."""
+  import secrets  # pylint: disable=g-import-not-at-top
+  if (os.environ.get("RAY_AUTH_MODE", "token").strip().lower() != "token"
+      or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+    return
+  path = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+  if os.path.lexists(path):
+    return
+  os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+  try:
+    fd = safe_files.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  except FileExistsError:  # made meanwhile by another process: theirs
+    return
+  with os.fdopen(fd, "w") as f:
+    f.write(secrets.token_hex(32))
+
+
 class RayExecutor(base.OneProcess):
   """A run's work on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
@@ -312,6 +336,7 @@ class RayExecutor(base.OneProcess):
       _check_reachable(options.address)
     if self._started and not options.address:  # a local instance: docs/DESIGN.md
       _check_local_instance_authenticated()
+      _make_private_token()
     if self._started:
       with warnings.catch_warnings():  # Ray forks and at once execs its processes: no hazard
         warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)

@@ -1,0 +1,93 @@
+"""What the processes of a ``jax.distributed`` run agree on before any step.
+
+docs/FAILURES.md, "Several processes". A process that refuses its part of a run (a link at
+``DIR/process_i``, another config) must not leave the others waiting in a collective that
+never completes. So each such check ends with ``exchange``: every process publishes a short
+text in the coordination service's key-value store (the one ``jax.distributed`` starts)
+and reads every other process's, each read bounded by ``timeout_s``; a process that does
+not answer in time is named, and so is one that refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import jax
+
+# A run exchanges a few values at its start; each exchange gets keys of its own.
+_ROUNDS = itertools.count()
+TIMEOUT_S = 120.0
+
+
+class ProcessesError(RuntimeError):
+  """The processes of a ``jax.distributed`` run disagree, or one did not answer in time."""
+
+
+def _client():
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top  (JAX's own KV store)
+  client = distributed.global_state.client
+  if client is None:
+    raise ProcessesError("jax.distributed is not initialised; allowed: "
+                         "config.distributed.coordinator set on every process")
+  return client
+
+
+def exchange(name: str, value: str, timeout_s: float = TIMEOUT_S) -> list[str]:
+  """Every process's ``value`` for ``name``, in process order (``[value]`` alone).
+
+  Raises:
+    ProcessesError: a process did not publish its value within ``timeout_s`` (it died, or
+      refused the run before this point without publishing), naming it.
+  """
+  if jax.process_count() == 1:
+    return [value]
+  client, me = _client(), jax.process_index()
+  key = f"heloco_jax/{next(_ROUNDS)}/{name}"
+  client.key_value_set(f"{key}/{me}", value)
+  values = []
+  for i in range(jax.process_count()):
+    if i == me:
+      values.append(value)
+      continue
+    try:
+      values.append(client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1000)))
+    except Exception:  # pylint: disable=broad-except  (XlaRuntimeError: DEADLINE_EXCEEDED, …)
+      raise ProcessesError(
+          f"process {i} of {jax.process_count()} did not reach '{name}' within "
+          f"{timeout_s:g} s (it stopped, or was started with other arguments); this "
+          f"process {me} stops too") from None
+  return values
+
+
+def agree(name: str, error: Optional[BaseException], timeout_s: float = TIMEOUT_S) -> None:
+  """Raises on every process when any process had ``error`` at the check ``name``.
+
+  This process's own ``error`` is raised as it is; another's as ``ProcessesError``
+  naming that process and its one-line message.
+  """
+  first_line = "" if error is None else (str(error).splitlines() or [type(error).__name__])[0]
+  try:
+    values = exchange(name, first_line or ("" if error is None else type(error).__name__),
+                      timeout_s)
+  except ProcessesError:
+    if error is not None:
+      raise error from None
+    raise
+  if error is not None:
+    raise error
+  for i, message in enumerate(values):
+    if message:
+      raise ProcessesError(f"process {i} refused the run at '{name}': {message}")
+
+
+def check_same(name: str, value: str, timeout_s: float = TIMEOUT_S) -> None:
+  """Raises ``ProcessesError`` on every process unless every process has the same
+  ``value`` for ``name`` (e.g. a hash of the resolved config), naming the ones that differ."""
+  values = exchange(name, value, timeout_s)
+  differing = [i for i, v in enumerate(values) if v != values[0]]
+  if differing:
+    raise ProcessesError(
+        f"the processes' {name} differ: process{'es' if len(differing) > 1 else ''} "
+        f"{', '.join(map(str, differing))} against process 0; allowed: the same command "
+        "on every process but config.distributed.process_id")
