@@ -380,11 +380,14 @@ def _seeds_text(cells: Sequence[dict[str, Any]], available: dict[str, list[int]]
   text = f"{used} of {len(planned)}"
   unread = {label: [s for s in seeds if s not in cells[0]["seed_list"]]
             for label, seeds in available.items()} if cells else {}
-  unread = {label: seeds for label, seeds in unread.items() if seeds}
-  if unread:
-    seeds = sorted(set(itertools.chain(*unread.values())))
-    text += (f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} of "
-             f"{len(unread)} cell{'s' if len(unread) > 1 else ''} not read)")
+  groups: dict[tuple[int, ...], int] = {}  # the unread seeds -> how many cells have them
+  for seeds in unread.values():
+    if seeds:
+      groups[tuple(seeds)] = groups.get(tuple(seeds), 0) + 1
+  if groups:
+    text += " (not read: " + "; ".join(
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} of {n} "
+        f"cell{'s' if n > 1 else ''}" for seeds, n in sorted(groups.items())) + ")"
   return text
 
 

@@ -619,8 +619,12 @@ def test_a_row_reads_the_planned_seeds_every_cell_has():
   assert science.row_seeds(results, "time", ("severe",), ("mla",), planned=(0, 1, 2)) == [0, 1, 2]
   row = next(line for line in science.claims_table(results).splitlines()
              if line.startswith("| HeLoCo beats MLA"))
-  assert "| 3 of 5 (seeds 3, 4 of 1 cell not read) |" in row
+  assert "| 3 of 5 (not read: seeds 3, 4 of 1 cell) |" in row
   assert "severe vs mla: window +2.00% [" in row  # seeds 3 and 4 (−6%, −8%) are not read
+  three = results + _flat_cell((0.1, 0.15, 0.2, 0.1), "mild", "mla")[6:]
+  row = next(line for line in science.claims_table(three).splitlines()
+             if line.startswith("| HeLoCo beats MLA"))
+  assert "| 4 of 5 (not read: seed 4 of 1 cell) |" in row
   with_all = results + _flat_cell((0.1, 0.15, 0.2, 0.1, 0.1), "mild", "mla")[6:]
   row = next(line for line in science.claims_table(with_all).splitlines()
              if line.startswith("| HeLoCo beats MLA"))
