@@ -59,7 +59,7 @@ def main() -> None:
   def per_step():
     state = loop.start(params)
     for batch in batches:
-      state, _ = step(state, batch)
+      state, _, _ = step(state, batch)
     jax.block_until_ready(state)
 
   def scanned():

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import numbers
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -31,7 +32,8 @@ import optax
 
 from heloco_jax import clock, compress as compress_lib, determinism, inner as inner_lib
 from heloco_jax import fragments as fragments_lib, methods, problem, sharding
-from heloco_jax import membership as membership_lib, syncer as syncer_lib
+from heloco_jax import membership as membership_lib, model_state as model_state_lib
+from heloco_jax import syncer as syncer_lib
 from heloco_jax import workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
@@ -51,10 +53,13 @@ class RunResult:
       rows are in docs/DESIGN.md ("metrics.jsonl").
     summary: steps, simulated time, outer updates, losses, mean staleness,
       wall time (docs/DESIGN.md, summary.json).
+    model_state: the server's model state at the end (``model_state``'s merge of the
+      workers' copies); None without one.
   """
   params: Any
   history: list[Row]
   summary: dict[str, Any]
+  model_state: Any = None
 
 
 SimulationResult = RunResult
@@ -165,6 +170,20 @@ def _membership(membership: Optional[membership_lib.Membership], num_workers: in
   return membership
 
 
+def _check_carried(contract: inner_lib.LossContract, factory: factories.RuntimeFactory,
+                   fragments: int) -> None:
+  """A ``loss_fn`` that takes ``state`` or ``rng`` runs where they are carried."""
+  if not (contract.state or contract.rng):
+    return
+  takes = "state" if contract.state else "rng"
+  if not factory.model_state:
+    raise ValueError(f"a loss_fn that takes {takes} is not allowed on this runtime (Ray); "
+                     "allowed: the simulated or the devices runtime")
+  if fragments != 1:
+    raise ValueError(f"fragments={fragments!r} is not allowed with a loss_fn that takes "
+                     f"{takes}; allowed: fragments=1")
+
+
 def make_engine(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -205,6 +224,8 @@ def make_engine(
     fragment_layout: fragments_lib.Layout = "contiguous",
     overlap_steps: int = 0,
     fragment_alpha: float = 1.0,
+    model_state: Any = None,
+    model_state_merge: model_state_lib.Merge = "mean",
 ) -> engine_lib.Engine:
   """The engine of a run, for ``summary = await engine.run()`` (e.g. in a notebook).
 
@@ -234,7 +255,8 @@ def make_engine(
   if compress is not None and not isinstance(compress, compress_lib.Compressor):
     raise ValueError(f"compress={compress!r} is not allowed; allowed: None (Δ sent as it is) "
                      "or a heloco_jax.compress.Compressor, e.g. hj.compress.int8()")
-  if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
+  if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral)
+      or checkpoint_every < 0):
     raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
                      "integer >= 0 (0 = off)")
   syncer = _syncer(syncer, grace_window, spec_method, num_workers)
@@ -243,9 +265,14 @@ def make_engine(
   budget, eval_every, units_per_step, unit = _budget(
       budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,
       tokens_per_step)
+  model_state_lib.check_params_are_trained(params)
   problem.check_params(params)
+  contract = inner_lib.LossContract.of(loss_fn)
+  model_state_lib.check_model_state(model_state, contract)
+  model_state_lib.check_merge(model_state_merge)
+  _check_carried(contract, factory, fragments)
   streams = [state_lib.WorkerStream(source, worker=i) for i, source in enumerate(data)]
-  problem.check_loss_fn(loss_fn, params, streams[0].peek())
+  problem.check_loss_fn(loss_fn, params, streams[0].peek(), model_state)
   seconds = clock.seconds_per_step(speeds, num_workers)
   if inner_tx is None:
     inner_tx = spec_method.make_inner(inner_lib.InnerConfig())
@@ -286,7 +313,8 @@ def make_engine(
   built = factory(inner, spec)
   try:
     engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
-                               eval_fn=eval_fn, lookahead=lookahead, compressor=compress)
+                               eval_fn=eval_fn, lookahead=lookahead, compressor=compress,
+                               model_state=model_state, model_state_merge=model_state_merge)
   except BaseException:
     built.close()  # e.g. Ray's actors, started for a run that cannot be built
     raise
@@ -294,9 +322,14 @@ def make_engine(
     try:
       run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
                                 outer_tx, inner_tx, compress)
+      settings = dict(outer_options=outer_options, lookahead_dispatch=lookahead,
+                      reset_optimizer=reset, deterministic=deterministic, run=run)
+      if model_state is not None or contract.rng:  # the keys only then: older workdirs match
+        settings["model_state"] = {
+            "merge": model_state_merge, "rng": contract.rng,
+            "shapes": None if model_state is None else problem.describe_tree(model_state)}
       _open_workdir(engine, workdir if isinstance(workdir, Workdir) else Workdir(str(workdir)),
-                    settings=dict(outer_options=outer_options, lookahead_dispatch=lookahead,
-                                  reset_optimizer=reset, deterministic=deterministic, run=run))
+                    settings=settings)
     except BaseException:
       engine.close()
       raise
@@ -359,13 +392,19 @@ def simulate(
     fragment_layout: fragments_lib.Layout = "contiguous",
     overlap_steps: int = 0,
     fragment_alpha: float = 1.0,
+    model_state: Any = None,
+    model_state_merge: model_state_lib.Merge = "mean",
     on_row: Optional[Callable[[Row], None]] = None,
     handle_signals: bool = False,
 ) -> RunResult:
   """Trains ``params`` with ``method`` on K heterogeneous workers.
 
   Args:
-    loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``, differentiable in params.
+    loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``, differentiable in params;
+      the scalars of a dict ``aux`` reach the rows as ``train_<name>``. With the
+      keyword ``state`` (the model state besides θ, e.g. BatchNorm statistics) it
+      returns ``(loss, (new_state, metrics))``; with the keyword ``rng`` it gets a new
+      PRNG key every inner step (docs/DESIGN.md, "Model state and randomness").
     params: the initial θ (any pytree of floating-point arrays).
     data: K per-worker iterables of batches (pytrees of arrays); worker i
       reads ``data[i]``, one batch per inner step. Re-iterables (lists,
@@ -392,8 +431,9 @@ def simulate(
     budget_tokens: with ``tokens_per_step``: the budget in tokens.
     tokens_per_step: the tokens of one worker's inner step (e.g. batch ×
       context): budgets, evaluations, rows and the summary count tokens.
-    eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}``; evaluated at
-      the start, every ``eval_every_steps`` and at the end.
+    eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}`` (``(params, *, state)``
+      with a model state); evaluated at the start, every ``eval_every_steps`` and at the
+      end, as given (wrap it in ``jax.jit`` to compile it).
     eval_every_steps: local steps between evaluations.
     eval_every_tokens: with ``tokens_per_step``: tokens between evaluations.
     seed: PRNG seed (dispatch keys, PALSGD's coins, the clock's jitter).
@@ -447,13 +487,19 @@ def simulate(
       in flight, in [0, H/P) (with fragments).
     fragment_alpha: α in (0, 1]: the worker keeps α·(θ_p as it arrives) + (1 −
       α)·(its own θ_p) (with fragments; 1: the arrived θ_p).
+    model_state: the initial model state besides θ (e.g. ``nnx.state(model,
+      nnx.BatchStat)``), for a ``loss_fn`` that takes ``state``: each worker carries its
+      copy through its steps, and the server merges the copies by ``model_state_merge``.
+    model_state_merge: "mean" (a round averages its workers' copies; an asynchronous
+      arrival moves the server's copy 1/K of the way to the worker's) or "latest" (the
+      arriving worker's copy); non-float leaves take the arriving worker's.
     on_row: called with every history row as it is emitted (progress).
     handle_signals: SIGTERM and Ctrl-C stop the run at the next outer update,
       after a checkpoint (with ``workdir``), raising ``hj.Stopped``; the same
       call then resumes it.
 
   Returns:
-    ``SimulationResult(params, history, summary)``.
+    ``SimulationResult(params, history, summary, model_state)``.
 
   Raises:
     ValueError: an argument is not allowed (the message names it).
@@ -473,9 +519,12 @@ def simulate(
   try:
     with engine_lib.stop_on_signals(engine) if handle_signals else _nothing():
       summary = asyncio.run(engine.run(on_row))
+    if summary.get("stopped"):  # before its budget: not a normal-looking end
+      warnings.warn(f"the run stopped before its budget: {summary['stopped']} "
+                    f"(summary['stopped'])", stacklevel=2)
     params = engine.params  # sharded θ stays where it is, with its shardings
     return RunResult(params if engine.layout is not None else jax.device_get(params),
-                     engine.rows, summary)
+                     engine.rows, summary, engine.model_state)
   finally:
     engine.close()
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import numbers
 import os
 import re
+import shutil
 import warnings
 import zlib
 from typing import Any, Callable, Optional
@@ -189,6 +191,23 @@ def unpack(packed: dict[str, Any], layout: Meta, template: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
+def _remove_unfinished(directory: str) -> None:
+  """Deletes the checkpoints a killed run left half written (``N.orbax-checkpoint-tmp-*``),
+  here and now: orbax's own clean-up runs in a background thread, which a refused resume that
+  closes the manager at once interrupts with a 50-line traceback (issue 61). Process 0 alone
+  (the checkpoints folder is shared); a link is removed, never followed."""
+  if jax.process_index() != 0:
+    return
+  for name in os.listdir(directory):
+    if ".orbax-checkpoint-tmp" not in name:
+      continue
+    path = os.path.join(directory, name)
+    if os.path.islink(path) or not os.path.isdir(path):
+      os.unlink(path)
+    else:
+      shutil.rmtree(path)
+
+
 class Checkpointer:
   """Saves and restores a run's whole state under ``directory``.
 
@@ -198,16 +217,17 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, keep: int = 3):
-    if not (isinstance(keep, int) and keep >= 1):
+    if isinstance(keep, bool) or not (isinstance(keep, numbers.Integral) and keep >= 1):
       raise ValueError(f"Checkpointer: keep={keep!r} is not allowed; allowed: an integer >= 1.")
     self.directory = os.path.abspath(directory)
     try:
       os.makedirs(self.directory, exist_ok=True)
+      _remove_unfinished(self.directory)
       self._manager = ocp.CheckpointManager(
           self.directory, item_names=("arrays", "meta"),
           options=ocp.CheckpointManagerOptions(
               max_to_keep=keep, enable_async_checkpointing=False,
-              cleanup_tmp_directories=True))
+              cleanup_tmp_directories=False))
     except OSError as error:
       raise CheckpointError(f"cannot write checkpoints to {self.directory}: "
                             f"{error.strerror or error}") from None

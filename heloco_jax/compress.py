@@ -206,8 +206,14 @@ def _unfused(x: jax.Array) -> jax.Array:
   return jnp.where(x == 0, jnp.zeros_like(x), x)
 
 
+MAX_BLOCK = 1 << 20  # entries per scale; a larger block pads every leaf to it (memory)
+
+
 def _check_block(fn: str, block: Any) -> None:
   _validation.check_positive_int(fn, "block", block, allow_none=False)
+  if block > MAX_BLOCK:
+    raise ValueError(f"{fn}: block={block!r} is not allowed; allowed: an integer in [1, "
+                     f"{MAX_BLOCK}] (every leaf is padded to a multiple of it)")
 
 
 def top_k_count(size: int, fraction: float) -> int:
@@ -639,4 +645,19 @@ def payload_nbytes(compressor: Compressor | None, params: Any) -> int:
     return sum(_nbytes(x) for x in jax.tree.leaves(params))
   state = jax.eval_shape(compressor.init, params)
   payload, _ = jax.eval_shape(compressor.compress, params, state)
-  return int(compressor.nbytes(payload))
+  nbytes = compressor.nbytes(payload)
+  if (isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer, float, np.floating))
+      or not np.isfinite(nbytes) or nbytes < 0 or int(nbytes) != nbytes):
+    raise ValueError(f"compress: nbytes(payload) returned {nbytes!r}; allowed: an integer >= 0 "
+                     "(the payload's bytes on the wire, which the simulated clock charges)")
+  back = jax.eval_shape(compressor.decompress, payload)
+  want = jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype)), params)
+  try:
+    got = jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype)), back)
+  except AttributeError:
+    got = None
+  if jax.tree.structure(back) != jax.tree.structure(params) or got != want:
+    raise ValueError("compress: decompress(payload) gives "
+                     f"{jax.tree.map(lambda x: getattr(x, 'shape', x), back)}; allowed: Δ's "
+                     "structure, shapes and dtypes (those of params)")
+  return int(nbytes)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
@@ -181,7 +182,7 @@ def refusal(*, method: Any, fragments: Any, overlap_steps: Any, alpha: Any,
       not 0 <= overlap_steps < per_sync:
     return "overlap_steps", overlap_steps, (f"an integer in [0, {per_sync}) (below H/P = "
                                             f"{inner_steps}/{fragments})")
-  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+  if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha <= 1:
     return "fragment_alpha", alpha, "a number in (0, 1]"
   if not simulated:
     return "fragments", fragments, "1 off the simulated runtime (fragments run on simulated time)"

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
@@ -74,9 +76,10 @@ class InnerConfig:
       raise ValueError(f"inner.{name}={getattr(self, name)!r} is not allowed; allowed: {allowed}.")
     if not self.learning_rate > 0:
       fail("learning_rate", "a number > 0")
-    if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+    if not (isinstance(self.warmup_steps, numbers.Integral) and self.warmup_steps >= 0):
       fail("warmup_steps", "an integer >= 0")
-    if not (isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps):
+    if not (isinstance(self.total_steps, numbers.Integral)
+            and self.total_steps > self.warmup_steps):
       fail("total_steps", f"an integer > warmup_steps={self.warmup_steps}")
     if not 0 <= self.min_learning_rate_ratio <= 1:
       fail("min_learning_rate_ratio", "a number in [0, 1]")
@@ -243,10 +246,63 @@ def palsgd_inner(direction: optax.GradientTransformation, learning_rate: Schedul
 
 
 class InnerState(NamedTuple):
-  """One worker's inner state: θ, the inner optimizer's state and its own step count."""
+  """One worker's inner state: θ, the inner optimizer's state and its own step count.
+
+  With a ``loss_fn`` that takes them (``LossContract``), also the worker's model state (what
+  ``loss_fn`` returns as its new state: BatchNorm statistics, …) and its PRNG key data, from
+  which step s's key is ``fold_in(key, s)`` (docs/DESIGN.md, "Model state and randomness").
+  Both are None otherwise, so that a plain ``loss_fn``'s state holds θ's leaves as before.
+  """
   params: Any
   opt_state: Any
   step: jax.Array
+  model_state: Any = None
+  rng: Any = None
+
+
+def seed_state(model_state: Any, rng: Any) -> InnerState:
+  """What a worker's first dispatch starts from besides θ: the model state it receives and
+  its PRNG key data (``InnerLoop.start`` reads these two from a state with ``step`` None)."""
+  return InnerState(None, None, None, model_state, rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossContract:
+  """What a ``loss_fn`` takes besides ``(params, batch)``, read from its signature.
+
+  Attributes:
+    state: it takes the keyword ``state`` (the model state besides θ) and returns
+      ``(loss, (new_state, metrics))``.
+    rng: it takes the keyword ``rng``: a fresh PRNG key every inner step.
+  """
+  state: bool = False
+  rng: bool = False
+
+  @classmethod
+  def of(cls, loss_fn: Callable[..., Any]) -> "LossContract":
+    try:
+      names = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin or a C function: the plain contract
+      return cls()
+    return cls(state="state" in names, rng="rng" in names)
+
+  def call(self, loss_fn: Callable[..., Any], params: Any, batch: Any, model_state: Any,
+           rng: Any) -> Any:
+    """``loss_fn`` called with what it takes."""
+    kwargs = {}
+    if self.state:
+      kwargs["state"] = model_state
+    if self.rng:
+      kwargs["rng"] = rng
+    return loss_fn(params, batch, **kwargs)
+
+
+def scalar_metrics(metrics: Any) -> dict[str, jax.Array]:
+  """The scalar entries of a ``loss_fn``'s metrics dict (anything else is not a metric)."""
+  if not isinstance(metrics, dict):
+    return {}
+  return {str(k): jnp.asarray(v, jnp.float32) for k, v in sorted(metrics.items())
+          if jnp.ndim(v) == 0 and jnp.issubdtype(jnp.result_type(v), jnp.number)}
 
 
 class InnerMetrics(NamedTuple):
@@ -256,18 +312,27 @@ class InnerMetrics(NamedTuple):
     loss: training loss of the step (0 on pseudo-sync steps).
     pseudo_sync: True where the step was a PALSGD pseudo-sync step.
     step: the worker's step count at the start of the step.
+    user: the scalar metrics ``loss_fn`` returned (``scalar_metrics``), by name.
   """
   loss: jax.Array
   pseudo_sync: jax.Array
   step: jax.Array
+  user: Any = None
 
 
 @jax.jit
-def train_loss(metrics: InnerMetrics) -> jax.Array:
-  """The mean training loss over the steps of ``metrics`` (any shape) that read a batch:
-  PALSGD's pseudo-sync steps have none."""
+def train_loss(metrics: InnerMetrics) -> Any:
+  """The mean training loss over the steps of ``metrics`` (any shape) that read a batch
+  (PALSGD's pseudo-sync steps have none); with metrics from ``loss_fn``, a dict
+  ``{"train_loss": …, "train_<name>": …}`` of their means over the same steps."""
   real = ~metrics.pseudo_sync
-  return jnp.sum(jnp.where(real, metrics.loss, 0.0)) / jnp.maximum(jnp.sum(real), 1)
+  count = jnp.maximum(jnp.sum(real), 1)
+  def mean(x):
+    return jnp.sum(jnp.where(real, x, 0.0)) / count
+  if not metrics.user:
+    return mean(metrics.loss)
+  return {"train_loss": mean(metrics.loss),
+          **{f"train_{name}": mean(x) for name, x in metrics.user.items()}}
 
 
 # Optimizer states whose ``count`` is a schedule's step, not a statistic's: a reset keeps it.
@@ -318,6 +383,7 @@ class InnerLoop:
                reset_optimizer: bool = True, layout: Optional[sharding.Layout] = None,
                spmd_axis_name: Optional[str] = None):
     self.loss_fn = loss_fn
+    self.contract = LossContract.of(loss_fn)
     self.tx = optax.with_extra_args_support(adamw() if inner_tx is None else inner_tx)
     self.reset_optimizer = reset_optimizer
     self.layout = layout
@@ -337,11 +403,16 @@ class InnerLoop:
     copied: ``run_jit`` donates the state, and the caller's θ must survive.
     """
     params = jax.tree.map(jnp.array, params)  # jnp.array copies
-    if previous is None:
-      return self._constrain(InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32)))
+    if previous is None or previous.step is None:  # a first dispatch (``seed_state``)
+      carried = (None, None) if previous is None else (previous.model_state, previous.rng)
+      carried = jax.tree.map(jnp.array, carried)
+      return self._constrain(InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32),
+                                        *carried))
     opt_state = (keep_schedule_counts(self.tx.init(params), previous.opt_state)
                  if self.reset_optimizer else previous.opt_state)
-    return self._constrain(InnerState(params, opt_state, previous.step))
+    return self._constrain(InnerState(params, opt_state, previous.step,
+                                      *jax.tree.map(jnp.array,
+                                                    (previous.model_state, previous.rng))))
 
   def with_layout(self, layout: Optional[sharding.Layout],
                   spmd_axis_name: Optional[str] = None) -> "InnerLoop":
@@ -372,21 +443,36 @@ class InnerLoop:
       return jnp.where(rejected.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
     return self._constrain(states._replace(opt_state=jax.tree.map(pick, fresh, states.opt_state)))
 
-  def _value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
-    """(loss, grads); a ``loss_fn`` returning ``(loss, aux)`` has its aux dropped."""
-    out = jax.eval_shape(self.loss_fn, params, batch)
+  def _value_and_grad(self, state: InnerState, batch: Any
+                      ) -> tuple[jax.Array, Any, Any, dict[str, jax.Array]]:
+    """(loss, grads, new model state, scalar metrics) of ``loss_fn`` at ``state``
+    (docs/DESIGN.md, "Model state and randomness"): a plain ``loss_fn``'s ``(loss, aux)``
+    gives the scalars of a dict ``aux`` as metrics; one that takes ``state`` returns
+    ``(loss, (new_state, metrics))``."""
+    contract = self.contract
+    rng = (jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+           if contract.rng else None)
+    def loss_fn(params):
+      return contract.call(self.loss_fn, params, batch, state.model_state, rng)
+    out = jax.eval_shape(loss_fn, state.params)
     if isinstance(out, tuple):
-      (loss, _), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(params, batch)
+      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     else:
-      loss, grads = jax.value_and_grad(self.loss_fn)(params, batch)
-    return loss, grads
+      (loss, grads), aux = jax.value_and_grad(loss_fn)(state.params), None
+    if contract.state:
+      new_state, metrics = aux
+      return loss, grads, new_state, scalar_metrics(metrics)
+    return loss, grads, state.model_state, scalar_metrics(aux)
 
-  def step(self, state: InnerState, batch: Any, **extra_args: Any) -> tuple[InnerState, jax.Array]:
-    """One inner step; ``extra_args`` go to ``inner_tx.update``. Returns (state, loss)."""
-    loss, grads = self._value_and_grad(state.params, batch)
+  def step(self, state: InnerState, batch: Any, **extra_args: Any
+           ) -> tuple[InnerState, jax.Array, dict[str, jax.Array]]:
+    """One inner step; ``extra_args`` go to ``inner_tx.update``. Returns (state, loss,
+    ``loss_fn``'s scalar metrics)."""
+    loss, grads, model_state, metrics = self._value_and_grad(state, batch)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params, step=state.step,
                                         **extra_args)
-    return InnerState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
+    return InnerState(optax.apply_updates(state.params, updates), opt_state, state.step + 1,
+                      model_state, state.rng), loss, metrics
 
   def run(self, state: InnerState, batches: Any, key: jax.Array,
           anchor: Any = None) -> tuple[InnerState, InnerMetrics]:
@@ -409,10 +495,13 @@ class InnerLoop:
     def body(state, inputs):
       batch, u = inputs
       extra = {} if anchor is None else {"anchor": anchor, "uniform": u}
-      new, loss = self.step(state, batch, **extra)
+      new, loss, user = self.step(state, batch, **extra)
       new = self._constrain(new)
       pseudo = getattr(new.opt_state, "pseudo_sync", jnp.zeros((), bool))
-      return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step)
+      if anchor is not None:  # PALSGD: a pseudo-sync step reads no batch; its model state
+        new = new._replace(model_state=jax.tree.map(  # stays as it was
+            lambda a, b: jnp.where(pseudo, a, b), state.model_state, new.model_state))
+      return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step, user)
 
     return jax.lax.scan(body, state, (batches, uniform))
 

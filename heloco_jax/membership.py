@@ -47,8 +47,13 @@ class Membership:
     """Why the schedule does not fit ``num_workers`` workers, or None."""
     by_worker: dict[int, list[tuple[float, float]]] = {}
     for worker, leave, back in self.absences:
-      if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
+      if (isinstance(worker, bool)
+          or not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers)):
         return f"worker {worker!r} is not one of the {num_workers} workers"
+      if not all(isinstance(x, (int, float, np.integer, np.floating))
+                 and not isinstance(x, bool) for x in (leave, back)):
+        return (f"worker {worker}: leave={leave!r}, back={back!r}; allowed: numbers of "
+                "simulated seconds, 0 <= leave < back (back may be math.inf)")
       if not (0 <= leave < back) or math.isnan(back):
         return f"worker {worker}: leave={leave!r}, back={back!r}; allowed: 0 <= leave < back"
       by_worker.setdefault(int(worker), []).append((leave, back))
@@ -64,6 +69,14 @@ class Membership:
     """When ``worker``, away at ``t``, comes back (``math.inf``: never); None when present."""
     return next((back for w, leave, back in self.absences if w == worker and leave <= t < back),
                 None)
+
+  def everyone_gone(self, num_workers: int) -> Optional[float]:
+    """When the last of ``num_workers`` workers leaves for good, if every one does (none
+    comes back); else None."""
+    final = {w: leave for w, leave, back in self.absences if back == math.inf}
+    if len(final) < num_workers:
+      return None
+    return float(max(final.values()))
 
   def next_leave(self, worker: int, t: float) -> float:
     """The first time after ``t`` at which ``worker`` leaves (``math.inf``: never)."""
@@ -113,6 +126,10 @@ class Membership:
       t = float(rng.exponential(1 / rate)) if rate > 0 else math.inf
       while t < horizon:
         back = t + float(rng.exponential(downtime))
+        if not back > t:  # a downtime below the clock's resolution at t
+          raise ValueError(f"downtime={downtime!r} is too short for the simulated clock: a "
+                           f"failure at {t:g} s would end at the same second; allowed: a "
+                           "downtime of at least a millionth of the run's seconds")
         absences.append((int(worker), t, back))
         t = back + float(rng.exponential(1 / rate))
     return cls(tuple(absences))
@@ -147,4 +164,9 @@ def of_config(config: Any) -> Optional[Membership]:
       config.batch_size * config.model.context * np.sum(1 / seconds))
   drawn = Membership.random(config.num_workers, rate=c.rate, downtime=c.downtime,
                             horizon=float(horizon), seed=config.seed)
-  return Membership(schedule.absences + drawn.absences)
+  both = Membership(schedule.absences + drawn.absences)
+  if schedule.absences and "overlap" in (both.refusal(config.num_workers) or ""):
+    raise ValueError(f"chaos.rate={c.rate!r}: its drawn failures overlap chaos.schedule's "
+                     f"({both.refusal(config.num_workers)}); allowed: chaos.rate=0 with a "
+                     "schedule, or a schedule of other workers than those that fail at random")
+  return both

@@ -3,8 +3,11 @@
 Reads each run directory's ``config.json`` and ``metrics.jsonl`` (DESIGN.md, "Files a run
 writes"); a run still in progress works too (a half-written last line is skipped). Writes:
 
-- ``loss_vs_tokens.png``, ``loss_vs_sim_time.png``: validation loss, the runs overlaid and
-  labelled by method and speeds;
+- ``loss_vs_tokens.png`` (``loss_vs_steps.png`` for runs that count steps, as
+  ``hj.simulate`` does without ``tokens_per_step``), ``loss_vs_sim_time.png``: validation
+  loss, the runs overlaid and labelled by method and speeds;
+- ``<key>_vs_tokens.png`` (or ``_vs_steps``) for every other number the eval rows hold (an
+  ``eval_fn``'s accuracy);
 - ``staleness_per_worker.png``: per run, a histogram of staleness stacked by worker;
 - ``alignment.png``: per run, cos(Δ, m) over simulated time and, for HeLoCo, the fraction of
   blocks in each branch (pass, keep, shrink, rotate);
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -90,6 +94,17 @@ def _checked(row: Any, path: str, number: int) -> dict[str, Any]:
                      "a number")
   if event == "eval" and "val_loss" not in row:
     raise ValueError(f"{where}: an eval row without val_loss")
+  if event == "eval":  # where it is drawn: its tokens (or steps) and simulated seconds
+    units = [key for key in UNITS if key in row]
+    if not units or "sim_time" not in row:
+      raise ValueError(f"{where}: an eval row without {'tokens or steps' if not units else 'sim_time'}"
+                       "; allowed: rows as heloco-jax writes them (docs/DESIGN.md, "
+                       "'metrics.jsonl')")
+    for key, value in row.items():
+      if key in (*units, "sim_time") or (_number(value) and key != "outer_updates"):
+        if not (_number(value) and math.isfinite(value)):
+          raise ValueError(f"{where}: an eval row's {key} is {value!r}; allowed: a finite "
+                           "number (a non-finite loss is written as null)")
   if event == "arrival":
     for key, bound in (("worker", MAX_WORKER), ("staleness", MAX_STALENESS)):
       value = row.get(key)
@@ -105,6 +120,23 @@ def _checked(row: Any, path: str, number: int) -> dict[str, Any]:
 # Bounds of the arrival rows' integers that the figures lay out (a worker per row of the
 # timeline, a histogram bin per staleness up to 100).
 MAX_WORKER, MAX_STALENESS = 4095, 10**9
+
+
+UNITS = ("tokens", "steps")
+# Eval-row keys that are not a metric of their own figure.
+_NOT_METRICS = {"event", "sim_time", "outer_updates", "val_loss", *UNITS}
+
+
+def _extra_eval_keys(runs: Sequence[Run]) -> list[str]:
+  """The numeric keys of the eval rows besides val_loss and its per-language parts (e.g. an
+  ``eval_fn``'s accuracy), in the order they first appear."""
+  keys: dict[str, None] = {}
+  for run in runs:
+    for row in run.evals:
+      for key, value in row.items():
+        if key not in _NOT_METRICS and not key.startswith("val_loss/") and _number(value):
+          keys.setdefault(key)
+  return list(keys)
 
 
 def _labels(runs: Sequence[Run]) -> list[str]:
@@ -141,17 +173,26 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
   safe_files.make_dirs(out)
   labels = _labels(runs)
   paths = []
-  for axis, xlabel in (("tokens", "tokens"), ("sim_time", "simulated seconds")):
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for run, label in zip(runs, labels):
-      evals = [e for e in run.evals if axis in e]
-      ax.plot([e[axis] for e in evals], [np.nan if e["val_loss"] is None else e["val_loss"]
-                                         for e in evals], marker=".", label=label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(plt, fig, os.path.join(out, f"loss_vs_{axis}.png")))
+  # Runs count tokens (the CLI) or steps (hj.simulate without tokens_per_step): a figure
+  # against each unit some run counts, and against simulated seconds.
+  axes_ = [(unit, unit) for unit in UNITS if any(unit in e for r in runs for e in r.evals)]
+  axes_.append(("sim_time", "simulated seconds"))
+  for key in ["val_loss", *_extra_eval_keys(runs)]:
+    for axis, xlabel in axes_:
+      if key != "val_loss" and axis == "sim_time":
+        continue
+      fig, ax = plt.subplots(figsize=(6.5, 4))
+      for run, label in zip(runs, labels):
+        evals = [e for e in run.evals if axis in e and key in e]
+        if evals:
+          ax.plot([e[axis] for e in evals], [np.nan if e[key] is None else e[key]
+                                             for e in evals], marker=".", label=label)
+      ax.set_xlabel(xlabel)
+      ax.set_ylabel("validation loss" if key == "val_loss" else key)
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=8)
+      name = "loss" if key == "val_loss" else key.replace("/", "_")
+      paths.append(_save(plt, fig, os.path.join(out, f"{name}_vs_{axis}.png")))
 
   with_arrivals = [(r, label) for r, label in zip(runs, labels) if r.arrivals]
   if not with_arrivals:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import marshal
 from typing import Any
 
@@ -48,16 +49,53 @@ def check_params(params: Any) -> None:
           "BatchNorm statistics out of params)")
 
 
-def check_loss_fn(loss_fn: Any, params: Any, batch: Any) -> None:
-  """``loss_fn(params, batch)`` traces on ``batch`` (worker 0's first) to a scalar loss or
-  ``(scalar loss, aux)``."""
+def takes_keyword(fn: Any, name: str) -> bool:
+  """Whether ``fn``'s signature has a parameter ``name`` (False where it cannot be read)."""
   try:
-    out = jax.eval_shape(loss_fn, params, batch)
+    return name in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None) -> None:
+  """``loss_fn(params, batch)`` traces on ``batch`` (worker 0's first) to a scalar loss or
+  ``(scalar loss, aux)``; one that takes ``state`` (and ``rng``) to ``(loss, (new_state,
+  metrics))`` whose new state has the structure, shapes and dtypes of ``model_state``; and
+  one that draws random numbers does so from the ``rng`` it takes (docs/DESIGN.md, "Model
+  state and randomness")."""
+  from heloco_jax import inner  # pylint: disable=g-import-not-at-top
+  contract = inner.LossContract.of(loss_fn)
+  rng = jax.random.key(0) if contract.rng else None
+  call = f"loss_fn(params, batch{', state=...' * contract.state}{', rng=...' * contract.rng})"
+  def traced(params, model_state, rng):
+    return contract.call(loss_fn, params, batch, model_state, rng)
+  try:
+    out = jax.eval_shape(traced, params, model_state, rng)
   except Exception as error:  # pylint: disable=broad-except
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise ValueError(
-        f"loss_fn(params, batch) fails on worker 0's first batch ({describe_tree(batch)}): "
+        f"{call} fails on worker 0's first batch ({describe_tree(batch)}): "
         f"{type(error).__name__}: {first}") from error
+  if contract.state:
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], tuple)
+            and len(out[1]) == 2):
+      raise ValueError(f"{call} returned {type(out).__name__}; allowed: (loss, (new_state, "
+                       "metrics)) for a loss_fn that takes state (metrics: a dict of scalars, "
+                       "or None)")
+    new_state = out[1][0]
+    want = jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype)), model_state)
+    got = jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype)), new_state)
+    if jax.tree.structure(new_state) != jax.tree.structure(model_state) or want != got:
+      raise ValueError(f"{call} returned a new state ({describe_tree(new_state)}) unlike "
+                       f"model_state ({describe_tree(model_state)}); allowed: the same "
+                       "structure, shapes and dtypes (e.g. nnx.state(model, nnx.BatchStat) "
+                       "after the forward pass)")
+  elif not contract.rng and _draws_random_bits(traced, params, model_state, rng):
+    raise ValueError(
+        "loss_fn draws random numbers from a key it holds (e.g. nnx.Dropout with the "
+        "module's own nnx.Rngs), so every step of every worker would draw the same ones; "
+        "allowed: take the keyword rng (a new key every inner step) and use it, e.g. "
+        "nnx.reseed(model, dropout=rng) (docs/DESIGN.md, 'Model state and randomness')")
   loss = out[0] if isinstance(out, tuple) else out
   if not (hasattr(loss, "shape") and loss.shape == () and jnp.issubdtype(loss.dtype,
                                                                           jnp.floating)):
@@ -66,6 +104,35 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any) -> None:
     raise ValueError(
         f"loss_fn returned {got} on worker 0's first batch; allowed: a scalar floating-point "
         "loss, or (loss, aux) (e.g. take the mean over the batch)")
+
+
+_RANDOM_PRIMITIVES = ("random_bits", "threefry2x32", "random_fold_in", "random_split")
+
+
+def _draws_random_bits(fn: Any, *args: Any) -> bool:
+  """Whether tracing ``fn(*args)`` draws random bits (any nested call included)."""
+  try:
+    jaxpr = jax.make_jaxpr(fn)(*args)
+  except Exception:  # pylint: disable=broad-except  (eval_shape above already traced it)
+    return False
+  def walk(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in _RANDOM_PRIMITIVES:
+        return True
+      if any(walk(sub) for sub in _sub_jaxprs(eqn.params)):
+        return True
+    return False
+  return walk(jaxpr.jaxpr)
+
+
+def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:
+  found = []
+  for value in params.values():
+    for item in (value if isinstance(value, (list, tuple)) else (value,)):
+      inner = getattr(item, "jaxpr", item)
+      if hasattr(inner, "eqns"):
+        found.append(inner)
+  return found
 
 
 def _has(state: Any, types: tuple[type, ...]) -> bool:

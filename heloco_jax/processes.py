@@ -11,7 +11,9 @@ not answer in time is named, and so is one that refused.
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+import threading
+import time
+from typing import Callable, Optional
 
 import jax
 
@@ -91,3 +93,70 @@ def check_same(name: str, value: str, timeout_s: float = TIMEOUT_S) -> None:
         f"the processes' {name} differ: process{'es' if len(differing) > 1 else ''} "
         f"{', '.join(map(str, differing))} against process 0; allowed: the same command "
         "on every process but config.distributed.process_id")
+
+
+PEER_TIMEOUT_S = 30.0
+_DONE = "done"
+_finished = threading.Event()
+
+
+def finished() -> None:
+  """Tells the other processes' watchers that this one ended on purpose (``watch_peers``)."""
+  if jax.process_count() == 1 or _finished.is_set():
+    return
+  _finished.set()
+  try:
+    _client().key_value_set(f"heloco_jax/alive/{jax.process_index()}", _DONE,
+                            allow_overwrite=True)
+  except Exception:  # pylint: disable=broad-except  (the service is gone already)
+    pass
+
+
+def watch_peers(on_silent: Callable[[str], None], interval_s: float = 2.0,
+                timeout_s: float = PEER_TIMEOUT_S) -> Optional[threading.Thread]:
+  """Starts a daemon thread that publishes this process's heartbeat in the coordination
+  service and calls ``on_silent(message)`` once when another process's heartbeat is older
+  than ``timeout_s`` (it was killed) or the service stops answering (process 0 died).
+
+  JAX's own heartbeat ends the survivors after 100 s with a C++ abort and no word of who
+  died; this names the process first, so that the run can stop in one line with its last
+  checkpoint intact (docs/FAILURES.md, "Several processes"). None in a run of one process.
+  """
+  if jax.process_count() == 1:
+    return None
+  client, me, n = _client(), jax.process_index(), jax.process_count()
+
+  def beat() -> None:
+    seen = {i: (None, time.monotonic()) for i in range(n) if i != me}
+    count = 0
+    while not _finished.is_set():
+      count += 1
+      try:
+        client.key_value_set(f"heloco_jax/alive/{me}", str(count), allow_overwrite=True)
+        for i in seen:
+          try:
+            value = client.key_value_try_get(f"heloco_jax/alive/{i}")
+          except Exception as error:  # pylint: disable=broad-except
+            if "NOT_FOUND" not in str(error):  # not yet published: the peer is starting
+              raise
+            value = None
+          if value != seen[i][0]:
+            seen[i] = (value, time.monotonic())
+      except Exception:  # pylint: disable=broad-except  (the service is gone)
+        if not _finished.is_set():
+          on_silent(f"process 0 (the coordinator) stopped answering; process {me} stops too")
+        return
+      now = time.monotonic()
+      silent = [i for i, (value, since) in seen.items()
+                if value != _DONE and now - since > timeout_s]
+      if _finished.is_set():
+        return
+      if silent:
+        on_silent(f"process {silent[0]} of {n} sent no heartbeat for {timeout_s:g} s (it "
+                  f"stopped or was killed); process {me} stops too")
+        return
+      time.sleep(interval_s)
+
+  thread = threading.Thread(target=beat, name="heloco_jax-peers", daemon=True)
+  thread.start()
+  return thread

@@ -5,7 +5,8 @@ system where others can write. A symlink placed where a run's file belongs
 (``metrics.jsonl`` → someone's file) must not make the run append to,
 truncate or replace that file. So every file is opened with ``O_NOFOLLOW``,
 whole files are written to a temporary file made in the same directory
-(``mkstemp``) and renamed over the name (a rename replaces a link, never its
+(``mkstemp``, then given the umask's mode, as every file the run writes) and renamed over
+the name (a rename replaces a link, never its
 target), and a link where a file or a directory of the run belongs is refused
 in one line naming it.
 """
@@ -86,6 +87,7 @@ def _replace_with(path: str, write: Callable[[IO[bytes]], None]) -> None:
   fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
                                    prefix=f".{os.path.basename(path)}.", suffix=".tmp")
   try:
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 → what open() gives: the umask's mode
     with os.fdopen(fd, "wb") as f:
       write(f)
     os.replace(temporary, path)
@@ -93,6 +95,13 @@ def _replace_with(path: str, write: Callable[[IO[bytes]], None]) -> None:
     if os.path.exists(temporary):
       os.unlink(temporary)
     raise
+
+
+def _umask() -> int:
+  """The process's umask (read by setting it and setting it back)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
 
 
 def write_atomic(path: str, data: Union[str, bytes]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Literal, Optional, Sequence, get_args
 
 Weights = Literal["mean", "tokens"]
@@ -70,12 +71,12 @@ class Syncer:
 
   def refusal(self, num_workers: int) -> Optional[tuple[str, object, str]]:
     """(name, value, allowed) of the first setting that is not allowed, or None."""
-    if (isinstance(self.quorum, bool) or not isinstance(self.quorum, int)
+    if (isinstance(self.quorum, bool) or not isinstance(self.quorum, numbers.Integral)
         or not 1 <= self.quorum <= num_workers):
       return "quorum", self.quorum, f"an integer in [1, {num_workers}] (num_workers)"
     for name, value in (("timeout", self.timeout), ("grace_window", self.grace_window),
                         ("adaptive_grace", self.adaptive_grace)):
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0 or (
           name != "timeout" and math.isinf(value)):
         return name, value, "a number >= 0" + (" or math.inf" if name == "timeout" else "")
     if self.timeout == 0 and self.quorum > 1:

@@ -258,6 +258,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stderr = stderr
 
 
+def _stop_for_a_silent_peer(message: str) -> None:
+  """Ends this process at once, in one line, when another process of its run died: its
+  collectives would wait for the dead one until JAX aborts (FAILURES.md)."""
+  try:
+    print(f"heloco-jax train: {message}; the same command on every process resumes the run "
+          "from its last checkpoint", file=sys.stderr, flush=True)
+  finally:
+    os._exit(3)  # pylint: disable=protected-access  (the main thread is stuck in a collective)
+
+
 def _check_same_command(config: Any) -> None:
   """Refuses, on every process, a ``jax.distributed`` run whose processes resolved other
   configs (all keys but ``distributed.process_id`` and the coordinator) or share a
@@ -328,6 +338,8 @@ def _main(argv: list[str]) -> int:
     _check_same_command(config)
   except RuntimeError as error:  # processes.ProcessesError
     return _error(str(error))
+  from heloco_jax import processes  # pylint: disable=g-import-not-at-top
+  processes.watch_peers(_stop_for_a_silent_peer)
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
   directory = api.Workdir(workdir, keep_checkpoints=config.keep_checkpoints,
@@ -406,9 +418,16 @@ def _main(argv: list[str]) -> int:
       message = f"the run stopped: {error}; {keep}"
     else:
       message = f"cannot write to --workdir={workdir!r}: {error.strerror or error}; {keep}"
-    print(f"heloco-jax train: {message}", file=sys.stderr)
+    print(f"heloco-jax train: {message}", file=sys.stderr, flush=True)
+    if isinstance(error, RuntimeError) and getattr(engine.runtime.executor, "process_count",
+                                                   1) > 1:
+      # A collective failed: a peer is gone. JAX's exit would wait for it at its shutdown
+      # barrier and abort 100 s later (FAILURES.md, "Several processes"); the checkpoint is
+      # whole, so this process ends here.
+      os._exit(1)  # pylint: disable=protected-access
     return 1
   finally:
+    processes.finished()  # the other processes' watchers: this one ended on purpose
     if bar is not None:
       bar.close()
     try:  # a full disk or EPERM already reported above must not raise a second time here
@@ -419,7 +438,8 @@ def _main(argv: list[str]) -> int:
     engine.close()
   rejected = (f" ({summary['rejected_tokens']} of them rejected: {summary['rejected']} "
               "non-finite pseudo-gradients)" if summary["rejected"] else "")
-  print(f"heloco-jax train: done: {summary['tokens']} tokens{rejected}, "
+  stopped = f"stopped: {summary['stopped']}: " if summary.get("stopped") else ""
+  print(f"heloco-jax train: {stopped or 'done: '}{summary['tokens']} tokens{rejected}, "
         f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} {seconds}, "
         f"{summary['bytes_sent'] / 1e6:,.1f} MB sent, val_loss "
         f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "

@@ -42,13 +42,18 @@ def _units(row: Row) -> int:
   return int(row.get("tokens", row.get("steps", 0)))
 
 
+# Eval-row keys that place a row rather than measure the model.
+_EVAL_AXES = ("event", "tokens", "steps", "sim_time", "outer_updates")
+
+
 class TensorBoardWriter:
   """History rows as TensorBoard scalars (tensorboardX event files in ``logdir``).
 
-  - ``eval`` rows: ``val_loss`` and ``val_loss/<language>`` against tokens, and
-    ``val_loss_by_sim_second`` against simulated seconds;
+  - ``eval`` rows: ``val_loss``, ``val_loss/<language>`` and every other number an
+    ``eval_fn`` returns (accuracy) against tokens, and ``val_loss_by_sim_second`` against
+    simulated seconds;
   - ``arrival`` and ``train`` rows: ``train_loss`` (the mean loss of the inner steps the
-    row reports) against tokens;
+    row reports) and ``loss_fn``'s metrics (``train_<name>``) against tokens;
   - ``arrival`` rows, against outer updates: ``arrival/staleness``, ``arrival/cosine``
     (cos(Δ, m)), ``arrival/weight``, ``heloco/lambda``, ``heloco/beta``,
     ``heloco/branch_fraction/<branch>`` and ``progress/sim_time``;
@@ -75,14 +80,19 @@ class TensorBoardWriter:
   def __call__(self, row: Row) -> None:
     scalar = self._writer.add_scalar
     event = row.get("event")
-    if row.get("train_loss") is not None:  # arrival and train rows
-      scalar("train_loss", row["train_loss"], _units(row))
+    if event in ("arrival", "train"):  # train_loss and loss_fn's metrics (train_<name>)
+      for key, value in row.items():
+        if key.startswith("train_") and value is not None:
+          scalar(key, value, _units(row))
     if event == "eval":
       tokens = _units(row)
-      for key, value in row.items():
-        if key == "val_loss" or key.startswith("val_loss/"):
+      for key, value in row.items():  # val_loss, val_loss/<language>, eval_fn's metrics
+        if (key not in _EVAL_AXES and isinstance(value, (int, float))
+            and not isinstance(value, bool)):
           scalar(key, value, tokens)
-      scalar("val_loss_by_sim_second", row["val_loss"], int(row.get("sim_time", 0)))
+      seconds = row.get("sim_time", 0)
+      if seconds is not None and 0 <= seconds < 2**63:  # a step TensorBoard can hold (int64)
+        scalar("val_loss_by_sim_second", row["val_loss"], int(seconds))
     elif event == "arrival":
       step = int(row["outer_updates"])
       for tag, key in _ARRIVAL_SCALARS.items():

@@ -48,7 +48,7 @@ def test_scanned_loop_equals_step_by_step_loop():
   step = jax.jit(loop.step)
   state, losses = loop.start(params), []
   for batch in batches:
-    state, loss = step(state, batch)
+    state, loss, _ = step(state, batch)
     losses.append(float(loss))
   # Same float32 ops in a different compiled program: agreement to ~1e-6 of
   # parameter scale after 8 AdamW steps (a wrong step would move ~lr = 3e-3).
@@ -131,7 +131,7 @@ def test_palsgd_pseudo_sync_pull_matches_the_spec():
                                state.opt_state, state.step + 1)
       assert float(metrics.loss[t]) == 0.0
     else:
-      state, _ = step(state, batch, lr_scale=1.0 / (1.0 - p))
+      state, _, _ = step(state, batch, lr_scale=1.0 / (1.0 - p))
   _close(final.params, state.params, rtol=1e-4, atol=2e-6)
   _close(final.opt_state.inner, state.opt_state[0], rtol=1e-4, atol=1e-8)
 

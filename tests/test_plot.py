@@ -55,3 +55,38 @@ def test_runs_overlaid_and_a_run_in_progress(run_dirs, tmp_path):
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, capsys):
   assert cli.main(["plot", str(tmp_path)]) == 2
   assert "is not a run directory: it has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_an_api_run_counted_in_steps_gets_its_loss_and_each_eval_metric_drawn(tmp_path, capsys):
+  """Issue 57: an hj.simulate run (steps, not tokens) drew an empty loss figure, and an
+  eval_fn's accuracy was never drawn."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  import heloco_jax as hj  # pylint: disable=g-import-not-at-top
+
+  def loss(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+  def data(worker):
+    rng = np.random.default_rng(worker)
+    while True:
+      x = rng.normal(0, 1, (8, 2)).astype(np.float32)
+      yield x, x @ np.array([[1.0], [-1.0]], np.float32)
+
+  x_val = np.random.default_rng(5).normal(0, 1, (64, 2)).astype(np.float32)
+  y_val = x_val @ np.array([[1.0], [-1.0]], np.float32)
+  hj.simulate(loss, {"w": jnp.zeros((2, 1))}, [data(0), data(1)], inner_tx=optax.sgd(0.1),
+              inner_steps=2, speeds=[1.0, 2.0], budget_steps=40, eval_every_steps=10,
+              eval_fn=lambda p: {"val_loss": loss(p, (x_val, y_val)),
+                                 "accuracy": jnp.mean(jnp.sign(x_val @ p["w"]) == jnp.sign(y_val))},
+              workdir=str(tmp_path / "run"))
+  assert cli.main(["plot", str(tmp_path / "run"), f"--out={tmp_path / 'out'}"]) == 0
+  written = sorted(os.listdir(tmp_path / "out"))
+  for name in ("loss_vs_steps.png", "loss_vs_sim_time.png", "accuracy_vs_steps.png"):
+    assert name in written
+    assert os.path.getsize(tmp_path / "out" / name) > 5_000, name
+  assert "loss_vs_tokens.png" not in written
+  capsys.readouterr()

@@ -162,7 +162,7 @@ def test_the_syncer_is_part_of_a_workdirs_settings(tmp_path):
   """A resume with another syncer is a different run (config.json differs)."""
   engine = hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
                           [[{"x": np.zeros(1)}] * 100] * 3, syncer=hj.Syncer(quorum=2),
-                          budget_steps=20, workdir=str(tmp_path))
+                          budget_steps=40, workdir=str(tmp_path))  # a quorum's 2 dispatches
   engine.close()
   text = (tmp_path / "config.json").read_text()
   assert '"quorum": 2' in text and '"timeout": null' in text

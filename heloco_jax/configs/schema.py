@@ -294,7 +294,7 @@ KEYS: tuple[Key, ...] = (
     Key("compression.kind", "none", one_of(compress.KINDS, " (none: Δ sent as it is)"),
         "how workers compress their pseudo-gradients before sending them (not with ddp; "
         "runtime=simulated)"),
-    Key("compression.block", 256, integer(1), "int8/int4/int2: entries per scale"),
+    Key("compression.block", 256, integer(1, 1 << 20), "int8/int4/int2: entries per scale"),
     Key("compression.fraction", 0.01, number(0.0, 1.0, low_open=True),
         "top_k: the fraction of entries sent"),
     Key("compression.error_feedback", False, BOOLEAN,

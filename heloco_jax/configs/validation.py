@@ -172,7 +172,12 @@ def _validate_chaos(config: ml_collections.ConfigDict) -> None:
   try:
     schedule = membership.of_config(config)
   except ValueError as error:
-    _fail(key, value, str(error).split("; allowed: ", 1)[-1])
+    message = str(error)
+    if message.startswith("downtime="):  # the random failures' keys, named as they are
+      key, value = "chaos.downtime", config.chaos.downtime
+    elif message.startswith("chaos.rate="):
+      key, value = "chaos.rate", config.chaos.rate
+    _fail(key, value, message.split("; allowed: ", 1)[-1])
   if schedule is None:
     return
   why = membership.refusal(schedule, num_workers=config.num_workers,
@@ -202,12 +207,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
           "delayed_nesterov, mla, heloco, cgad). Synchronous methods run across processes with "
           "jax.distributed: runtime='devices' and the distributed.* keys")
   compressing = config.compression.kind != "none" or config.compression.error_feedback
+  # the key that asks for compression: kind, or error_feedback on its own
+  key, value, off = (("compression.kind", config.compression.kind, "'none'")
+                     if config.compression.kind != "none"
+                     else ("compression.error_feedback", config.compression.error_feedback,
+                           "False"))
   if compressing and method.synchrony == "step":
-    _fail("compression.kind", config.compression.kind, "'none' with method='ddp' (it sends "
-          "gradients every step, not pseudo-gradients)")
+    _fail(key, value, f"{off} with method='ddp' (it sends gradients every step, not "
+          "pseudo-gradients)")
   if compressing and not _runtime_factory(config).simulated_clock:
-    _fail("compression.kind", config.compression.kind, f"'none' with runtime="
-          f"{config.runtime!r}; compression runs on runtime='simulated'")
+    _fail(key, value, f"{off} with runtime={config.runtime!r}; compression runs on "
+          "runtime='simulated'")
   refused = fragments.refusal(
       method=method, fragments=config.streaming.fragments,
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,

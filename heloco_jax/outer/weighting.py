@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal, NamedTuple, Optional, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from heloco_jax.outer import _validation
@@ -153,8 +154,9 @@ def age_gate(staleness: Any, *, decay: float, cutoff: float) -> jax.Array:
 
 
 def validate_age_gate(fn: str, decay: Any, cutoff: Any) -> None:
-  """Construction-time checks of α (a finite number ≥ 0) and τ_c (> 0, or ``math.inf``)."""
-  _validation.check_range(fn, "decay", decay, 0.0)
+  """Construction-time checks of α (a number ≥ 0, finite in float32, where σ is computed:
+  an α that is inf there makes σ(0) = exp(−∞·0) NaN) and τ_c (> 0, or ``math.inf``)."""
+  _validation.check_range(fn, "decay", decay, 0.0, float(np.finfo(np.float32).max))
   if not (isinstance(cutoff, (int, float)) and not isinstance(cutoff, bool)
           and cutoff == math.inf):
     _validation.check_range(fn, "cutoff", cutoff, 0.0, low_open=True)

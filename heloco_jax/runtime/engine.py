@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from heloco_jax import compress, fragments as fragments_lib, problem, rejection
+from heloco_jax import compress, fragments as fragments_lib, model_state as model_state_lib
+from heloco_jax import problem, rejection
 from heloco_jax import server as server_lib
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
@@ -74,15 +75,20 @@ class Engine:
     data: K per-worker iterables of batches (pytrees of arrays), or their
       ``WorkerStream``s.
     outer_tx: the outer rule (None for DDP).
-    eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}``; None: no evaluations.
+    eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}`` (``(params, *, state)``
+      with a model state); None: no evaluations.
     lookahead: dispatch from θ − η·μ·m.
     compressor: workers compress their Δ (``heloco_jax.compress``); None: sent as it is.
+    model_state: the initial model state besides θ (``heloco_jax.model_state``), for a
+      ``loss_fn`` that takes ``state``; None: none.
+    model_state_merge: how the server merges the workers' model states ("mean", "latest").
   """
 
   def __init__(self, spec: RunSpec, runtime: base.Runtime, params: Any,
                data: Sequence[Iterable[Any]], outer_tx: Any = None,
-               eval_fn: Optional[Callable[[Any], Any]] = None, lookahead: bool = False,
-               compressor: Optional[compress.Compressor] = None):
+               eval_fn: Optional[Callable[..., Any]] = None, lookahead: bool = False,
+               compressor: Optional[compress.Compressor] = None, model_state: Any = None,
+               model_state_merge: str = "mean"):
     if len(data) != spec.num_workers:
       raise ValueError(f"data holds {len(data)} worker streams; allowed: one per worker "
                        f"(num_workers={spec.num_workers})")
@@ -130,9 +136,13 @@ class Engine:
         streams=streams, recorder=recorder,
         state=RunState(next_checkpoint=spec.checkpoint_every),
         streak=rejection.RejectionStreak(spec.num_workers, spec.rejection_limit),
-        key=jax.random.key(spec.seed))
+        key=jax.random.key(spec.seed),
+        model_states=model_state_lib.ModelStates(
+            executor.to_server(model_state) if model_state is not None else None,
+            model_state_merge, spec.num_workers, spec.seed, executor.inner.contract.rng))
     self._on_checkpoint: Optional[Callable[[Engine], None]] = None
     self.stop_requested: Optional[str] = None
+    self.stopped: Optional[str] = None  # why the run ended before its budget (every worker left)
     self._wall_start = time.perf_counter()
     self.directory: Any = None  # a workdir's RunDirectory (``attach``)
     self.resumed_from: Optional[int] = None
@@ -162,6 +172,11 @@ class Engine:
   @property
   def outer_state(self) -> Any:
     return self._run.server.outer_state
+
+  @property
+  def model_state(self) -> Any:
+    """The server's copy of the model state (``heloco_jax.model_state``; None: none)."""
+    return self._run.model_states.merged
 
   @property
   def server(self) -> Any:
@@ -208,12 +223,15 @@ class Engine:
       arrays["compression"] = s.compression
     if s.anchors is not None:
       arrays["anchors"] = s.anchors
+    if run.model_states.merged is not None:  # the key only then, as for compression
+      arrays["model_state"] = run.model_states.merged
     meta = s.meta()
     if s.phase == "async":  # workers not dispatched yet (joining later) have no state
       meta["unstarted"] = [w for w, x in enumerate(s.workers) if x is None]
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
       loss = fetch(s.jobs[w].train_loss, "train_loss")
-      entry.append(None if loss is None else float(loss))
+      entry.append(None if loss is None else
+                   jax.tree.map(float, loss) if isinstance(loss, dict) else float(loss))
     meta["wall_before"] = s.wall_before + time.perf_counter() - self._wall_start
     meta["clock"] = run.clock.get_state()
     meta["streams"] = [stream.get_state() for stream in run.streams]
@@ -221,7 +239,9 @@ class Engine:
 
   def state_template(self, meta: dict[str, Any]) -> dict[str, Any]:
     """The abstract arrays of a ``checkpoint_state()`` with this ``meta`` (for restoring)."""
-    worker = jax.eval_shape(self._run.executor.inner.start, self.params)
+    worker = jax.eval_shape(self._run.executor.inner.start, self.params,
+                            self._run.model_states.seed_state(0)
+                            if self._run.model_states.active else None)
     k = self.spec.num_workers
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), worker)
     workers = {None: None, "ddp": worker, "rounds": stacked,
@@ -243,6 +263,8 @@ class Engine:
            for state in states] if meta["phase"] == "rounds" else [states] * k)
     if self.spec.streaming and meta["phase"] == "async":
       template["anchors"] = [self.params] * k
+    if run.model_states.merged is not None:
+      template["model_state"] = run.model_states.merged
     if self.layout is None:
       return template
     # Sharded θ: restored where an uninterrupted run holds each array.
@@ -259,6 +281,8 @@ class Engine:
     if self.layout is not None:  # back where an uninterrupted run holds them
       pending, workers, compression = self.layout.put((pending, workers, compression))
     run.state.load(meta, pending, workers, compression, anchors)
+    if "model_state" in arrays:
+      run.model_states.merged = run.executor.to_server(arrays["model_state"])
     run.streak.set_state(run.state.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):
@@ -296,7 +320,7 @@ class Engine:
       return
     every = self.spec.eval_every
     s.next_eval = (s.units // every + 1) * every if every > 0 else math.inf
-    metrics = problem.eval_metrics(self.eval_fn(self.params))
+    metrics = problem.eval_metrics(self._call_eval())
     bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
     if bad:
       where = ("before training" if s.version == 0 and s.units == 0
@@ -309,6 +333,15 @@ class Engine:
            "outer_updates": s.version, **metrics}
     s.last_eval = row
     self._run.recorder.emit(row)
+
+  def _call_eval(self) -> Any:
+    """``eval_fn`` on θ, and on the server's model state for an ``eval_fn`` that takes
+    ``state``. It runs as given: an ``eval_fn`` wrapped in ``jax.jit`` runs compiled
+    (docs/DESIGN.md, "Model state and randomness")."""
+    if self._run.model_states.merged is not None and problem.takes_keyword(self.eval_fn,
+                                                                          "state"):
+      return self.eval_fn(self.params, state=self.model_state)
+    return self.eval_fn(self.params)
 
   # ----------------------------------------------------------------- the run
 
@@ -351,8 +384,16 @@ class Engine:
         self._maybe_checkpoint()
         await asyncio.sleep(0)
       run.streak.check_end(s.version)
+      gone = self.spec.membership.everyone_gone(self.spec.num_workers)
       if s.version == 0 and s.units == 0:
+        if gone is not None:
+          raise BudgetError(
+              f"every worker left for good by {gone:g} s, before any work reached the "
+              "server; allowed: a failure schedule in which some worker stays or comes back "
+              "(docs/FAILURES.md)")
         self._no_work()
+      if gone is not None and not self.spec.budget.over(s.units, gone):
+        self.stopped = f"every worker left at {gone:g} s"
     finally:
       run.recorder.flush()  # the rows up to a DivergenceError are kept too
     if self.eval_fn is not None and (s.last_eval[self.spec.unit] != s.units
@@ -367,6 +408,7 @@ class Engine:
     s, unit = self.state, self.spec.unit
     wall = s.wall_before + time.perf_counter() - self._wall_start
     summary = {"method": self.method.name, "seed": self.spec.seed, unit: s.units,
+               **({"stopped": self.stopped} if self.stopped else {}),
                f"applied_{unit}": s.units - s.rejected_units,
                f"rejected_{unit}": s.rejected_units, "rejected": s.rejected,
                "sim_time": s.sim_time, "outer_updates": s.version}
@@ -397,13 +439,20 @@ class Engine:
       return k * u
     if spec.method.synchrony == "round":
       return k * spec.inner_steps * u
-    return int(min(loops.steps_per_dispatch(spec))) * u
+    # the first update waits for a quorum of arrivals (without a timeout): the q shortest
+    return int(np.sort(loops.steps_per_dispatch(spec))[:Engine._quorum(spec)].sum()) * u
+
+  @staticmethod
+  def _quorum(spec: RunSpec) -> int:
+    """Arrivals the first outer update needs (a quorum closes earlier only on a timeout)."""
+    return spec.syncer.quorum if math.isinf(spec.syncer.timeout) else 1
 
   def _no_work(self) -> None:
     """Raises ``BudgetError``: no work fits the budget (or none reached the server)."""
     spec = self.spec
+    quorum = self._quorum(spec)
     what = {"step": "DDP step of all workers", "round": "round of all workers"}.get(
-        spec.method.synchrony, "dispatch")
+        spec.method.synchrony, "dispatch" if quorum == 1 else f"quorum of {quorum} dispatches")
     raise BudgetError(
         f"the budget ended before any work reached the server (budget: {spec.budget.units} "
         f"{spec.unit} and {spec.budget.sim_seconds} s, 0 = none); allowed: a budget that holds "

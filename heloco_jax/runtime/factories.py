@@ -35,18 +35,22 @@ class RuntimeFactory:
     multiprocess: it can span processes (``jax.distributed``).
     worker_devices: ``K -> the devices one worker's θ spans`` (what a model
       sharded for this runtime is split over: ``sharding.put_fsdp``).
+    model_state: it carries a model state and the workers' keys
+      (``heloco_jax.model_state``).
   """
   build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
   simulated_clock: bool
   synchronies: frozenset[str] = base.SYNCHRONIES
   multiprocess: bool = False
   worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
+  model_state: bool = True
 
   def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return self.build(inner, spec)
 
 
-def simulated_runtime(devices: Optional[Sequence[Any]] = None) -> RuntimeFactory:
+def simulated_runtime(devices: Optional[Sequence[Any]] = None,
+                      worker_batching: simulated.WorkerBatching = "auto") -> RuntimeFactory:
   """Simulated heterogeneous workers on this process's devices, on the simulated clock.
 
   Deterministic: a run replays bit for bit (docs/DESIGN.md, "Determinism").
@@ -54,11 +58,17 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None) -> RuntimeFactory
   Args:
     devices: where workers compute (default ``jax.local_devices()``; the
       first holds θ); several let in-flight workers compute concurrently.
+    worker_batching: how the K workers of a synchronous round compute: "vmap" (one
+      program over a stacked worker axis), "sequential" (one worker's program, K times)
+      or "auto" (per backend, from ``python -m benchmarks.worker_batching``:
+      ``simulated.AUTO_BATCHING``). Either compiles one inner loop whatever K.
   """
+  simulated.check_batching(worker_batching)
+
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     del spec
-    return base.Runtime(simulated.LocalExecutor(inner, devices), base.SimulatedClock,
-                        simulated.simulated_arrivals)
+    return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching),
+                        base.SimulatedClock, simulated.simulated_arrivals)
   return RuntimeFactory(build, simulated_clock=True,
                         worker_devices=lambda k: list(devices or jax.local_devices()))
 
@@ -102,4 +112,5 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
     return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), base.RealClock,
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
-  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies)
+  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
+                        model_state=False)

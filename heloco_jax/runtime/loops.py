@@ -77,8 +77,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       s.jobs[worker] = _dispatch_fragment(run, worker, now)
     else:
       work = functools.partial(
-          run.executor.run_worker, worker, s.workers[worker], run.server.dispatch_point(),
-          run.batches(worker, int(steps[worker])), run.next_key())
+          run.executor.run_worker, worker, run.model_states.for_dispatch(worker, s.workers[worker]),
+          run.server.dispatch_point(), run.batches(worker, int(steps[worker])), run.next_key())
       finish = clock.finish(worker, int(steps[worker]), now)
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
@@ -177,7 +177,9 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
   results = server.update(taus, *(job.delta for job in arrived), fetch=False, weights=weights)
   reasons = [result.pop("reason") for result in results]
   for w, tau, reason, job in zip(group, taus, reasons, arrived):
-    if reason is not None:
+    if reason is None:
+      run.model_states.arrive(s.workers[w])
+    else:
       run.reject(w, reason, tau, job.units)
       s.workers[w] = run.executor.fresh_moments(s.workers[w])
       if spec.streaming:  # it starts again from θ as a whole
@@ -255,7 +257,7 @@ def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: An
     first, second = jax.random.split(key)
     state, _, head_loss = executor.run_worker(worker, previous, previous.params, head, first)
     state, _, tail_loss = executor.run_worker(worker, state, merged(state.params), tail, second)
-    loss = (tau * head_loss + (steps - tau) * tail_loss) / steps
+    loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps, head_loss, tail_loss)
   return state, _subtract(anchor, _on(fragments.take(state.params, sent), anchor)), loss
 
 
@@ -312,7 +314,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       if spec.budget.over(s.units, s.sim_time):
         return
       # The first round continues the warm-up's step count and optimizer state.
-      s.workers = _stack_copies(s.workers, k)
+      s.workers = run.model_states.keyed(_stack_copies(s.workers, k))
   if s.phase != "rounds":
     s.compression = run.uplink.init(executor.to_rounds(run.server.params), k, stacked=True)
   if spec.streaming:
@@ -330,7 +332,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     # Every worker restarts from θ, keeping its own step count (and its optimizer
     # state unless reset_optimizer).
     theta = executor.to_rounds(run.server.params)
-    starts = inner.start_many(theta, s.workers, k)
+    starts = inner.start_many(theta, run.model_states.for_round(s.workers), k)
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, h) for i in range(k)])
     # The keys draw PALSGD's coins: one per round for all (shared) or one per worker.
     keys = jnp.stack([run.next_key()] * k if spec.palsgd_coins == "shared"
@@ -352,7 +354,8 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     if not accepted.all():
       states = inner.reset_moments(states, executor.to_rounds(~accepted))
     if not part.all():  # the absent and the lost keep their state from before the round
-      before = inner.start_many(executor.to_rounds(run.server.params), s.workers, k)
+      before = inner.start_many(executor.to_rounds(run.server.params),
+                                run.model_states.for_round(s.workers), k)
       states, metrics = _where_part(run, part, states, before), _only_part(metrics, part)
     s.workers = states
     if s.compression is not None:  # every worker sends, and keeps its residual
@@ -365,6 +368,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     if accepted.any():
       run.server.apply(delta, 0)
       s.version += 1
+    run.model_states.round(states, accepted)
     if membership.absences:
       _membership_rows(run, start, s.sim_time, real_steps, present, lost)
     _count_round(run, 0, inner_lib.train_loss(metrics) if part.any() else None,
@@ -484,8 +488,8 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       states, first = executor.run_round(s.workers, head, keys, None)
       states, second = executor.run_round(merged(states, (j - 1) % spec.fragments), tail,
                                           keys, None)
-      loss = (tau * inner_lib.train_loss(first)
-              + (steps - tau) * inner_lib.train_loss(second)) / steps
+      loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps,
+                          inner_lib.train_loss(first), inner_lib.train_loss(second))
     units = s.units + k * steps * spec.units_per_step
     duration = run.clock.fragment_round_seconds(steps, p)
     if spec.budget.over(units, s.sim_time + duration):
@@ -523,7 +527,8 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
   membership = spec.membership
   if s.phase != "ddp":
     s.phase, s.workers = "ddp", run.executor.inner.start_jit(
-        run.executor.to_rounds(run.server.params))  # where DDP steps run
+        run.executor.to_rounds(run.server.params),  # where DDP steps run
+        run.model_states.for_dispatch(0, None))
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
     present = membership.present(k, s.sim_time)
@@ -553,6 +558,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
                              *[run.batches(i, chunk) for i in range(k) if part[i]])
       s.workers, loss = run.executor.run_ddp(s.workers, batches, run.next_key())
       run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
+      run.model_states.ddp(s.workers)
     seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params)
     # Every step all-reduces the gradient: each worker's out, the mean back.
     gradient = run.uplink.model_bytes

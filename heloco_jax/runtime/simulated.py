@@ -9,7 +9,7 @@ finish times, ties broken by worker index, so a run reproduces bit for bit.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,12 @@ def round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
 
 
 @jax.jit
+def _stack(trees: Any) -> Any:
+  """A list of equal trees stacked on a new leading axis (one compiled program)."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+@jax.jit
 def _subtract(start: Any, end: Any) -> Any:
   """Δ = start − end, one compiled program for the whole tree."""
   return jax.tree.map(jnp.subtract, start, end)
@@ -100,6 +106,18 @@ def compute_worker(inner: inner_lib.InnerLoop, previous: Optional[inner_lib.Inne
   first): the step count and, unless reset, the optimizer state carry over."""
   state, metrics = inner.run_jit(inner.start_jit(start, previous), batches, key)
   return state, _subtract(start, state.params), inner_lib.train_loss(metrics)
+
+
+WorkerBatching = Literal["auto", "vmap", "sequential"]
+# "auto" per backend (docs/DESIGN.md, "Worker batching": ``python -m benchmarks.worker_batching``
+# on CPU: a CNN 1.23–3.79× slower vmapped, TinyGPT 0.92× ; vmap kept, today's bits).
+AUTO_BATCHING = {"cpu": "vmap", "gpu": "vmap", "tpu": "vmap"}
+
+
+def check_batching(batching: Any) -> None:
+  if batching not in ("auto", "vmap", "sequential"):
+    raise ValueError(f"worker_batching={batching!r} is not allowed; allowed: 'auto', 'vmap' "
+                     "or 'sequential'")
 
 
 class LocalExecutor(base.OneProcess):
@@ -120,18 +138,24 @@ class LocalExecutor(base.OneProcess):
     inner: the workers' compiled inner loop.
     devices: where workers compute (default: ``jax.local_devices()``; the
       first holds θ).
+    worker_batching: a round's K workers as one vmapped program or one after another
+      (``simulated_runtime``).
   """
 
   synchronies = base.SYNCHRONIES
   compresses = True
 
-  def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None):
+  def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None,
+               worker_batching: WorkerBatching = "auto"):
+    check_batching(worker_batching)
     self.inner = inner
     self.layout = inner.layout
     self.devices = list(devices) if devices is not None else jax.local_devices()
     if self.layout is not None:  # one mesh: θ's
       self.devices = self.devices[:1]
     self.concurrency = len(self.devices)  # one worker's steps per device at once
+    self.batching = (AUTO_BATCHING.get(self.devices[0].platform, "vmap")
+                     if worker_batching == "auto" else worker_batching)
     constrain = self.layout.constrain if self.layout is not None else lambda tree: tree
     self._round_delta = jax.jit(lambda *args: constrain(round_delta(*args)))
 
@@ -171,7 +195,13 @@ class LocalExecutor(base.OneProcess):
     return state, delta, loss
 
   def run_round(self, states, batches, keys, anchor):
-    return self.inner.run_many(states, batches, keys, anchor)
+    if self.batching == "vmap":
+      return self.inner.run_many(states, batches, keys, anchor)
+    k = len(keys)
+    ran = [self.inner.run_jit(jax.tree.map(lambda x, i=i: x[i], states),
+                              jax.tree.map(lambda x, i=i: x[i], batches), keys[i], anchor)
+           for i in range(k)]
+    return _stack(ran)
 
   def run_ddp(self, state, batches, key):
     state, metrics = self.inner.run_jit(state, batches, key)

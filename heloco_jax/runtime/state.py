@@ -422,6 +422,8 @@ class Run:
     state: the host side of where the run stands.
     streak: non-finite pseudo-gradients in a row (``rejection.RejectionStreak``).
     key: the run's PRNG key stream.
+    model_states: the server's copy of the model state and the workers' keys
+      (``heloco_jax.model_state``; inactive for a plain ``loss_fn``).
   """
   spec: RunSpec
   executor: Any
@@ -435,6 +437,7 @@ class Run:
   state: RunState
   streak: Any
   key: jax.Array
+  model_states: Any = None
 
   def batches(self, worker: int, steps: int) -> Any:
     """Worker ``worker``'s next ``steps`` batches, stacked on a leading axis."""
@@ -467,8 +470,11 @@ class Run:
 
   def train_loss(self, loss: Any) -> dict[str, Any]:
     """A row's ``train_loss`` field: the mean loss of the inner steps it reports (none for a
-    job restored from a checkpoint written before the loss was kept)."""
+    job restored from a checkpoint written before the loss was kept), and the means of the
+    metrics ``loss_fn`` returned as ``train_<name>``."""
     loss = self.executor.fetch(loss, "train_loss")
+    if isinstance(loss, dict):  # with loss_fn's metrics: train_loss and train_<name>
+      return dict(loss)
     return {} if loss is None else {"train_loss": loss}
 
   def reject(self, worker: int, reason: str, staleness: int, units: int) -> None:

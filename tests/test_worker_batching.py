@@ -1,0 +1,66 @@
+"""Issue 57: a synchronous round's workers vmapped or one after another (the simulated
+runtime's ``worker_batching``): the same training within float tolerance, one compiled inner
+loop either way, and a one-line refusal of another value."""
+
+import asyncio
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import heloco_jax as hj
+
+W = np.array([[1.0], [-2.0], [0.5]], np.float32)
+
+
+def _loss(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["a"]) @ params["b"] - y) ** 2)
+
+
+def _data(worker):
+  rng = np.random.default_rng(worker)
+  while True:
+    x = rng.normal(worker, 1, (8, 3)).astype(np.float32)
+    yield x, x @ W
+
+
+PARAMS = {"a": jnp.full((3, 4), 0.1, jnp.float32), "b": jnp.full((4, 1), 0.1, jnp.float32)}
+
+
+def _engine(batching, method="diloco"):
+  inner_tx = (hj.palsgd_inner(optax.scale_by_adam(), 1e-2) if method == "palsgd"
+              else optax.adam(1e-2))
+  return hj.make_engine(_loss, PARAMS, [_data(i) for i in range(3)], method=method,
+                        inner_tx=inner_tx, inner_steps=4, speeds="homogeneous",
+                        budget_steps=3 * 4 * 5, runtime=hj.simulated_runtime(
+                            worker_batching=batching))
+
+
+@pytest.mark.parametrize("method", ["diloco", "palsgd"])
+def test_sequential_workers_train_as_the_vmapped_ones_with_one_compiled_loop(method):
+  runs = {}
+  for batching in ("vmap", "sequential"):
+    engine = _engine(batching, method)
+    asyncio.run(engine.run())
+    inner = engine.runtime.executor.inner
+    runs[batching] = (engine.rows, engine.params)
+    warmup = method == "palsgd"  # PALSGD's DDP warm-up steps on the K batches together
+    if batching == "sequential":  # one worker's program for every worker of every round
+      assert inner.run_jit._cache_size() == 1 + warmup  # pylint: disable=protected-access
+      assert inner.run_many._cache_size() == 0  # pylint: disable=protected-access
+    else:
+      assert inner.run_many._cache_size() == 1  # pylint: disable=protected-access
+    engine.close()
+  (rows_v, params_v), (rows_s, params_s) = runs["vmap"], runs["sequential"]
+  assert [r["event"] for r in rows_v] == [r["event"] for r in rows_s]
+  np.testing.assert_allclose([r.get("train_loss", 0.0) for r in rows_v],
+                             [r.get("train_loss", 0.0) for r in rows_s], rtol=1e-4)
+  for key in params_v:
+    np.testing.assert_allclose(params_v[key], params_s[key], rtol=1e-4, atol=1e-6)
+
+
+def test_another_worker_batching_is_refused_in_one_line():
+  with pytest.raises(ValueError, match="worker_batching='pmap' is not allowed; allowed: 'auto'"):
+    hj.simulated_runtime(worker_batching="pmap")
