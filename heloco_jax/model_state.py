@@ -33,16 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import inner as inner_lib
+from heloco_jax import inner as inner_lib, problem
 
 Merge = Literal["mean", "latest"]
 MERGES = ("mean", "latest")
 # Keeps the workers' keys apart from the run's other streams of the same seed.
 _RNG_TAG = 0x6D6F6465  # "mode(l)"
-
-
-def _path(path: Any) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/") or "(the root)"
 
 
 def _variable_types() -> tuple[Any, Any, Any]:
@@ -64,7 +60,7 @@ def check_params_are_trained(params: Any) -> None:
       params, is_leaf=lambda x: isinstance(x, variable)):
     if isinstance(leaf, variable) and not isinstance(leaf, param):
       raise ValueError(
-          f"params leaf {_path(path)!r} is an nnx.{type(leaf).__name__}, not an nnx.Param: the "
+          f"params leaf {problem.leaf_path(path)!r} is an nnx.{type(leaf).__name__}, not an nnx.Param: the "
           "optimizers would train it; allowed: params = nnx.state(model, nnx.Param) and the "
           "rest as model_state= (e.g. nnx.state(model, nnx.BatchStat)), with a loss_fn that "
           "takes state= (docs/DESIGN.md, 'Model state and randomness')")
@@ -88,14 +84,14 @@ def check_model_state(model_state: Any, contract: inner_lib.LossContract) -> Non
         model_state, is_leaf=lambda x: isinstance(x, variable)):
       if isinstance(leaf, rng_state):
         raise ValueError(
-            f"model_state leaf {_path(path)!r} is an nnx.{type(leaf).__name__} (a module's "
+            f"model_state leaf {problem.leaf_path(path)!r} is an nnx.{type(leaf).__name__} (a module's "
             "nnx.Rngs): workers would share its keys and the checkpoint cannot hold them; "
             "allowed: a loss_fn that takes rng= and reseeds the module each step "
             "(nnx.reseed(model, dropout=rng)), with the Rngs kept out of model_state, e.g. "
             "nnx.state(model, nnx.BatchStat)")
   for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
     if not hasattr(leaf, "dtype") or jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      raise ValueError(f"model_state leaf {_path(path)!r} is {type(leaf).__name__}; allowed: "
+      raise ValueError(f"model_state leaf {problem.leaf_path(path)!r} is {type(leaf).__name__}; allowed: "
                        "arrays of numbers")
 
 

@@ -24,13 +24,14 @@ from heloco_jax.outer.weighting import arrival_weighting
 
 
 
-def _path(path: Any) -> str:
+def leaf_path(path: Any) -> str:
+  """A pytree key path as ``a/b/0`` (error messages name leaves this way)."""
   return jax.tree_util.keystr(path, simple=True, separator="/") or "(the root)"
 
 
 def describe_tree(tree: Any) -> str:
   """``a: (8, 3) float32, b: (8,) int32`` for a pytree of arrays (error messages)."""
-  return ", ".join(f"{_path(p)}: {tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
+  return ", ".join(f"{leaf_path(p)}: {tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
                    for p, x in jax.tree_util.tree_leaves_with_path(tree))
 
 
@@ -44,7 +45,7 @@ def check_params(params: Any) -> None:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
-          f"params leaf {_path(path)!r} has dtype {dtype or type(leaf).__name__}; allowed: "
+          f"params leaf {leaf_path(path)!r} has dtype {dtype or type(leaf).__name__}; allowed: "
           "floating-point arrays only (keep integer state such as step counters or "
           "BatchNorm statistics out of params)")
 
@@ -176,7 +177,7 @@ def check_batch(worker: int, index: int, batch: Any, first: Any) -> None:
                                 jax.tree.leaves(first)):
     if np.shape(leaf) != np.shape(want) or np.result_type(leaf) != np.result_type(want):
       raise ValueError(
-          f"worker {worker}'s batch {index} has leaf {_path(path)!r} of shape "
+          f"worker {worker}'s batch {index} has leaf {leaf_path(path)!r} of shape "
           f"{tuple(np.shape(leaf))} {np.result_type(leaf)}; allowed: the first batch's, "
           f"{tuple(np.shape(want))} {np.result_type(want)} (every inner step of every worker "
           "takes one batch shape)")
