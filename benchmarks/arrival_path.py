@@ -55,7 +55,7 @@ def main() -> None:
   try:
     hj.simulate(_loss, {"w": jnp.zeros((3, 1))}, [_stream(i) for i in range(3)],
                 method="heloco", inner_tx=optax.sgd(0.01), inner_steps=4,
-                speeds=[1.0, 2.0, 3.0], budget_steps=400, metrics_fetch_every=1)
+                speeds=[1.0, 2.0, 3.0], budget=hj.Budget(steps=400), metrics_fetch_every=1)
   finally:
     sys.setprofile(None)
   files = {f for _, f, _ in events}

@@ -68,7 +68,7 @@ def _engine(size: str, devices: int, arrivals: int):
   runtime = hj.simulated_runtime(devices=jax.devices()[:1])
   return hj.make_engine(lambda p, batch: model_lib.loss(graphdef, p, batch), params,
                         [Tokens(i) for i in range(K)], method="heloco", inner_steps=H,
-                        speeds=[1.0, 1.5], budget_steps=arrivals * H, runtime=runtime,
+                        speeds=[1.0, 1.5], budget=hj.Budget(steps=arrivals * H), runtime=runtime,
                         metrics_fetch_every=1)  # each arrival row as it happens
 
 

@@ -7,7 +7,7 @@ timed from the end of the first round (compiled by then) to the end of the last,
 per worker-step; and the ratio vmapped ÷ sequential (< 1: vmap is faster).
 ``simulated.AUTO_BATCHING`` (the default, "auto") follows what this prints per backend.
 
-  python -m benchmarks.worker_batching [--rounds 4] [--workers 2,5,16]
+  python -m benchmarks.worker_batching [--rounds 4] [--workers 2,5,16] [--models cnn,tinygpt]
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def seconds_per_worker_step(problem, k: int, rounds: int, batching: str) -> floa
     if row["event"] == "train":
       ends.append(time.perf_counter())
   hj.simulate(loss_fn, params, [data(i) for i in range(k)], method="diloco", inner_steps=H,
-              speeds="homogeneous" if k != 5 else [1.0] * 5, budget_steps=rounds * k * H,
+              speeds="homogeneous" if k != 5 else [1.0] * 5,
+              budget=hj.Budget(steps=rounds * k * H),
               inner_tx=optax.adam(1e-3), on_row=on_row,
               metrics_fetch_every=1,  # each round's row fetched (and timed) as it ends
               runtime=hj.simulated_runtime(worker_batching=batching), **extra)
@@ -97,13 +98,15 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--workers", default="2,5,16")
+  parser.add_argument("--models", default="cnn,tinygpt")
   args = parser.parse_args()
   print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.devices()[0].platform}), H = {H}, {args.rounds} rounds after the first")
   print(f"{'model':8} {'K':>3} {'vmap ms/worker-step':>20} {'sequential':>11} "
         f"{'vmap ÷ sequential':>18}")
-  for name, make in (("cnn", _cnn_problem), ("tinygpt", _gpt_problem)):
-    problem = make()
+  problems = {"cnn": _cnn_problem, "tinygpt": _gpt_problem}
+  for name in args.models.split(","):
+    problem = problems[name]()
     for k in map(int, args.workers.split(",")):
       vmapped = seconds_per_worker_step(problem, k, args.rounds + 1, "vmap")
       sequential = seconds_per_worker_step(problem, k, args.rounds + 1, "sequential")

@@ -25,5 +25,5 @@ x_val = np.random.default_rng(9).normal(1.5, 1.5, (256, 4)).astype(np.float32)
 result = hj.simulate(
     loss_fn, params, [worker_data(i) for i in range(4)], method="heloco",
     inner_tx=optax.adam(1e-2), inner_steps=10, speeds=[1.0, 1.0, 2.0, 4.0],
-    budget_steps=2_000, eval_fn=lambda p: loss_fn(p, (x_val, x_val @ w_true)))
-print(result.summary["initial_val_loss"], "->", result.summary["final_val_loss"])
+    budget=hj.Budget(steps=2_000), eval_fn=lambda p: loss_fn(p, (x_val, x_val @ w_true)))
+print(f'{result.summary["initial_val_loss"]:.2f} -> {result.summary["final_val_loss"]:.3f}')

@@ -34,7 +34,8 @@ from heloco_jax.outer import (
 )
 
 from heloco_jax import compress, fragments
-from heloco_jax.api import SimulationResult, Workdir, make_engine, simulate
+from heloco_jax.api import Budget, SimulationResult, Workdir, make_engine, simulate
+from heloco_jax.fragments import Streaming
 from heloco_jax.runtime.factories import devices_runtime, ray_runtime, simulated_runtime
 from heloco_jax.clock import CommModel
 from heloco_jax.determinism import DeterminismError, enable as enable_deterministic_ops
@@ -53,7 +54,7 @@ from heloco_jax.writers import TensorBoardWriter, Writers
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "BudgetError", "compress", "fragments", "CommModel", "DeterminismError",
+    "METHODS", "Budget", "BudgetError", "Streaming", "compress", "fragments", "CommModel", "DeterminismError",
     "DivergenceError", "Stopped",
     "Membership", "PalsgdState", "Server", "SimulationResult", "Syncer", "TensorBoardWriter", "WorkdirError",
     "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",

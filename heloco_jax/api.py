@@ -4,8 +4,14 @@
 
   import heloco_jax as hj
   result = hj.simulate(loss_fn, params, data, method="heloco", inner_steps=20,
-                       speeds="severe", budget_steps=2_000, eval_fn=eval_fn)
+                       speeds="severe", budget=hj.Budget(steps=2_000), eval_fn=eval_fn)
   result.params, result.history, result.summary
+
+``make_engine`` declares the options once; ``simulate`` takes the same (its
+signature is ``make_engine``'s, for pyright and ``help`` alike). Options that
+belong together are small frozen objects: ``hj.Budget``, ``hj.Workdir``,
+``hj.Streaming``, ``hj.Syncer``, ``hj.Membership``, ``hj.CommModel``; a
+method's own knobs go through ``method_options``.
 
 ``loss_fn(params, batch)`` returns a scalar loss or ``(loss, aux)``;
 ``params`` is any pytree (a dict, or ``nnx.state(model, nnx.Param)``);
@@ -20,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import math
 import numbers
+import os
+import re
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, ParamSpec, Sequence, Union
 
 import jax
 import numpy as np
@@ -38,6 +47,7 @@ from heloco_jax import workdir as workdir_lib
 from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
 
 Row = dict[str, Any]
+_P = ParamSpec("_P")
 
 
 @dataclasses.dataclass
@@ -71,6 +81,7 @@ class Workdir:
 
   Attributes:
     path: the directory: checkpoints, ``metrics.jsonl``, ``config.json``, ``summary.json``.
+    checkpoint_every: outer updates between checkpoints (0: off).
     keep_checkpoints: how many of the newest checkpoints to keep.
     allow_config_change: resume although ``config.json`` differs.
     config_json: what ``config.json`` holds (default: the run's settings as
@@ -80,11 +91,42 @@ class Workdir:
       since the run began, set to its default, does not stop a resume.
   """
   path: str
+  checkpoint_every: int = 10
   keep_checkpoints: int = 3
   allow_config_change: bool = False
   config_json: Optional[str] = None
   flag: str = "workdir"
   defaults_json: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Where a run ends and how often it is evaluated (``make_engine(budget=...)``).
+
+  A run counts inner steps, or tokens with ``tokens_per_step``; it stops before
+  the first of its budgets would be passed, and evaluates at the start, every
+  ``eval_every_*`` and at the end.
+
+  Attributes:
+    steps: the applied local steps of all workers together (the HeLoCo authors' budget).
+    tokens: with ``tokens_per_step``: the budget in tokens.
+    sim_seconds: the simulated clock's budget.
+    tokens_per_step: the tokens of one worker's inner step (e.g. batch × context):
+      budgets, evaluations, rows and the summary then count tokens.
+    eval_every_steps: local steps between evaluations (None: start and end only).
+    eval_every_tokens: with ``tokens_per_step``: tokens between evaluations.
+
+  Example::
+
+    hj.Budget(steps=2_000, eval_every_steps=200)
+    hj.Budget(tokens=10_000_000, tokens_per_step=4 * 128, eval_every_tokens=500_000)
+  """
+  steps: Optional[int] = None
+  tokens: Optional[int] = None
+  sim_seconds: Optional[float] = None
+  tokens_per_step: Optional[int] = None
+  eval_every_steps: Optional[int] = None
+  eval_every_tokens: Optional[int] = None
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -103,48 +145,50 @@ def _check_palsgd(inner_tx: optax.GradientTransformation, params: Any) -> None:
                      "...), whose pseudo-sync steps know the inner learning rate")
 
 
-def _budget(budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps,
-            eval_every_tokens, tokens_per_step) -> tuple[state_lib.Budget, int, int, str]:
-  """(budget, evaluation cadence, units per step, unit) in steps or, with ``tokens_per_step``,
-  in tokens."""
-  _positive_int("budget_steps", budget_steps, allow_none=True)
-  _positive_int("eval_every_steps", eval_every_steps, allow_none=True)
-  _positive_int("tokens_per_step", tokens_per_step, allow_none=True)
-  for name, value in (("budget_tokens", budget_tokens), ("eval_every_tokens", eval_every_tokens)):
-    _positive_int(name, value, allow_none=True)
-    if value is not None and tokens_per_step is None:
-      raise ValueError(f"{name}={value!r} is not allowed without tokens_per_step; allowed: "
-                       "tokens_per_step (the tokens of one worker's inner step), or steps: "
+def _budget(budget: Any) -> tuple[state_lib.Budget, int, int, str]:
+  """(budget, evaluation cadence, units per step, unit) in steps or, with
+  ``tokens_per_step``, in tokens."""
+  if not isinstance(budget, Budget):
+    raise ValueError(f"budget={budget!r} is not allowed; allowed: hj.Budget(steps=...), "
+                     "hj.Budget(sim_seconds=...) or hj.Budget(tokens=..., tokens_per_step=...)")
+  b = budget
+  for name in ("steps", "tokens", "tokens_per_step", "eval_every_steps", "eval_every_tokens"):
+    _positive_int(f"budget.{name}", getattr(b, name), allow_none=True)
+  for name, value in (("tokens", b.tokens), ("eval_every_tokens", b.eval_every_tokens)):
+    if value is not None and b.tokens_per_step is None:
+      raise ValueError(f"budget.{name}={value!r} is not allowed without "
+                       "budget.tokens_per_step; allowed: budget.tokens_per_step (the tokens "
+                       f"of one worker's inner step), or steps: budget."
                        f"{name.replace('tokens', 'steps')}")
-  if tokens_per_step is not None:
-    for name, value in (("budget_steps", budget_steps), ("eval_every_steps", eval_every_steps)):
+  if b.tokens_per_step is not None:
+    for name, value in (("steps", b.steps), ("eval_every_steps", b.eval_every_steps)):
       if value is not None:
-        raise ValueError(f"{name}={value!r} is not allowed with tokens_per_step; allowed: "
-                         f"{name.replace('steps', 'tokens')} (the run counts tokens)")
-  if budget_sim_seconds is not None and not budget_sim_seconds > 0:
-    raise ValueError(f"budget_sim_seconds={budget_sim_seconds!r} is not allowed; allowed: a "
-                     "number > 0 or None")
-  units = budget_tokens if tokens_per_step is not None else budget_steps
-  if units is None and budget_sim_seconds is None:
-    raise ValueError("budget_steps=None and budget_sim_seconds=None is not allowed; allowed: "
-                     "at least one budget (a run needs an end)")
-  every = eval_every_tokens if tokens_per_step is not None else eval_every_steps
-  return (state_lib.Budget(units or 0, budget_sim_seconds or 0.0), every or 0,
-          tokens_per_step or 1, "tokens" if tokens_per_step is not None else "steps")
+        raise ValueError(f"budget.{name}={value!r} is not allowed with budget.tokens_per_step; "
+                         f"allowed: budget.{name.replace('steps', 'tokens')} (the run counts "
+                         "tokens)")
+  if b.sim_seconds is not None and (
+      isinstance(b.sim_seconds, bool) or not isinstance(b.sim_seconds, numbers.Real)
+      or not b.sim_seconds > 0 or not math.isfinite(b.sim_seconds)):
+    raise ValueError(f"budget.sim_seconds={b.sim_seconds!r} is not allowed; allowed: a "
+                     "finite number > 0 or None")
+  tokens = b.tokens_per_step is not None
+  units = b.tokens if tokens else b.steps
+  if units is None and b.sim_seconds is None:
+    raise ValueError(f"budget={b!r} is not allowed; allowed: at least one of steps, tokens "
+                     "or sim_seconds (a run needs an end)")
+  every = b.eval_every_tokens if tokens else b.eval_every_steps
+  return (state_lib.Budget(units or 0, b.sim_seconds or 0.0), every or 0,
+          b.tokens_per_step or 1, "tokens" if tokens else "steps")
 
 
-def _syncer(syncer: Optional[syncer_lib.Syncer], grace_window: float, method: Any,
+def _syncer(syncer: Optional[syncer_lib.Syncer], method: Any,
             num_workers: int) -> syncer_lib.Syncer:
-  """The run's syncer policy: ``syncer``, or ``grace_window``'s (a one-line ValueError for
-  either when not allowed)."""
+  """The run's syncer policy (a one-line ValueError when not allowed)."""
   if syncer is None:
-    syncer = syncer_lib.Syncer(grace_window=grace_window)
-  elif not isinstance(syncer, syncer_lib.Syncer):
+    return syncer_lib.Syncer()
+  if not isinstance(syncer, syncer_lib.Syncer):
     raise ValueError(f"syncer={syncer!r} is not allowed; allowed: None or hj.Syncer(...)")
-  elif grace_window:
-    raise ValueError(f"grace_window={grace_window!r} is not allowed with syncer; allowed: "
-                     "hj.Syncer(grace_window=...)")
-  elif method.synchrony != "async" and syncer != syncer_lib.Syncer():
+  if method.synchrony != "async" and syncer != syncer_lib.Syncer():
     raise ValueError(f"syncer={syncer!r} is not allowed with method={method.name!r}; allowed: "
                      "None (a syncer groups the arrivals of an asynchronous method)")
   refused = syncer.refusal(num_workers)
@@ -152,6 +196,30 @@ def _syncer(syncer: Optional[syncer_lib.Syncer], grace_window: float, method: An
     name, value, allowed = refused
     raise ValueError(f"syncer.{name}={value!r} is not allowed; allowed: {allowed}")
   return syncer
+
+
+def _streaming(streaming: Optional[fragments_lib.Streaming]) -> fragments_lib.Streaming:
+  if streaming is None:
+    return fragments_lib.Streaming()
+  if not isinstance(streaming, fragments_lib.Streaming):
+    raise ValueError(f"streaming={streaming!r} is not allowed; allowed: None (θ synced whole) "
+                     "or hj.Streaming(fragments=..., ...)")
+  _positive_int("streaming.fragments", streaming.fragments)
+  return streaming
+
+
+def _workdir(workdir: Union[None, str, os.PathLike, Workdir]) -> Optional[Workdir]:
+  if workdir is None or isinstance(workdir, Workdir):
+    every = None if workdir is None else workdir.checkpoint_every
+    if every is not None and (isinstance(every, bool) or not isinstance(every, numbers.Integral)
+                              or every < 0):
+      raise ValueError(f"workdir.checkpoint_every={every!r} is not allowed; allowed: an "
+                       "integer >= 0 (0 = off)")
+    return workdir
+  if isinstance(workdir, (str, os.PathLike)):
+    return Workdir(os.fspath(workdir))
+  raise ValueError(f"workdir={workdir!r} is not allowed; allowed: None, a path or "
+                   "hj.Workdir(path, ...)")
 
 
 def _membership(membership: Optional[membership_lib.Membership], num_workers: int,
@@ -180,8 +248,8 @@ def _check_carried(contract: inner_lib.LossContract, factory: factories.RuntimeF
     raise ValueError(f"a loss_fn that takes {takes} is not allowed on this runtime (Ray); "
                      "allowed: the simulated or the devices runtime")
   if fragments != 1:
-    raise ValueError(f"fragments={fragments!r} is not allowed with a loss_fn that takes "
-                     f"{takes}; allowed: fragments=1")
+    raise ValueError(f"streaming.fragments={fragments!r} is not allowed with a loss_fn that "
+                     f"takes {takes}; allowed: 1")
 
 
 def make_engine(
@@ -190,50 +258,131 @@ def make_engine(
     data: Sequence[Iterable[Any]],
     *,
     method: str = "heloco",
-    outer_tx: Optional[optax.GradientTransformation] = None,
-    inner_tx: Optional[optax.GradientTransformation] = None,
+    budget: Budget,
     inner_steps: int = 20,
     speeds: Union[str, Sequence[float]] = "mixed",
-    budget_steps: Optional[int] = None,
-    budget_sim_seconds: Optional[float] = None,
-    budget_tokens: Optional[int] = None,
-    tokens_per_step: Optional[int] = None,
-    eval_fn: Optional[Callable[[Any], Any]] = None,
-    eval_every_steps: Optional[int] = None,
-    eval_every_tokens: Optional[int] = None,
+    eval_fn: Optional[Callable[..., Any]] = None,
     seed: int = 0,
-    runtime: Optional[factories.RuntimeFactory] = None,
-    workdir: Union[None, str, Workdir] = None,
-    checkpoint_every: int = 10,
-    outer_options: Optional[Mapping[str, Any]] = None,
-    lookahead_dispatch: Optional[bool] = None,
+    outer_tx: Optional[optax.GradientTransformation] = None,
+    inner_tx: Optional[optax.GradientTransformation] = None,
+    method_options: Optional[Mapping[str, Any]] = None,
     reset_optimizer: Optional[bool] = None,
-    grace_window: float = 0.0,
     syncer: Optional[syncer_lib.Syncer] = None,
-    membership: Optional[membership_lib.Membership] = None,
-    dylu: bool = False,
-    jitter: float = 0.0,
-    comm: clock.CommModel = clock.CommModel(),
-    metrics_fetch_every: int = 16,
-    rejection_limit: Optional[int] = None,
-    deterministic: Optional[bool] = None,
-    palsgd_coins: str = "shared",
-    palsgd_warmup_steps: Optional[int] = None,
+    streaming: Optional[fragments_lib.Streaming] = None,
     compress: Optional[compress_lib.Compressor] = None,
-    fragments: int = 1,
-    fragment_layout: fragments_lib.Layout = "contiguous",
-    overlap_steps: int = 0,
-    fragment_alpha: float = 1.0,
+    membership: Optional[membership_lib.Membership] = None,
+    comm: clock.CommModel = clock.CommModel(),
+    jitter: float = 0.0,
     model_state: Any = None,
     model_state_merge: model_state_lib.Merge = "mean",
+    runtime: Optional[factories.RuntimeFactory] = None,
+    workdir: Union[None, str, os.PathLike, Workdir] = None,
+    deterministic: Optional[bool] = None,
+    rejection_limit: Optional[int] = None,
+    metrics_fetch_every: int = 16,
+    on_row: Optional[Callable[[Row], None]] = None,
+    handle_signals: bool = False,
 ) -> engine_lib.Engine:
   """The engine of a run, for ``summary = await engine.run()`` (e.g. in a notebook).
 
-  Takes the arguments of ``simulate`` (see there) and returns its engine:
-  ``await engine.run(on_row)`` runs it, ``engine.rows`` and
-  ``engine.params`` hold the results, ``engine.request_stop()`` stops it at
-  the next outer update (after a checkpoint, with ``workdir``), and
-  ``engine.close()`` releases its runtime and workdir.
+  ``hj.simulate`` takes the same arguments and runs the engine to the end;
+  ``await engine.run()`` runs it, ``engine.rows`` and ``engine.params`` hold the
+  results, ``engine.request_stop()`` stops it at the next outer update (after a
+  checkpoint, with ``workdir``), and ``engine.close()`` releases its runtime and
+  workdir.
+
+  Args:
+    loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``, differentiable in params;
+      the scalars of a dict ``aux`` reach the rows as ``train_<name>``. With the
+      keyword ``state`` (the model state besides θ, e.g. BatchNorm statistics) it
+      returns ``(loss, (new_state, metrics))``; with the keyword ``rng`` it gets a new
+      PRNG key every inner step (docs/DESIGN.md, "Model state and randomness").
+    params: the initial θ (any pytree of floating-point arrays).
+    data: K per-worker iterables of batches (pytrees of arrays); worker i
+      reads ``data[i]``, one batch per inner step. Re-iterables (lists,
+      grain datasets) or iterators with ``get_state``/``set_state`` resume
+      exactly from a ``workdir``.
+    method: a registry name (``heloco_jax.methods.METHODS``): ddp, local_sgd,
+      diloco, palsgd, async_nesterov, delayed_nesterov, mla, heloco, cgad.
+    budget: where the run ends and how often it is evaluated (``hj.Budget``:
+      steps, tokens with tokens_per_step, simulated seconds; eval cadence).
+    inner_steps: H, local steps per dispatch.
+    speeds: a preset name (homogeneous, mild, moderate, severe, mixed: the
+      HeLoCo authors' 1, 2, 3, 1, 5 and the default) or K simulated seconds per
+      step.
+    eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}`` (``(params, *, state)``
+      with a model state); evaluated at the start, every ``budget.eval_every_*`` and at
+      the end, as given (wrap it in ``jax.jit`` to compile it).
+    seed: PRNG seed (dispatch keys, PALSGD's coins, the clock's jitter).
+    outer_tx: the outer rule, any optax transform of pseudo-gradients
+      (e.g. ``optax.chain(optax.clip_by_global_norm(1.0), hj.heloco(...))``);
+      None: the method's (docs/ALGORITHMS.md defaults, ρ = 1/√K). It replaces
+      the whole rule, ρ included: for an asynchronous method it must hold an
+      arrival weight (``hj.scale_by_arrival_weight`` or one of the
+      asynchronous rules), and for heloco a ``hj.heloco`` state.
+    inner_tx: the workers' optimizer, any optax transform; None: the
+      method's AdamW with warm-up + cosine schedule (``hj.inner_adamw``).
+      PALSGD needs ``hj.palsgd_inner(...)``.
+    method_options: the method's own keyword options. Its outer rule's (with
+      ``outer_tx`` None), e.g. ``{"learning_rate": 0.5}``: the keys are
+      ``heloco_jax.methods.METHODS[method].outer_keys``. Its run's
+      (``.run_keys``): ``lookahead_dispatch`` (mla: dispatch from the look-ahead
+      point), ``dylu`` (asynchronous methods: H_i = max(1, ⌊v_i/v_ref·H⌋)),
+      PALSGD's ``coins`` ("shared": all workers pseudo-sync on the same steps,
+      as the authors' code, or "independent") and ``warmup_steps`` (DDP steps
+      before its rounds; None: H).
+    reset_optimizer: a fresh inner optimizer state at every dispatch; None:
+      the method's default (True but for PALSGD). The worker's step count and
+      the step counts of the schedules in ``inner_tx``'s state are kept.
+    syncer: how an asynchronous method groups and merges arrivals
+      (``hj.Syncer(quorum=q, timeout=T, grace_window=w, adaptive_grace=κ,
+      weights="mean" | "tokens")``, docs/ALGORITHMS.md, "Syncer policies");
+      None: one update per arrival.
+    streaming: θ synced a fragment at a time (``hj.Streaming(fragments=P,
+      layout, overlap_steps=τ, alpha=α)``, docs/ALGORITHMS.md, "Fragments"):
+      Streaming DiLoCo for diloco and local_sgd, per-fragment rules for the
+      asynchronous methods; None: θ whole. Simulated runtime only.
+    compress: workers compress their pseudo-gradients before sending them
+      (``hj.compress.int8()``, ``hj.compress.error_feedback(hj.compress.top_k(0.01))``,
+      ...; the error-feedback residuals are checkpointed), and the simulated
+      clock charges the compressed bytes (docs/ALGORITHMS.md, "Compression in
+      a run"); None: Δ is sent as it is. Not with ddp; simulated runtime only.
+    membership: when workers leave and join (``hj.Membership(((worker, leave,
+      back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
+      every worker stays. The simulated clock only; synchronous methods run elastic
+      rounds and steps, and not with fragments (Streaming DiLoCo).
+    comm: message and all-reduce costs (``hj.CommModel``).
+    jitter: relative per-step jitter of the simulated clock, in [0, 1).
+    model_state: the initial model state besides θ (e.g. ``nnx.state(model,
+      nnx.BatchStat)``), for a ``loss_fn`` that takes ``state``: each worker carries its
+      copy through its steps, and the server merges the copies by ``model_state_merge``.
+    model_state_merge: "mean" (a round averages its workers' copies; an asynchronous
+      arrival moves the server's copy 1/K of the way to the worker's) or "latest" (the
+      arriving worker's copy); non-float leaves take the arriving worker's.
+    runtime: None or ``hj.simulated_runtime()`` (deterministic: bit for bit
+      reproducible), ``hj.devices_runtime(...)`` or ``hj.ray_runtime(...)``.
+    workdir: a directory (or ``hj.Workdir(path, checkpoint_every=10, ...)``) to
+      checkpoint to every ``checkpoint_every`` outer updates and to resume from:
+      the same call resumes exactly, and ``history`` is then the whole run's.
+    deterministic: None: True on a simulated clock; on a GPU, True needs
+      XLA's deterministic ops (``hj.enable_deterministic_ops``).
+    rejection_limit: non-finite pseudo-gradients in a row that stop the run;
+      None: K (at least 2).
+    metrics_fetch_every: arrival rows whose device scalars are fetched together.
+    on_row: called with every history row as it is emitted (progress,
+      ``hj.TensorBoardWriter``).
+    handle_signals: SIGTERM and Ctrl-C stop the run at the next outer update,
+      after a checkpoint (with ``workdir``), raising ``hj.Stopped``; the same
+      call then resumes it.
+
+  Returns:
+    The engine (``heloco_jax.runtime.engine.Engine``).
+
+  Raises:
+    ValueError: an argument is not allowed (the message names it).
+    hj.DeterminismError: ``deterministic`` on a GPU whose backend started
+      without XLA's deterministic ops.
+    hj.WorkdirError: ``workdir`` holds a finished run or another run.
   """
   spec_method = methods.get(method)
   factory = factories.simulated_runtime() if runtime is None else runtime
@@ -241,9 +390,20 @@ def make_engine(
     raise ValueError(f"runtime={runtime!r} is not allowed; allowed: None (simulated workers), "
                      "hj.simulated_runtime(...), hj.devices_runtime(...) or hj.ray_runtime(...)")
   determinism.require(factory.simulated_clock if deterministic is None else deterministic)
+  outer_options, run_options = spec_method.split_options(method_options)
+  palsgd_coins = run_options.get("coins", "shared")
   if palsgd_coins not in state_lib.PALSGD_COINS:
-    raise ValueError(f"palsgd_coins={palsgd_coins!r} is not allowed; allowed: one of "
-                     f"{', '.join(map(repr, state_lib.PALSGD_COINS))}")
+    raise ValueError(f"method_options['coins']={palsgd_coins!r} is not allowed; allowed: one "
+                     f"of {', '.join(map(repr, state_lib.PALSGD_COINS))}")
+  palsgd_warmup_steps = run_options.get("warmup_steps")
+  if palsgd_warmup_steps is not None and (
+      isinstance(palsgd_warmup_steps, bool)
+      or not isinstance(palsgd_warmup_steps, numbers.Integral) or palsgd_warmup_steps < 0):
+    raise ValueError(f"method_options['warmup_steps']={palsgd_warmup_steps!r} is not allowed; "
+                     "allowed: an integer >= 0, or None (H)")
+  if palsgd_warmup_steps is not None:
+    palsgd_warmup_steps = int(palsgd_warmup_steps)
+  dylu = bool(run_options.get("dylu", False))
   if isinstance(data, (str, bytes)) or not hasattr(data, "__len__") or len(data) < 1:
     raise ValueError("data must be a sequence of K >= 1 per-worker iterables of batches; "
                      f"got {type(data).__name__}")
@@ -255,22 +415,24 @@ def make_engine(
   if compress is not None and not isinstance(compress, compress_lib.Compressor):
     raise ValueError(f"compress={compress!r} is not allowed; allowed: None (Δ sent as it is) "
                      "or a heloco_jax.compress.Compressor, e.g. hj.compress.int8()")
-  if (isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral)
-      or checkpoint_every < 0):
-    raise ValueError(f"checkpoint_every={checkpoint_every!r} is not allowed; allowed: an "
-                     "integer >= 0 (0 = off)")
-  syncer = _syncer(syncer, grace_window, spec_method, num_workers)
-  membership = _membership(membership, num_workers, fragments, factory.simulated_clock,
-                           spec_method.synchrony == "async")
-  budget, eval_every, units_per_step, unit = _budget(
-      budget_steps, budget_sim_seconds, budget_tokens, eval_every_steps, eval_every_tokens,
-      tokens_per_step)
+  if budget is None:
+    raise ValueError("budget=None is not allowed; allowed: hj.Budget(steps=...), "
+                     "hj.Budget(sim_seconds=...) or hj.Budget(tokens=..., tokens_per_step=...) "
+                     "(a run needs an end)")
+  workdir = _workdir(workdir)
+  if workdir is not None:  # NumPy integers as Python's: config.json is JSON
+    workdir = dataclasses.replace(workdir, checkpoint_every=int(workdir.checkpoint_every))
+  streaming = _streaming(streaming)
+  syncer = _syncer(syncer, spec_method, num_workers)
+  membership = _membership(membership, num_workers, streaming.fragments,
+                           factory.simulated_clock, spec_method.synchrony == "async")
+  run_budget, eval_every, units_per_step, unit = _budget(budget)
   model_state_lib.check_params_are_trained(params)
   problem.check_params(params)
   contract = inner_lib.LossContract.of(loss_fn)
   model_state_lib.check_model_state(model_state, contract)
   model_state_lib.check_merge(model_state_merge)
-  _check_carried(contract, factory, fragments)
+  _check_carried(contract, factory, streaming.fragments)
   streams = [state_lib.WorkerStream(source, worker=i) for i, source in enumerate(data)]
   problem.check_loss_fn(loss_fn, params, streams[0].peek(), model_state)
   seconds = clock.seconds_per_step(speeds, num_workers)
@@ -278,38 +440,49 @@ def make_engine(
     inner_tx = spec_method.make_inner(inner_lib.InnerConfig())
   elif spec_method.inner == "palsgd":
     _check_palsgd(inner_tx, params)
-  lookahead = spec_method.lookahead_dispatch(lookahead_dispatch)
+  lookahead = spec_method.lookahead_dispatch(run_options.get("lookahead_dispatch"))
   if outer_tx is None:
     outer_tx = spec_method.make_outer(num_workers, outer_options)
   elif outer_options:
-    raise ValueError(f"outer_options={dict(outer_options)!r} is not allowed with outer_tx; "
-                     "allowed: one of them (outer_options sets the method's own rule)")
+    raise ValueError(f"method_options={dict(outer_options)!r} is not allowed with outer_tx; "
+                     "allowed: one of them (method_options' outer keys set the method's own "
+                     "rule)")
   else:
     problem.check_outer_tx(outer_tx, params, spec_method, lookahead)
-  fragments_lib.split(params, fragments, fragment_layout)  # P and the layout
+  try:  # P and the layout, in the names of ``streaming``
+    fragments_lib.split(params, streaming.fragments, streaming.layout)
+  except ValueError as error:
+    raise ValueError(re.sub(r"\bfragment_layout\b", "streaming.layout",
+                            re.sub(r"(?<![\w.])fragments=", "streaming.fragments=", str(error)))
+                     ) from None
   refused = fragments_lib.refusal(
-      method=spec_method, fragments=fragments, overlap_steps=overlap_steps, alpha=fragment_alpha,
-      inner_steps=inner_steps, simulated=factory.simulated_clock,
+      method=spec_method, fragments=streaming.fragments, overlap_steps=streaming.overlap_steps,
+      alpha=streaming.alpha, inner_steps=inner_steps, simulated=factory.simulated_clock,
       sharded=sharding.layout_of(params) is not None, reset_optimizer=reset_optimizer,
-      grace_window=grace_window, dylu=dylu, quorum=syncer.quorum,
+      grace_window=syncer.grace_window, dylu=dylu, quorum=syncer.quorum,
       adaptive_grace=syncer.adaptive_grace)
   if refused:
     name, value, allowed = refused
-    raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
+    raise ValueError(f"{fragments_lib.PUBLIC_NAMES.get(name, name)}={value!r} is not allowed; "
+                     f"allowed: {allowed.replace('fragments=', 'streaming.fragments=')}")
+  streaming = dataclasses.replace(  # NumPy scalars as Python's: config.json is JSON
+      streaming, fragments=int(streaming.fragments), overlap_steps=int(streaming.overlap_steps),
+      alpha=float(streaming.alpha))
   reset = spec_method.reset_optimizer if reset_optimizer is None else bool(reset_optimizer)
-  if fragments > 1:  # workers never restart as a whole (ALGORITHMS.md, "Fragments")
+  if streaming.fragments > 1:  # workers never restart as a whole (ALGORITHMS.md, "Fragments")
     reset = False
   inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset, layout=sharding.layout_of(params))
   spec = state_lib.RunSpec(
-      method=spec_method, num_workers=num_workers, inner_steps=inner_steps,
+      method=spec_method, num_workers=num_workers, inner_steps=int(inner_steps),
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
       syncer=syncer, membership=membership, palsgd_warmup_steps=palsgd_warmup_steps,
-      budget=budget,
+      budget=run_budget,
       eval_every=eval_every, units_per_step=units_per_step, unit=unit,
-      checkpoint_every=checkpoint_every if workdir is not None else 0,
-      metrics_fetch_every=metrics_fetch_every, rejection_limit=rejection_limit or 0,
-      palsgd_coins=palsgd_coins, fragments=fragments, fragment_layout=fragment_layout,
-      overlap_steps=overlap_steps, fragment_alpha=float(fragment_alpha), seed=seed)
+      checkpoint_every=workdir.checkpoint_every if workdir is not None else 0,
+      metrics_fetch_every=int(metrics_fetch_every), rejection_limit=int(rejection_limit or 0),
+      palsgd_coins=palsgd_coins, fragments=streaming.fragments,
+      fragment_layout=streaming.layout, overlap_steps=streaming.overlap_steps,
+      fragment_alpha=float(streaming.alpha), seed=int(seed))
   built = factory(inner, spec)
   try:
     engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
@@ -318,18 +491,19 @@ def make_engine(
   except BaseException:
     built.close()  # e.g. Ray's actors, started for a run that cannot be built
     raise
+  engine.on_row, engine.handle_signals = on_row, bool(handle_signals)
   if workdir is not None:
     try:
       run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
                                 outer_tx, inner_tx, compress)
+      # the keys of config.json's "options" as they were: older workdirs resume
       settings = dict(outer_options=outer_options, lookahead_dispatch=lookahead,
                       reset_optimizer=reset, deterministic=deterministic, run=run)
       if model_state is not None or contract.rng:  # the keys only then: older workdirs match
         settings["model_state"] = {
             "merge": model_state_merge, "rng": contract.rng,
             "shapes": None if model_state is None else problem.describe_tree(model_state)}
-      _open_workdir(engine, workdir if isinstance(workdir, Workdir) else Workdir(str(workdir)),
-                    settings=settings)
+      _open_workdir(engine, workdir, settings=settings)
     except BaseException:
       engine.close()
       raise
@@ -352,151 +526,28 @@ def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[st
                   stacklevel=3)
 
 
-def simulate(
-    loss_fn: Callable[..., Any],
-    params: Any,
-    data: Sequence[Iterable[Any]],
-    *,
-    method: str = "heloco",
-    outer_tx: Optional[optax.GradientTransformation] = None,
-    inner_tx: Optional[optax.GradientTransformation] = None,
-    inner_steps: int = 20,
-    speeds: Union[str, Sequence[float]] = "mixed",
-    budget_steps: Optional[int] = None,
-    budget_sim_seconds: Optional[float] = None,
-    budget_tokens: Optional[int] = None,
-    tokens_per_step: Optional[int] = None,
-    eval_fn: Optional[Callable[[Any], Any]] = None,
-    eval_every_steps: Optional[int] = None,
-    eval_every_tokens: Optional[int] = None,
-    seed: int = 0,
-    runtime: Optional[factories.RuntimeFactory] = None,
-    workdir: Union[None, str, Workdir] = None,
-    checkpoint_every: int = 10,
-    outer_options: Optional[Mapping[str, Any]] = None,
-    lookahead_dispatch: Optional[bool] = None,
-    reset_optimizer: Optional[bool] = None,
-    grace_window: float = 0.0,
-    syncer: Optional[syncer_lib.Syncer] = None,
-    membership: Optional[membership_lib.Membership] = None,
-    dylu: bool = False,
-    jitter: float = 0.0,
-    comm: clock.CommModel = clock.CommModel(),
-    metrics_fetch_every: int = 16,
-    rejection_limit: Optional[int] = None,
-    deterministic: Optional[bool] = None,
-    palsgd_coins: str = "shared",
-    palsgd_warmup_steps: Optional[int] = None,
-    compress: Optional[compress_lib.Compressor] = None,
-    fragments: int = 1,
-    fragment_layout: fragments_lib.Layout = "contiguous",
-    overlap_steps: int = 0,
-    fragment_alpha: float = 1.0,
-    model_state: Any = None,
-    model_state_merge: model_state_lib.Merge = "mean",
-    on_row: Optional[Callable[[Row], None]] = None,
-    handle_signals: bool = False,
-) -> RunResult:
-  """Trains ``params`` with ``method`` on K heterogeneous workers.
+def _signature_of(declared: Callable[_P, Any]
+                  ) -> Callable[[Callable[..., RunResult]], Callable[_P, RunResult]]:
+  """Gives the decorated function ``declared``'s parameters (for pyright and ``help``)."""
+  def decorate(function: Callable[..., RunResult]) -> Callable[_P, RunResult]:
+    function.__signature__ = inspect.signature(declared).replace(  # type: ignore[attr-defined]
+        return_annotation=RunResult)
+    return function
+  return decorate
+
+
+@_signature_of(make_engine)
+def simulate(loss_fn: Callable[..., Any], params: Any, data: Sequence[Iterable[Any]],
+             **options: Any) -> RunResult:
+  """Trains ``params`` with ``method`` on K heterogeneous workers: ``make_engine`` and
+  ``engine.run()`` to the end.
 
   Args:
-    loss_fn: ``(params, batch) -> loss`` or ``(loss, aux)``, differentiable in params;
-      the scalars of a dict ``aux`` reach the rows as ``train_<name>``. With the
-      keyword ``state`` (the model state besides θ, e.g. BatchNorm statistics) it
-      returns ``(loss, (new_state, metrics))``; with the keyword ``rng`` it gets a new
-      PRNG key every inner step (docs/DESIGN.md, "Model state and randomness").
-    params: the initial θ (any pytree of floating-point arrays).
-    data: K per-worker iterables of batches (pytrees of arrays); worker i
-      reads ``data[i]``, one batch per inner step. Re-iterables (lists,
-      grain datasets) or iterators with ``get_state``/``set_state`` resume
-      exactly from a ``workdir``.
-    method: a registry name (``heloco_jax.methods.METHODS``): ddp, local_sgd,
-      diloco, palsgd, async_nesterov, delayed_nesterov, mla, heloco.
-    outer_tx: the outer rule, any optax transform of pseudo-gradients
-      (e.g. ``optax.chain(optax.clip_by_global_norm(1.0), hj.heloco(...))``);
-      None: the method's (docs/ALGORITHMS.md defaults, ρ = 1/√K). It replaces
-      the whole rule, ρ included: for an asynchronous method it must hold an
-      arrival weight (``hj.scale_by_arrival_weight`` or one of the
-      asynchronous rules), and for heloco a ``hj.heloco`` state.
-    inner_tx: the workers' optimizer, any optax transform; None: the
-      method's AdamW with warm-up + cosine schedule (``hj.inner_adamw``).
-      PALSGD needs ``hj.palsgd_inner(...)``.
-    inner_steps: H, local steps per dispatch.
-    speeds: a preset name (homogeneous, mild, moderate, severe, mixed: the
-      HeLoCo authors' 1, 2, 3, 1, 5 and the default) or K simulated seconds per
-      step.
-    budget_steps: stop before the applied local steps of all workers
-      together pass this (the HeLoCo authors' budget).
-    budget_sim_seconds: stop before the simulated clock passes this.
-    budget_tokens: with ``tokens_per_step``: the budget in tokens.
-    tokens_per_step: the tokens of one worker's inner step (e.g. batch ×
-      context): budgets, evaluations, rows and the summary count tokens.
-    eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}`` (``(params, *, state)``
-      with a model state); evaluated at the start, every ``eval_every_steps`` and at the
-      end, as given (wrap it in ``jax.jit`` to compile it).
-    eval_every_steps: local steps between evaluations.
-    eval_every_tokens: with ``tokens_per_step``: tokens between evaluations.
-    seed: PRNG seed (dispatch keys, PALSGD's coins, the clock's jitter).
-    runtime: None or ``hj.simulated_runtime()`` (deterministic: bit for bit
-      reproducible), ``hj.devices_runtime(...)`` or ``hj.ray_runtime(...)``.
-    workdir: a directory (or ``hj.Workdir``) to checkpoint to every
-      ``checkpoint_every`` outer updates and to resume from: the same call
-      resumes exactly, and ``history`` is then the whole run's.
-    checkpoint_every: outer updates between checkpoints (with ``workdir``).
-    outer_options: keyword options of the method's own outer rule (with
-      ``outer_tx`` None), e.g. ``{"learning_rate": 0.5}``; the keys each method
-      takes are ``heloco_jax.methods.METHODS[method].outer_keys``.
-    lookahead_dispatch: None (the method's default), True or False (mla).
-    reset_optimizer: a fresh inner optimizer state at every dispatch; None:
-      the method's default (True but for PALSGD). The worker's step count and
-      the step counts of the schedules in ``inner_tx``'s state are kept.
-    grace_window: seconds within which arrivals are combined (shorthand for
-      ``syncer=hj.Syncer(grace_window=...)``).
-    membership: when workers leave and join (``hj.Membership(((worker, leave,
-      back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
-      every worker stays. The simulated clock only; synchronous methods run elastic
-      rounds and steps, and not with fragments (Streaming DiLoCo).
-    syncer: how an asynchronous method groups and merges arrivals
-      (``hj.Syncer(quorum=q, timeout=T, grace_window=w, adaptive_grace=κ,
-      weights="mean" | "tokens")``, docs/ALGORITHMS.md, "Syncer policies");
-      None: one update per arrival (or ``grace_window``'s groups).
-    dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
-    jitter: relative per-step jitter of the simulated clock, in [0, 1).
-    comm: message and all-reduce costs (``hj.CommModel``).
-    metrics_fetch_every: arrival rows whose device scalars are fetched together.
-    rejection_limit: non-finite pseudo-gradients in a row that stop the run;
-      None: K (at least 2).
-    deterministic: None: True on a simulated clock; on a GPU, True needs
-      XLA's deterministic ops (``hj.enable_deterministic_ops``).
-    palsgd_coins: "shared" (all workers pseudo-sync on the same steps, as the
-      authors' code) or "independent".
-    palsgd_warmup_steps: DDP steps before PALSGD's rounds; None: H.
-    compress: workers compress their pseudo-gradients before sending them
-      (``hj.compress.int8()``, ``hj.compress.error_feedback(hj.compress.top_k(0.01))``,
-      ...; the error-feedback residuals are checkpointed), and the simulated
-      clock charges the compressed bytes (docs/ALGORITHMS.md, "Compression in
-      a run"); None: Δ is sent as it is. Not with ddp; simulated runtime only.
-    fragments: P: θ's leaves split into P fragments, fragment p synced every H
-      steps at offset p·H/P, each with its own outer state and staleness
-      (docs/ALGORITHMS.md, "Fragments"): Streaming DiLoCo for diloco and
-      local_sgd, per-fragment rules for the asynchronous methods. 1: θ whole.
-      P must divide H; not with ddp or palsgd; simulated runtime only.
-    fragment_layout: "contiguous", "strided", "balanced", or a function
-      ``(path, leaf) -> fragment`` (``heloco_jax.fragments.split``).
-    overlap_steps: τ: inner steps a worker takes while its fragment's sync is
-      in flight, in [0, H/P) (with fragments).
-    fragment_alpha: α in (0, 1]: the worker keeps α·(θ_p as it arrives) + (1 −
-      α)·(its own θ_p) (with fragments; 1: the arrived θ_p).
-    model_state: the initial model state besides θ (e.g. ``nnx.state(model,
-      nnx.BatchStat)``), for a ``loss_fn`` that takes ``state``: each worker carries its
-      copy through its steps, and the server merges the copies by ``model_state_merge``.
-    model_state_merge: "mean" (a round averages its workers' copies; an asynchronous
-      arrival moves the server's copy 1/K of the way to the worker's) or "latest" (the
-      arriving worker's copy); non-float leaves take the arriving worker's.
-    on_row: called with every history row as it is emitted (progress).
-    handle_signals: SIGTERM and Ctrl-C stop the run at the next outer update,
-      after a checkpoint (with ``workdir``), raising ``hj.Stopped``; the same
-      call then resumes it.
+    loss_fn: as ``make_engine``'s.
+    params: as ``make_engine``'s.
+    data: as ``make_engine``'s.
+    **options: ``make_engine``'s keyword arguments (``simulate``'s signature is
+      ``make_engine``'s, declared there once).
 
   Returns:
     ``SimulationResult(params, history, summary, model_state)``.
@@ -513,12 +564,12 @@ def simulate(
   engine_lib.require_no_event_loop(
       "hj.simulate()", "`engine = hj.make_engine(...)`, `summary = await engine.run()`, "
       "`engine.rows` and `engine.params`")
-  options = {name: value for name, value in locals().items()
-             if name not in ("loss_fn", "params", "data", "on_row", "handle_signals")}
+  unknown = sorted(set(options) - set(inspect.signature(make_engine).parameters))
+  if unknown:  # as Python words it for a declared signature
+    raise TypeError(f"simulate() got an unexpected keyword argument {unknown[0]!r}")
   engine = make_engine(loss_fn, params, data, **options)
   try:
-    with engine_lib.stop_on_signals(engine) if handle_signals else _nothing():
-      summary = asyncio.run(engine.run(on_row))
+    summary = asyncio.run(engine.run())
     if summary.get("stopped"):  # before its budget: not a normal-looking end
       warnings.warn(f"the run stopped before its budget: {summary['stopped']} "
                     f"(summary['stopped'])", stacklevel=2)
@@ -527,14 +578,6 @@ def simulate(
                      engine.rows, summary, engine.model_state)
   finally:
     engine.close()
-
-
-class _nothing:  # pylint: disable=invalid-name
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:

@@ -35,6 +35,42 @@ Layout = Union[str, Callable[[str, Any], int]]
 
 
 @dataclasses.dataclass(frozen=True)
+class Streaming:
+  """θ synced a fragment at a time (``make_engine(streaming=...)``; ALGORITHMS.md, "Fragments").
+
+  Streaming DiLoCo for diloco and local_sgd, per-fragment rules for the asynchronous
+  methods. ``hj.Streaming()`` (P = 1) syncs θ whole, as no ``streaming`` does.
+
+  Attributes:
+    fragments: P: θ's leaves split into P fragments, fragment p synced every H steps at
+      offset p·H/P, each with its own outer state and staleness. P must divide H; not with
+      ddp or palsgd; simulated runtime only.
+    layout: "contiguous", "strided", "balanced", or a function ``(path, leaf) -> fragment``
+      (``split``).
+    overlap_steps: τ: inner steps a worker takes while its fragment's sync is in flight,
+      in [0, H/P).
+    alpha: α in (0, 1]: the worker keeps α·(θ_p as it arrives) + (1 − α)·(its own θ_p);
+      1: the arrived θ_p.
+
+  Example::
+
+    hj.simulate(loss_fn, params, data, method="diloco", budget=hj.Budget(steps=400),
+                streaming=hj.Streaming(fragments=2, overlap_steps=1))
+  """
+  fragments: int = 1
+  layout: Layout = "contiguous"
+  overlap_steps: int = 0
+  alpha: float = 1.0
+
+
+# ``refusal``'s names -> those of ``make_engine``'s arguments.
+PUBLIC_NAMES = {"fragments": "streaming.fragments", "overlap_steps": "streaming.overlap_steps",
+                "fragment_alpha": "streaming.alpha", "grace_window": "syncer.grace_window",
+                "quorum": "syncer.quorum", "adaptive_grace": "syncer.adaptive_grace",
+                "dylu": "method_options['dylu']"}
+
+
+@dataclasses.dataclass(frozen=True)
 class Fragments:
   """Which fragment each leaf of θ belongs to.
 

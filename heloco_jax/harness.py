@@ -21,7 +21,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from heloco_jax import clock, compress, data as data_lib, evaluate, inner as inner_lib, methods
+from heloco_jax import clock, compress, data as data_lib, evaluate, fragments, inner as inner_lib
+from heloco_jax import methods
 from heloco_jax import membership as membership_lib, model as model_lib, sharding
 from heloco_jax import syncer as syncer_lib
 from heloco_jax.runtime import factories
@@ -142,23 +143,36 @@ def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return {key: config.outer[key] for key in methods.get(config.method).outer_keys}
 
 
+def method_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """``hj.make_engine``'s ``method_options``: ``config.outer``'s keys of the method and
+  the run keys it takes (``Method.run_keys``) of ``lookahead_dispatch``, ``dylu``,
+  ``inner.palsgd_coins`` and ``palsgd_warmup_steps``."""
+  run = {"lookahead_dispatch": config.lookahead_dispatch, "dylu": config.dylu,
+         "coins": config.inner.palsgd_coins, "warmup_steps": config.palsgd_warmup_steps}
+  return {**outer_options(config),
+          **{key: run[key] for key in methods.get(config.method).run_keys}}
+
+
 def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """``hj.make_engine``'s keyword arguments of a run config, budgets in tokens."""
+  """``hj.make_engine``'s keyword arguments of a run config, budgets in tokens; each config
+  group is one of its objects (``budget`` → ``hj.Budget``, ``streaming`` →
+  ``hj.Streaming``, ``syncer`` → ``hj.Syncer``, ``chaos`` → ``hj.Membership``, ``comm`` →
+  ``hj.CommModel``, ``compression`` → a compressor)."""
   method = methods.get(config.method)
+  from heloco_jax import api  # pylint: disable=g-import-not-at-top
   return dict(
       method=config.method,
       inner_tx=method.make_inner(inner_lib.config_from(config.inner)),
       inner_steps=config.inner_steps, speeds=config.speeds,
-      budget_tokens=config.budget.tokens or None,
-      budget_sim_seconds=config.budget.sim_seconds or None,
-      tokens_per_step=config.batch_size * config.model.context,
-      eval_every_tokens=config.eval_every_tokens or None, seed=config.seed,
-      runtime=runtime_factory(config), checkpoint_every=config.checkpoint_every,
-      outer_options=outer_options(config),
-      lookahead_dispatch=config.lookahead_dispatch,
+      budget=api.Budget(tokens=config.budget.tokens or None,
+                        sim_seconds=config.budget.sim_seconds or None,
+                        tokens_per_step=config.batch_size * config.model.context,
+                        eval_every_tokens=config.eval_every_tokens or None),
+      seed=config.seed,
+      runtime=runtime_factory(config),
+      method_options=method_options(config),
       reset_optimizer=config.inner.reset_optimizer,
       syncer=syncer_lib.of_config(config), membership=membership_lib.of_config(config),
-      dylu=config.dylu,
       jitter=config.jitter,
       comm=clock.CommModel(config.comm.latency,
                            math.inf if config.comm.bandwidth is None else config.comm.bandwidth,
@@ -166,11 +180,9 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       metrics_fetch_every=config.metrics_fetch_every,
       rejection_limit=config.rejection_limit,
       deterministic=config.deterministic,
-      palsgd_coins=config.inner.palsgd_coins,
-      palsgd_warmup_steps=config.palsgd_warmup_steps,
-      compress=compressor(config), fragments=config.streaming.fragments,
-      fragment_layout=config.streaming.layout, overlap_steps=config.streaming.overlap_steps,
-      fragment_alpha=config.streaming.alpha)
+      compress=compressor(config),
+      streaming=fragments.Streaming(config.streaming.fragments, config.streaming.layout,
+                                    config.streaming.overlap_steps, config.streaming.alpha))
 
 
 def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:
@@ -186,8 +198,13 @@ def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compresso
 def make_engine(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
                 workdir: Any = None, **overrides: Any) -> tuple[Any, Problem]:
   """(``hj.make_engine`` of ``config``'s default problem, the problem); ``overrides``
-  replace keyword arguments (e.g. a test's ``runtime``)."""
+  replace keyword arguments (e.g. a test's ``runtime``). ``workdir`` (a path or an
+  ``hj.Workdir``) takes ``config.checkpoint_every`` and ``config.keep_checkpoints``."""
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
+  if workdir is not None:
+    workdir = dataclasses.replace(
+        workdir if isinstance(workdir, api.Workdir) else api.Workdir(str(workdir)),
+        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints)
   problem = default_problem(config, dataset)
   options = {**engine_options(config), **overrides}
   engine = api.make_engine(problem.loss_fn, problem.params,

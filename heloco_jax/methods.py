@@ -57,7 +57,7 @@ class Method:
     reset_optimizer: the inner optimizer state is reset at every dispatch by
       default (PALSGD keeps it local).
     learning_rate: the default outer η.
-    outer_keys: the keyword options ``make_outer`` takes (``outer_options``).
+    outer_keys: the keyword options of ``make_outer`` (of ``method_options``).
   """
   name: str
   synchrony: str
@@ -67,6 +67,35 @@ class Method:
   reset_optimizer: bool = True
   learning_rate: float = 0.7
   outer_keys: tuple[str, ...] = ()
+
+  @property
+  def run_keys(self) -> tuple[str, ...]:
+    """The ``method_options`` keys that shape the method's run, not its outer rule:
+    ``lookahead_dispatch`` (MLA), ``dylu`` (asynchronous methods), PALSGD's ``coins`` and
+    ``warmup_steps`` (docs/ALGORITHMS.md)."""
+    keys = ("lookahead_dispatch",) if self.lookahead != "never" else ()
+    if self.synchrony == "async":
+      keys += ("dylu",)
+    if self.inner == "palsgd":
+      keys += ("coins", "warmup_steps")
+    return keys
+
+  def split_options(self, options: Optional[Mapping[str, Any]]
+                    ) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
+    """``method_options`` as (the outer rule's keys or None, the run's keys).
+
+    Raises:
+      ValueError: a key the method does not take (a typo, or another method's), naming
+        the ones it takes.
+    """
+    options = dict(options or {})
+    allowed = self.outer_keys + self.run_keys
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+      raise ValueError(f"method_options key {unknown[0]!r} is not allowed with method="
+                       f"{self.name!r}; allowed: {', '.join(allowed) or 'none'}")
+    outer_options = {k: v for k, v in options.items() if k in self.outer_keys}
+    return outer_options or None, {k: v for k, v in options.items() if k in self.run_keys}
 
   def make_outer(self, num_workers: int, options: Mapping[str, Any] = None
                  ) -> Optional[optax.GradientTransformation]:
@@ -87,7 +116,7 @@ class Method:
     unknown = sorted(set(options) - set(self.outer_keys))
     if unknown:
       allowed = ", ".join(self.outer_keys) or "none (it has no outer rule)"
-      raise ValueError(f"outer_options key {unknown[0]!r} is not allowed with method="
+      raise ValueError(f"method_options key {unknown[0]!r} is not allowed with method="
                        f"{self.name!r}; allowed: {allowed}")
     if self.outer is None:
       return None
@@ -95,8 +124,10 @@ class Method:
     return self.outer(self.learning_rate if learning_rate is None else learning_rate,
                       num_workers, options)
 
-  def lookahead_dispatch(self, option: Optional[bool] = None) -> bool:
-    """Whether workers start from the look-ahead point (``option`` None: the default).
+  def lookahead_dispatch(self, option: Optional[bool] = None,
+                         name: str = "method_options['lookahead_dispatch']") -> bool:
+    """Whether workers start from the look-ahead point (``option`` None: the default);
+    errors call the option ``name``.
 
     Raises:
       ValueError: HeLoCo without look-ahead, or look-ahead without an MLA or
@@ -105,10 +136,10 @@ class Method:
     if option is None:
       return self.lookahead == "always"
     if self.lookahead == "always" and not option:
-      raise ValueError(f"lookahead_dispatch=False is not allowed with method={self.name!r}; "
+      raise ValueError(f"{name}=False is not allowed with method={self.name!r}; "
                        "allowed: None or True (it always dispatches from the look-ahead point)")
     if self.lookahead == "never" and option:
-      raise ValueError(f"lookahead_dispatch=True is not allowed with method={self.name!r}; "
+      raise ValueError(f"{name}=True is not allowed with method={self.name!r}; "
                        "allowed: methods with an MLA or HeLoCo momentum (mla, heloco)")
     return bool(option)
 

@@ -342,7 +342,8 @@ def _main(argv: list[str]) -> int:
   processes.watch_peers(_stop_for_a_silent_peer)
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
   from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
-  directory = api.Workdir(workdir, keep_checkpoints=config.keep_checkpoints,
+  directory = api.Workdir(workdir, checkpoint_every=config.checkpoint_every,
+                          keep_checkpoints=config.keep_checkpoints,
                           allow_config_change=allow_config_change, config_json=config_json,
                           flag="--workdir",
                           defaults_json=default.get_config().to_json_best_effort())

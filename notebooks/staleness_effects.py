@@ -111,9 +111,9 @@ if FAST:  # same code paths, tiny sizes: the test suite runs this in seconds
 # so a bad knob fails at once with a message naming it. `harness.default_problem` turns the
 # config into the command line's problem (TinyGPT, the per-worker data, the held-out
 # evaluation) and `harness.engine_options` into `hj.make_engine`'s keyword arguments (`method`,
-# `inner_tx`, `inner_steps`, `speeds`, `budget_tokens`, `tokens_per_step`, `eval_every_tokens`,
-# `seed`, `jitter`, ...); your own model, loss and data go to `hj.make_engine` the same way
-# (see the README). JAX's persistent
+# `inner_tx`, `inner_steps`, `speeds`, `budget` (an `hj.Budget` of tokens, with `tokens_per_step`
+# and `eval_every_tokens`), `seed`, `jitter`, ...); your own model, loss and data go to
+# `hj.make_engine` the same way (see the README). JAX's persistent
 # compilation cache (in the temporary directory, unless `JAX_COMPILATION_CACHE_DIR` is set) lets
 # runs of the same shapes reuse compiled programs, so re-running after changing speeds, skew or
 # method is faster than the first time.

@@ -77,7 +77,7 @@ def options(method):
   inner_tx = (hj.palsgd_inner(optax.scale_by_adam(), 1e-2, pseudo_sync_prob=0.25)
               if method == "palsgd" else optax.adamw(1e-2))
   return dict(method=method, inner_tx=inner_tx, inner_steps=4, speeds=[1.0, 2.0],
-              budget_steps=48)
+              budget=hj.Budget(steps=48))
 
 
 def full_copies(tree):
@@ -211,7 +211,7 @@ def stopped_and_resumed_on_devices(workdir):
   def build():
     return hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
                           runtime=hj.devices_runtime(batch_size=8), eval_fn=evaluate,
-                          workdir=workdir, checkpoint_every=2, **options("heloco"))
+                          workdir=hj.Workdir(workdir, checkpoint_every=2), **options("heloco"))
   engine = build()
   try:
     def stop(e):
@@ -239,7 +239,7 @@ def evaluate(params):
 
 def in_workdir(method, workdir):
   result = hj.simulate(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
-                       workdir=workdir, checkpoint_every=2, **options(method))
+                       workdir=hj.Workdir(workdir, checkpoint_every=2), **options(method))
   return {"params": leaves(result.params), "rows": result.history,
           "shardings": [str(x.sharding.spec) for x in jax.tree.leaves(result.params)]}
 

@@ -52,7 +52,7 @@ def _eval(params):
 
 def _run(method="heloco", k=3, **kwargs):
   args = dict(inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0][:k],
-              budget_steps=120, eval_fn=_eval)
+              budget=hj.Budget(steps=120), eval_fn=_eval)
   args.update(kwargs)
   return hj.simulate(_loss, _params(), [Stream(i) for i in range(k)], method=method, **args)
 
@@ -122,9 +122,9 @@ def test_a_custom_outer_rule_changes_the_result():
 
 def test_a_run_whose_arrivals_are_all_rejected_stops_with_the_cause():
   with pytest.raises(hj.DivergenceError, match="non-finite .*inner learning rate"):
-    _run(inner_tx=optax.sgd(1e6), budget_steps=400)
+    _run(inner_tx=optax.sgd(1e6), budget=hj.Budget(steps=400))
   with pytest.raises(hj.DivergenceError, match="non-finite"):
-    _run("diloco", inner_tx=optax.sgd(1e6), budget_steps=400)
+    _run("diloco", inner_tx=optax.sgd(1e6), budget=hj.Budget(steps=400))
 
 
 def test_a_non_finite_evaluation_stops_the_run():
@@ -134,12 +134,16 @@ def test_a_non_finite_evaluation_stops_the_run():
 
 @pytest.mark.parametrize("kwargs, named", [
     (dict(method="nope"), "method='nope'"),
-    (dict(budget_steps=None), "at least one budget"),
+    (dict(budget=hj.Budget()), "at least one of steps, tokens or sim_seconds (a run needs an end)"),
+    (dict(budget=None), "budget=None is not allowed"),
     (dict(inner_steps=0), "inner_steps=0"),
     (dict(speeds="warp"), "speeds"),
     (dict(speeds=[1.0, 2.0]), "speeds"),
     (dict(method="palsgd"), "hj.palsgd_inner"),
-    (dict(method="diloco", lookahead_dispatch=True), "lookahead_dispatch=True"),
+    (dict(method="diloco", method_options={"lookahead_dispatch": True}),
+     "method_options key 'lookahead_dispatch' is not allowed with method='diloco'"),
+    (dict(method="heloco", method_options={"lookahead_dispatch": False}),
+     "method_options['lookahead_dispatch']=False is not allowed with method='heloco'"),
 ])
 def test_bad_arguments_are_refused_in_one_line(kwargs, named):
   with pytest.raises(ValueError, match="allowed") as error:
@@ -148,7 +152,7 @@ def test_bad_arguments_are_refused_in_one_line(kwargs, named):
 
 
 def test_a_workdir_run_resumes_exactly(tmp_path):
-  whole = _run("heloco", budget_steps=200)
+  whole = _run("heloco", budget=hj.Budget(steps=200))
   rows = []
 
   def stop_after_some_rows(row):
@@ -156,17 +160,18 @@ def test_a_workdir_run_resumes_exactly(tmp_path):
     if len(rows) == 25:
       raise KeyboardInterrupt
   with pytest.raises(KeyboardInterrupt):
-    _run("heloco", budget_steps=200, workdir=str(tmp_path), checkpoint_every=3,
-         on_row=stop_after_some_rows)
+    _run("heloco", budget=hj.Budget(steps=200),
+         workdir=hj.Workdir(str(tmp_path), checkpoint_every=3), on_row=stop_after_some_rows)
   assert os.listdir(tmp_path / "checkpoints")
-  resumed = _run("heloco", budget_steps=200, workdir=str(tmp_path), checkpoint_every=3)
+  resumed = _run("heloco", budget=hj.Budget(steps=200),
+                 workdir=hj.Workdir(str(tmp_path), checkpoint_every=3))
   assert _leaves_equal(whole.params, resumed.params)
   with open(tmp_path / "metrics.jsonl") as f:
     assert len(f.readlines()) == len(whole.history)
   assert {k: v for k, v in resumed.summary.items() if "second" not in k} == {
       k: v for k, v in whole.summary.items() if "second" not in k}
   with pytest.raises(hj.WorkdirError, match="finished run"):
-    _run("heloco", budget_steps=200, workdir=str(tmp_path))
+    _run("heloco", budget=hj.Budget(steps=200), workdir=str(tmp_path))
 
 
 def test_server_does_the_bookkeeping_for_a_loop_of_your_own():
@@ -218,7 +223,7 @@ def test_palsgd_inner_with_p_zero_is_the_plain_step_and_pulls_toward_the_anchor(
 
 def test_every_runtime_implements_the_protocol():
   engine = hj.make_engine(_loss, _params(), [Stream(0)], method="mla", inner_steps=4,
-                          speeds=[1.0], budget_steps=12)
+                          speeds=[1.0], budget=hj.Budget(steps=12))
   runtime = engine.runtime
   assert isinstance(runtime, base.Runtime)
   assert isinstance(runtime.executor, simulated.LocalExecutor)
@@ -244,8 +249,8 @@ sys.path.insert(0, {tests!r})
 import test_api as t
 for method in ("diloco", "mla"):
   result = hj.simulate(t._loss, t._params(), [t.Stream(i) for i in range(2)], method=method,
-                       inner_tx=optax.sgd(0.02), inner_steps=4, budget_steps=64, eval_fn=t._eval,
-                       runtime=hj.devices_runtime(batch_size=16))
+                       inner_tx=optax.sgd(0.02), inner_steps=4, budget=hj.Budget(steps=64),
+                       eval_fn=t._eval, runtime=hj.devices_runtime(batch_size=16))
   print(method, result.summary["final_val_loss"] < result.summary["initial_val_loss"],
         result.summary["outer_updates"])
 """
@@ -255,7 +260,7 @@ RAY_SCRIPT = """
 import heloco_jax as hj, sys
 sys.path.insert(0, {tests!r})
 import test_api as t
-result = t._run("heloco", runtime=hj.ray_runtime(num_cpus=2), budget_steps=48)
+result = t._run("heloco", runtime=hj.ray_runtime(num_cpus=2), budget=hj.Budget(steps=48))
 print("heloco", result.summary["final_val_loss"] < result.summary["initial_val_loss"],
       result.summary["outer_updates"])
 """
@@ -269,8 +274,8 @@ sys.path.insert(0, {tests!r})
 import test_api as t
 from ray._private.authentication import authentication_utils
 engine = hj.make_engine(t._loss, t._params(), [t.Stream(i) for i in range(2)], method="heloco",
-                        inner_tx=optax.sgd(0.02), inner_steps=4, budget_steps=8, eval_fn=t._eval,
-                        runtime=hj.ray_runtime(num_cpus=2))
+                        inner_tx=optax.sgd(0.02), inner_steps=4, budget=hj.Budget(steps=8),
+                        eval_fn=t._eval, runtime=hj.ray_runtime(num_cpus=2))
 try:
   print("token", authentication_utils.is_token_auth_enabled())
 finally:
@@ -328,7 +333,7 @@ def test_inside_an_event_loop_simulate_says_to_await_the_engine():
   async def awaited():
     engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], method="mla",
                             inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
-                            budget_steps=120, eval_fn=_eval)
+                            budget=hj.Budget(steps=120), eval_fn=_eval)
     return await engine.run(), engine.params
   summary, params = asyncio.run(awaited())
   assert _leaves_equal(params, _run("mla").params) and summary["outer_updates"] > 0
@@ -346,16 +351,16 @@ def test_a_workdir_holding_another_run_is_refused_naming_the_keys(tmp_path):
     if row["event"] == "arrival" and row["outer_updates"] == 4:
       raise KeyboardInterrupt
   with pytest.raises(KeyboardInterrupt):
-    _run(workdir=str(tmp_path), checkpoint_every=2, on_row=stop)
+    _run(workdir=hj.Workdir(str(tmp_path), checkpoint_every=2), on_row=stop)
   with pytest.raises(hj.WorkdirError, match=r"workdir=.* another config; differing keys: "
                                             r"seed \(0 -> 1\)\. Use a new workdir\."):
-    _run(workdir=str(tmp_path), checkpoint_every=2, seed=1)
+    _run(workdir=hj.Workdir(str(tmp_path), checkpoint_every=2), seed=1)
 
 
 def test_a_requested_stop_ends_the_run_at_the_next_boundary():
   engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], method="heloco",
                           inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
-                          budget_steps=120)
+                          budget=hj.Budget(steps=120))
   from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
   import asyncio  # pylint: disable=g-import-not-at-top
 
@@ -370,7 +375,7 @@ def test_a_requested_stop_ends_the_run_at_the_next_boundary():
 
 def test_a_budget_below_one_dispatch_raises():
   with pytest.raises(hj.BudgetError, match="before any work reached the server.*4 steps"):
-    _run(budget_steps=3)
+    _run(budget=hj.Budget(steps=3))
 
 
 def _numpy_sgd_losses(batches, lr=0.02, steps=4):

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import heloco_jax as hj
 from heloco_jax import checkpoint, harness, inner
 
 import tiny
@@ -151,11 +150,11 @@ _dataset = tiny.dataset
 
 
 def _config(method, **overrides):
-  """Token budget, evals, checkpoints every 2 updates, severe speeds with jitter (which
-  exercises the clock's generator state)."""
+  """Token budget, evals, checkpoints every 2 updates (all kept), severe speeds with jitter
+  (which exercises the clock's generator state)."""
   return tiny.config(method, **{"budget.tokens": 5_000, "eval_every_tokens": 700,
-                                "checkpoint_every": 2, "speeds": "severe", "jitter": 0.3,
-                                **overrides})
+                                "checkpoint_every": 2, "keep_checkpoints": 100,
+                                "speeds": "severe", "jitter": 0.3, **overrides})
 
 
 def _engine(config, workdir=None):
@@ -180,7 +179,7 @@ def _finish(engine):
 
 def _run(config, workdir):
   """The uninterrupted run, checkpointing every 2 outer updates to ``workdir`` (all kept)."""
-  return _finish(_engine(config, hj.Workdir(str(workdir), keep_checkpoints=100)))
+  return _finish(_engine(config, str(workdir)))
 
 
 def _resume(config, workdir, step):

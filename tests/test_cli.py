@@ -87,6 +87,19 @@ _BAD = [
 ]
 
 
+def test_dylu_is_for_asynchronous_methods_only():
+  # hj.make_engine takes it in an asynchronous method's method_options only; the CLI says so
+  # rather than dropping it.
+  from heloco_jax.configs import default, validation
+  config = default.get_config()
+  config.dylu = True
+  validation.validate(config)  # heloco
+  config.method = "diloco"
+  with pytest.raises(validation.ConfigError, match=r"^config\.dylu=True is not allowed; "
+                                                   r"allowed: False with method='diloco'"):
+    validation.validate(config)
+
+
 def test_palsgds_pull_constraint_binds_palsgd_only():
   from heloco_jax.configs import default, validation
   config = default.get_config()

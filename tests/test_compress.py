@@ -422,8 +422,8 @@ EVAL_BATCH = next(_stream(7))
 
 
 def _run(method, compressor=None, **options):
-  options = {"inner_steps": 4, "budget_steps": 240, "speeds": [1.0, 2.0, 3.0],
-             "eval_every_steps": 60, **options}
+  options = {"inner_steps": 4, "budget": hj.Budget(steps=240, eval_every_steps=60),
+             "speeds": [1.0, 2.0, 3.0], **options}
   if method == "palsgd":
     options["inner_tx"] = hj.palsgd_inner(optax.identity(), 0.05)
   return hj.simulate(_loss, PARAMS, [_stream(i) for i in range(3)], method=method,

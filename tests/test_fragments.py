@@ -157,10 +157,10 @@ def test_streaming_diloco_against_numpy(tau, alpha):
   result = hj.simulate(
       _loss, {"b": jnp.zeros(1), "w": jnp.zeros((3, 1))},
       [_batches(i, (rounds + 1) * H // P) for i in range(K)], method="diloco", inner_steps=H,
-      speeds=[1.0, 1.0], budget_steps=rounds * K * H // P,
+      speeds=[1.0, 1.0], budget=hj.Budget(steps=rounds * K * H // P),
       inner_tx=optax.with_extra_args_support(optax.sgd(LR)),
-      outer_tx=optax.sgd(OUTER_LR, momentum=MU, nesterov=True), fragments=P,
-      overlap_steps=tau, fragment_alpha=alpha)
+      outer_tx=optax.sgd(OUTER_LR, momentum=MU, nesterov=True),
+      streaming=hj.Streaming(fragments=P, overlap_steps=tau, alpha=alpha))
   expected = _numpy_streaming(rounds, tau, alpha)
   for name in ("b", "w"):
     np.testing.assert_allclose(result.params[name], expected[name], rtol=2e-5, atol=1e-6)
@@ -188,8 +188,8 @@ def _mlp(params, batch):
 
 
 def _run_async(method="heloco", **options):
-  options = {"inner_steps": 6, "budget_steps": 600, "speeds": [1.0, 2.0, 5.0],
-             "fragments": 3, "fragment_layout": "strided",
+  options = {"inner_steps": 6, "budget": hj.Budget(steps=600), "speeds": [1.0, 2.0, 5.0],
+             "streaming": hj.Streaming(fragments=3, layout="strided"),
              "inner_tx": optax.with_extra_args_support(optax.adam(0.01)), **options}
   evaluation = next(_stream(1))  # the middle worker's offset
   return hj.simulate(_mlp, PARAMS, [_stream(i) for i in range(3)], method=method,
@@ -202,7 +202,10 @@ def test_each_fragment_keeps_its_own_version_and_staleness(method):
   """A worker sends fragments 1, 2, 0, 1, ... (its j-th sync sends j mod P); an arrival's τ is
   the updates of its fragment since the worker last received that fragment (at its own
   previous arrival of it, or at its first dispatch), recounted here from the rows."""
-  result = _run_async(method)
+  # CGAD's Adam step at its default η = 1e-3 ends at 0.903× the initial loss here, at 2e-2 at
+  # 0.797×: room below the bar.
+  result = _run_async(method, **({"method_options": {"learning_rate": 2e-2}}
+                                 if method == "cgad" else {}))
   arrivals = [r for r in result.history if r["event"] == "arrival"]
   assert result.summary["outer_updates"] == len(arrivals) > 30
   updates = [0] * 3
@@ -215,13 +218,14 @@ def test_each_fragment_keeps_its_own_version_and_staleness(method):
     assert row["staleness"] == updates[p] - received.get((w, p), 0)
     updates[p] += 1
     received[(w, p)] = updates[p]
-  learned = 0.9 if method == "cgad" else 0.8  # CGAD's Adam step (η = 1e-2) is slower here
+  learned = 0.9 if method == "cgad" else 0.8
   assert result.summary["final_val_loss"] < learned * result.summary["initial_val_loss"]
 
 
 def test_fragment_bytes_and_the_overlapped_clock():
   comm = hj.CommModel(latency=0.5, bandwidth=64.0)
-  result = _run_async(comm=comm, overlap_steps=1, fragment_alpha=0.5)
+  result = _run_async(comm=comm, streaming=hj.Streaming(fragments=3, layout="strided",
+                                                        overlap_steps=1, alpha=0.5))
   split = fragments.split(PARAMS, 3, "strided")  # b | w1 | w2 (leaves: b, w1, w2)
   sizes = [4 * n for n in split.sizes(PARAMS)]
   arrivals = [r for r in result.history if r["event"] == "arrival"]
@@ -235,7 +239,8 @@ def test_fragment_bytes_and_the_overlapped_clock():
   # Worker 0's first fragment (1: w1) after θ's download, 2 steps of 1 s, its upload.
   assert first[0]["sim_time"] == 0.5 + sum(sizes) / 64.0 + 2.0 + 0.5 + sizes[1] / 64.0
   assert result.summary["bytes_sent"] == sum(r["bytes_up"] + r["bytes_down"] for r in arrivals)
-  plain = _run_async(comm=comm, fragments=1)  # θ whole each way: P times the fragments' peak
+  # θ whole each way: P times the fragments' peak
+  plain = _run_async(comm=comm, streaming=hj.Streaming(fragments=1, layout="strided"))
   assert plain.summary["peak_bytes_per_sync"] == 2 * sum(sizes)
 
 
@@ -250,16 +255,20 @@ def test_fragments_with_error_feedback_compress_each_fragment():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"fragments": 2, "inner_steps": 5},
-     r"^fragments=2 is not allowed; allowed: a divisor of inner_steps=5"),
-    ({"fragments": 4}, r"^fragments=4 is not allowed; allowed: an integer in \[1, 3\] \(θ has 3 "),
-    ({"overlap_steps": 2}, r"^overlap_steps=2 is not allowed; allowed: an integer in \[0, 2\)"),
-    ({"fragment_alpha": 0.0}, r"^fragment_alpha=0.0 is not allowed"),
-    ({"fragments": 1, "overlap_steps": 1}, r"^overlap_steps=1 is not allowed; allowed: 0 with "),
+    ({"streaming": hj.Streaming(fragments=2, layout="strided"), "inner_steps": 5},
+     r"^streaming\.fragments=2 is not allowed; allowed: a divisor of inner_steps=5"),
+    ({"streaming": hj.Streaming(fragments=4, layout="strided")},
+     r"^streaming\.fragments=4 is not allowed; allowed: an integer in \[1, 3\] \(θ has 3 "),
+    ({"streaming": hj.Streaming(fragments=3, layout="strided", overlap_steps=2)},
+     r"^streaming\.overlap_steps=2 is not allowed; allowed: an integer in \[0, 2\)"),
+    ({"streaming": hj.Streaming(fragments=3, layout="strided", alpha=0.0)},
+     r"^streaming\.alpha=0.0 is not allowed"),
+    ({"streaming": hj.Streaming(fragments=1, layout="strided", overlap_steps=1)},
+     r"^streaming\.overlap_steps=1 is not allowed; allowed: 0 with "),
     ({"reset_optimizer": True}, r"^reset_optimizer=True is not allowed"),
-    ({"grace_window": 1.0}, r"^grace_window=1.0 is not allowed"),
+    ({"syncer": hj.Syncer(grace_window=1.0)}, r"^syncer\.grace_window=1.0 is not allowed"),
     ({"method": "palsgd", "inner_tx": None},
-     r"^fragments=3 is not allowed; allowed: 1 with method='palsgd'"),
+     r"^streaming\.fragments=3 is not allowed; allowed: 1 with method='palsgd'"),
 ])
 def test_fragment_settings_a_run_cannot_take_are_refused_in_one_line(options, message):
   options = dict(options)

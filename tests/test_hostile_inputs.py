@@ -30,7 +30,8 @@ def _data(worker):
 
 
 def _simulate(**more):
-  kwargs = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0], budget_steps=24)
+  kwargs = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
+                budget=hj.Budget(steps=24))
   kwargs.update(more)
   return hj.simulate(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_data(0), _data(1)],
                      **kwargs)
@@ -70,7 +71,7 @@ EVERYONE_LEAVES = hj.Membership(((0, 5.0, math.inf), (1, 5.0, math.inf)))
 def test_a_run_whose_workers_all_left_says_so_in_its_summary_and_a_warning():
   """Before: ddp and palsgd ended with a normal summary after 5 of 60 steps."""
   with pytest.warns(UserWarning, match="stopped before its budget: every worker left at 5 s"):
-    result = _simulate(method="ddp", membership=EVERYONE_LEAVES, budget_steps=60)
+    result = _simulate(method="ddp", membership=EVERYONE_LEAVES, budget=hj.Budget(steps=60))
   assert result.summary["stopped"] == "every worker left at 5 s"
   assert result.summary["steps"] < 60
 
@@ -112,7 +113,7 @@ def test_errors_name_the_key_that_is_wrong(tmp_path, capsys, overrides, key):
 
 def test_a_quorum_the_budget_cannot_hold_is_named():
   with pytest.raises(hj.BudgetError, match="at least one quorum of 2 dispatches, 4 steps"):
-    _simulate(syncer=hj.Syncer(quorum=2), budget_steps=3)
+    _simulate(syncer=hj.Syncer(quorum=2), budget=hj.Budget(steps=3))
 
 
 def test_a_membership_with_a_string_time_is_one_line():
@@ -120,16 +121,18 @@ def test_a_membership_with_a_string_time_is_one_line():
     _simulate(membership=hj.Membership(((0, "10", 20.0),)))
 
 
-def test_numpy_scalars_are_accepted_where_python_numbers_are():
-  """Before: fragment_alpha=np.float32(0.5) and hj.Syncer(quorum=np.int64(2)) were refused."""
+def test_numpy_scalars_are_accepted_where_python_numbers_are(tmp_path):
+  """Before: streaming's alpha=np.float32(0.5) and hj.Syncer(quorum=np.int64(2)) were
+  refused."""
   def two_leaves(params, batch):
     x, y = batch
     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
   hj.simulate(two_leaves, {"w": jnp.zeros((2, 1), jnp.float32), "b": jnp.zeros(1, jnp.float32)},
               [_data(0), _data(1)], inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
-              budget_steps=24, fragments=np.int64(2), fragment_alpha=np.float32(0.5),
-              checkpoint_every=np.int64(0))
+              budget=hj.Budget(steps=24),
+              streaming=hj.Streaming(fragments=np.int64(2), alpha=np.float32(0.5)))
   _simulate(syncer=hj.Syncer(quorum=np.int64(2), grace_window=np.float64(0.5)))
+  _simulate(workdir=hj.Workdir(str(tmp_path / "run"), checkpoint_every=np.int64(0)))
 
 
 def test_the_tensorboard_writer_takes_a_clock_past_float_range(tmp_path):
@@ -171,7 +174,7 @@ def test_every_file_a_run_writes_follows_the_umask(tmp_path, umask):
   before = os.umask(umask)
   try:
     _simulate(workdir=str(tmp_path / "run"), eval_fn=lambda p: _loss(p, next(_data(9))),
-              eval_every_steps=12)
+              budget=hj.Budget(steps=24, eval_every_steps=12))
     assert cli.main(["plot", str(tmp_path / "run")]) == 0
   finally:
     os.umask(before)
@@ -188,7 +191,8 @@ def test_a_refused_resume_beside_a_half_written_checkpoint_is_one_line(tmp_path,
   run = tmp_path / "run"
   engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_data(0), _data(1)],
                           inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
-                          budget_steps=40, checkpoint_every=2, workdir=str(run))
+                          budget=hj.Budget(steps=40),
+                          workdir=hj.Workdir(str(run), checkpoint_every=2))
   seen = []
 
   def stop(row):
@@ -204,7 +208,8 @@ def test_a_refused_resume_beside_a_half_written_checkpoint_is_one_line(tmp_path,
   capfd.readouterr()
   for _ in range(3):
     with pytest.raises(hj.WorkdirError, match="holds a run with another config"):
-      _simulate(workdir=str(run), budget_steps=40, checkpoint_every=2, inner_steps=3)
+      _simulate(workdir=hj.Workdir(str(run), checkpoint_every=2), budget=hj.Budget(steps=40),
+                inner_steps=3)
   assert not half.exists()
   err = capfd.readouterr().err
   assert "cannot schedule new futures" not in err and "Traceback" not in err, err

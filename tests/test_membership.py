@@ -136,7 +136,7 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(method="diloco", fragments=2),
+    (dict(method="diloco", streaming=hj.Streaming(fragments=2)),
      "not with fragments > 1 and a synchronous method (Streaming DiLoCo) yet"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
@@ -144,7 +144,7 @@ def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message
   options = {"method": "heloco", "membership": SCHEDULE, **options}
   with pytest.raises(ValueError) as error:
     hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
-                   [[{"x": np.zeros(1)}]] * 4, **options)
+                   [[{"x": np.zeros(1)}]] * 4, budget=hj.Budget(steps=40), **options)
   assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -162,7 +162,7 @@ def test_the_config_builds_the_schedule_and_the_random_failures():
 def test_a_workdir_records_the_schedule_in_standard_json(tmp_path):
   engine = hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
                           [[{"x": np.zeros(1)}] * 100] * 4, membership=SCHEDULE,
-                          budget_steps=20, workdir=str(tmp_path))
+                          budget=hj.Budget(steps=20), workdir=str(tmp_path))
   engine.close()
   def not_standard(constant):
     raise AssertionError(f"config.json holds {constant}")

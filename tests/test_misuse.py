@@ -40,7 +40,8 @@ class Counting:
 
 
 def _run(data, **kwargs):
-  args = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0], budget_steps=20)
+  args = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
+              budget=hj.Budget(steps=20))
   args.update(kwargs)
   return hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, data, **args)
 
@@ -62,13 +63,13 @@ def test_a_seed_out_of_range_is_one_line(seed):
 def test_a_budget_no_dispatch_fits_fails_before_reading_the_batches():
   streams = [Counting(), Counting()]
   with pytest.raises(hj.BudgetError, match="at least one dispatch, 100000000 steps"):
-    _run(streams, inner_steps=10**8, budget_steps=10)
+    _run(streams, inner_steps=10**8, budget=hj.Budget(steps=10))
   assert [s.read for s in streams] == [1, 0]  # worker 0's first batch checked loss_fn
 
 
 def test_empty_params_are_refused():
   with pytest.raises(ValueError, match="params holds no arrays"):
-    hj.make_engine(_loss, {}, [Counting()], budget_steps=10)
+    hj.make_engine(_loss, {}, [Counting()], budget=hj.Budget(steps=10))
 
 
 @pytest.mark.parametrize("text,message", [

@@ -45,7 +45,7 @@ STATE0 = {"mean": np.zeros(2, np.float32), "count": np.zeros((), np.int32)}
 def _simulate(method, **more):
   return hj.simulate(_toy_loss, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
                      method=method, inner_tx=optax.sgd(0.05), inner_steps=H,
-                     speeds=[1.0, 2.5], budget_steps=30, model_state=STATE0, **more)
+                     speeds=[1.0, 2.5], budget=hj.Budget(steps=30), model_state=STATE0, **more)
 
 
 def _steps(state, batches):
@@ -112,7 +112,7 @@ def test_every_step_of_every_worker_gets_its_own_key_and_a_replay_the_same():
   def run():
     return hj.simulate(_draws, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
                        method="heloco", inner_tx=optax.sgd(0.05), inner_steps=H,
-                       speeds=[1.0, 2.5], budget_steps=30, seed=7)
+                       speeds=[1.0, 2.5], budget=hj.Budget(steps=30), seed=7)
   first, second = run(), run()
   assert first.history == second.history
   rows = [row for row in first.history if row["event"] == "arrival"]
@@ -181,9 +181,9 @@ def _cnn_data():
 @pytest.mark.parametrize("method", ["heloco", "diloco", "ddp"])
 def test_a_flax_cnn_with_batchnorm_and_dropout_trains(method):
   result = hj.simulate(cnn_loss, PARAMS, _cnn_data(), method=method, inner_steps=4,
-                       speeds=[1.0, 2.0], budget_steps=96, inner_tx=optax.adam(1e-2),
-                       eval_fn=cnn_eval, eval_every_steps=48, model_state=STATS,
-                       outer_options={"learning_rate": 0.7} if method != "ddp" else None)
+                       speeds=[1.0, 2.0], budget=hj.Budget(steps=96, eval_every_steps=48),
+                       inner_tx=optax.adam(1e-2), eval_fn=cnn_eval, model_state=STATS,
+                       method_options={"learning_rate": 0.7} if method != "ddp" else None)
   evals = [row for row in result.history if row["event"] == "eval"]
   assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.2, evals
   assert evals[-1]["val_loss"] < evals[0]["val_loss"]
@@ -203,7 +203,7 @@ def test_the_dropout_mask_is_new_every_step_and_the_same_on_a_replay():
 
   def run():
     return hj.simulate(loss_with_mask, PARAMS, _cnn_data(), method="heloco", inner_steps=1,
-                       speeds=[1.0, 2.0], budget_steps=12, inner_tx=optax.adam(1e-2),
+                       speeds=[1.0, 2.0], budget=hj.Budget(steps=12), inner_tx=optax.adam(1e-2),
                        model_state=STATS)
   first = run()
   masks = [row["train_mask"] for row in first.history if row["event"] == "arrival"]
@@ -212,11 +212,12 @@ def test_the_dropout_mask_is_new_every_step_and_the_same_on_a_replay():
 
 
 def test_a_killed_run_resumes_exactly_with_its_model_state(tmp_path):
-  kwargs = dict(method="heloco", inner_steps=4, speeds=[1.0, 2.0], budget_steps=96,
-                inner_tx=optax.adam(1e-2), eval_fn=cnn_eval, eval_every_steps=24,
-                model_state=STATS, checkpoint_every=3)
+  kwargs = dict(method="heloco", inner_steps=4, speeds=[1.0, 2.0],
+                budget=hj.Budget(steps=96, eval_every_steps=24), inner_tx=optax.adam(1e-2),
+                eval_fn=cnn_eval, model_state=STATS)
+  workdir = hj.Workdir(str(tmp_path / "run"), checkpoint_every=3)
   whole = hj.simulate(cnn_loss, PARAMS, _cnn_data(), **kwargs)
-  engine = hj.make_engine(cnn_loss, PARAMS, _cnn_data(), workdir=str(tmp_path / "run"), **kwargs)
+  engine = hj.make_engine(cnn_loss, PARAMS, _cnn_data(), workdir=workdir, **kwargs)
 
   class Killed(Exception):
     pass
@@ -227,7 +228,7 @@ def test_a_killed_run_resumes_exactly_with_its_model_state(tmp_path):
   with pytest.raises(Killed):
     asyncio.run(engine.run(die))
   engine.close()
-  resumed = hj.simulate(cnn_loss, PARAMS, _cnn_data(), workdir=str(tmp_path / "run"), **kwargs)
+  resumed = hj.simulate(cnn_loss, PARAMS, _cnn_data(), workdir=workdir, **kwargs)
   assert resumed.history == whole.history
   for a, b in zip(jax.tree.leaves(resumed.model_state), jax.tree.leaves(whole.model_state)):
     np.testing.assert_array_equal(a, b)
@@ -238,7 +239,7 @@ def test_a_killed_run_resumes_exactly_with_its_model_state(tmp_path):
 def test_batchnorm_statistics_given_as_params_are_refused_naming_the_leaf():
   everything = nnx.state(MODEL, nnx.Any(nnx.Param, nnx.BatchStat))
   with pytest.raises(ValueError, match=r"params leaf 'bn/mean' is an nnx.BatchStat"):
-    hj.simulate(lambda p, b: 0.0, everything, _cnn_data(), budget_steps=8)
+    hj.simulate(lambda p, b: 0.0, everything, _cnn_data(), budget=hj.Budget(steps=8))
 
 
 def test_module_held_rngs_without_the_rng_keyword_are_refused():
@@ -247,24 +248,26 @@ def test_module_held_rngs_without_the_rng_keyword_are_refused():
     x, y = batch
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
   with pytest.raises(ValueError, match="draws random numbers from a key it holds"):
-    hj.simulate(closes_over_the_module, PARAMS, _cnn_data(), budget_steps=8)
+    hj.simulate(closes_over_the_module, PARAMS, _cnn_data(), budget=hj.Budget(steps=8))
 
 
 def test_a_model_state_holding_the_modules_rngs_is_refused():
   _, _, with_rngs = nnx.split(MODEL, nnx.Param, ...)
   with pytest.raises(ValueError, match=r"nnx.Rng(Key|Count).*allowed: a loss_fn that takes rng"):
-    hj.simulate(cnn_loss, PARAMS, _cnn_data(), budget_steps=8, model_state=with_rngs)
+    hj.simulate(cnn_loss, PARAMS, _cnn_data(), budget=hj.Budget(steps=8),
+                model_state=with_rngs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model_state=None), "takes the keyword state, but model_state is None"),
     (dict(model_state=STATE0, model_state_merge="median"), "model_state_merge='median'"),
-    (dict(model_state=STATE0, fragments=2), "fragments=2 is not allowed with a loss_fn"),
+    (dict(model_state=STATE0, streaming=hj.Streaming(fragments=2)),
+     r"^streaming\.fragments=2 is not allowed with a loss_fn"),
 ])
 def test_bad_model_state_arguments_are_one_line_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
     hj.simulate(_toy_loss, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
-                inner_steps=2, budget_steps=8, **kwargs)
+                inner_steps=2, budget=hj.Budget(steps=8), **kwargs)
 
 
 def test_a_new_state_unlike_the_given_one_is_refused():
@@ -273,4 +276,4 @@ def test_a_new_state_unlike_the_given_one_is_refused():
     return loss, ({"mean": new_state["mean"][:1], "count": new_state["count"]}, metrics)
   with pytest.raises(ValueError, match="returned a new state .* unlike model_state"):
     hj.simulate(wrong, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
-                budget_steps=8, model_state=STATE0)
+                budget=hj.Budget(steps=8), model_state=STATE0)

@@ -79,7 +79,7 @@ def test_an_api_run_counted_in_steps_gets_its_loss_and_each_eval_metric_drawn(tm
   x_val = np.random.default_rng(5).normal(0, 1, (64, 2)).astype(np.float32)
   y_val = x_val @ np.array([[1.0], [-1.0]], np.float32)
   hj.simulate(loss, {"w": jnp.zeros((2, 1))}, [data(0), data(1)], inner_tx=optax.sgd(0.1),
-              inner_steps=2, speeds=[1.0, 2.0], budget_steps=40, eval_every_steps=10,
+              inner_steps=2, speeds=[1.0, 2.0], budget=hj.Budget(steps=40, eval_every_steps=10),
               eval_fn=lambda p: {"val_loss": loss(p, (x_val, y_val)),
                                  "accuracy": jnp.mean(jnp.sign(x_val @ p["w"]) == jnp.sign(y_val))},
               workdir=str(tmp_path / "run"))

@@ -25,3 +25,14 @@ def test_readme_test_command_is_what_ci_runs():
   ci = (ROOT / ".ci" / "run").read_text()
   assert "python -m pytest" in README and ci.rstrip().endswith("python -m pytest")
   assert 'pip install -e ".[dev]"' in README and 'pip install --quiet -e ".[dev]"' in ci
+
+
+def test_the_readme_is_a_front_door_and_every_page_it_sends_to_is_in_the_site():
+  # Issue 58: at most 250 lines; the manual lives in docs/ pages of the mkdocs nav.
+  assert len(README.splitlines()) <= 250
+  nav = (ROOT / "mkdocs.yml").read_text()
+  for page in sorted(set(re.findall(r"\(docs/([A-Z_]+\.md)\)", README))):
+    assert (ROOT / "docs" / page).exists(), page
+    assert f": {page}\n" in nav, page
+  assert {"GUIDE.md", "BENCHMARKS.md", "FLAX_MODELS.md"} <= set(
+      re.findall(r"\(docs/([A-Z_]+\.md)\)", README))

@@ -135,16 +135,24 @@ def test_an_adaptive_grace_window_merges_and_replays():
     (dict(syncer=hj.Syncer(weights="max")), "syncer.weights='max' is not allowed"),
     (dict(syncer=hj.Syncer(quorum=2, timeout=0.0)), "syncer.timeout=0.0 is not allowed"),
     (dict(syncer="q2"), "syncer='q2' is not allowed; allowed: None or hj.Syncer"),
-    (dict(syncer=hj.Syncer(quorum=2), grace_window=1.0), "grace_window=1.0 is not allowed "
-                                                         "with syncer"),
     (dict(method="diloco", syncer=hj.Syncer(quorum=2)), "is not allowed with method='diloco'"),
 ])
 def test_syncers_a_run_cannot_take_are_refused_in_one_line(options, message):
   method = options.pop("method", "heloco")
   with pytest.raises(ValueError) as error:
     hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
-                   [[{"x": np.zeros(1)}]] * 3, method=method, **options)
+                   [[{"x": np.zeros(1)}]] * 3, method=method, budget=hj.Budget(steps=40),
+                   **options)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_grace_window_has_one_place_the_syncer():
+  """No shorthand beside ``syncer`` that could contradict it: make_engine takes no
+  ``grace_window``."""
+  with pytest.raises(TypeError, match="unexpected keyword argument 'grace_window'"):
+    hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},  # type: ignore
+                   [[{"x": np.zeros(1)}]] * 3, syncer=hj.Syncer(quorum=2),
+                   budget=hj.Budget(steps=40), grace_window=1.0)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -162,7 +170,8 @@ def test_the_syncer_is_part_of_a_workdirs_settings(tmp_path):
   """A resume with another syncer is a different run (config.json differs)."""
   engine = hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
                           [[{"x": np.zeros(1)}] * 100] * 3, syncer=hj.Syncer(quorum=2),
-                          budget_steps=40, workdir=str(tmp_path))  # a quorum's 2 dispatches
+                          budget=hj.Budget(steps=40),  # a quorum's 2 dispatches
+                          workdir=str(tmp_path))
   engine.close()
   text = (tmp_path / "config.json").read_text()
   assert '"quorum": 2' in text and '"timeout": null' in text

@@ -33,14 +33,18 @@ class Stream:
 
 
 def _kwargs(**more):
-  return dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0], budget_steps=40,
-              eval_fn=lambda p: _loss(p, (np.eye(2, dtype=np.float32), W)), eval_every_steps=8,
-              checkpoint_every=2, **more)
+  return dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
+              budget=hj.Budget(steps=40, eval_every_steps=8),
+              eval_fn=lambda p: _loss(p, (np.eye(2, dtype=np.float32), W)), **more)
+
+
+def _workdir(path):
+  return hj.Workdir(str(path), checkpoint_every=2)
 
 
 def _simulate(workdir, **more):
   return hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
-                     workdir=str(workdir), **_kwargs(**more))
+                     workdir=_workdir(workdir), **_kwargs(**more))
 
 
 @pytest.fixture
@@ -114,15 +118,15 @@ def test_atomic_writes_replace_files_and_refuse_links(tmp_path, victim):
 def test_one_owner_even_when_the_lock_file_is_deleted_or_replaced(tmp_path, victim):
   run = tmp_path / "run"
   first = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
-                         workdir=str(run), **_kwargs())
+                         workdir=_workdir(run), **_kwargs())
   try:
     os.remove(run / "lock")
     with pytest.raises(hj.WorkdirError, match="is in use by"):
-      hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=str(run),
+      hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=_workdir(run),
                      **_kwargs())
     os.symlink(victim, run / "lock")
     with pytest.raises(hj.WorkdirError):
-      hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=str(run),
+      hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=_workdir(run),
                      **_kwargs())
   finally:
     first.close()
@@ -132,7 +136,7 @@ def test_one_owner_even_when_the_lock_file_is_deleted_or_replaced(tmp_path, vict
 def test_a_run_whose_workdir_was_replaced_stops_writing(tmp_path):
   run = tmp_path / "run"
   engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
-                          workdir=str(run), **_kwargs())
+                          workdir=_workdir(run), **_kwargs())
   os.rename(run, tmp_path / "moved")
   run.mkdir()
   try:
@@ -146,7 +150,7 @@ def test_a_run_whose_workdir_was_replaced_stops_writing(tmp_path):
 def _interrupted(run, **more):
   """A workdir holding a run stopped after its 10th row, with checkpoints."""
   engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
-                          workdir=str(run), **_kwargs(**more))
+                          workdir=_workdir(run), **_kwargs(**more))
   seen = []
 
   def stop(row):
@@ -176,12 +180,12 @@ def test_a_workdir_refuses_another_loss_fn_or_other_data_naming_what_differs(tmp
   _interrupted(run)
   with pytest.raises(hj.WorkdirError, match=r"another config; differing keys: .*loss_fn"):
     hj.simulate(_other_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
-                workdir=str(run), **_kwargs())
+                workdir=_workdir(run), **_kwargs())
   with pytest.raises(hj.WorkdirError, match=r"differing keys: .*first_batches"):
     hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [WideStream(0), WideStream(1)],
-                workdir=str(run), **_kwargs())
+                workdir=_workdir(run), **_kwargs())
   with pytest.raises(hj.WorkdirError, match=r"differing keys: .*outer_tx"):
-    hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=str(run),
+    hj.simulate(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)], workdir=_workdir(run),
                 **_kwargs(outer_tx=hj.heloco(0.5, 0.9, num_workers=2)))
   # The same run resumes, and an explicit override is possible.
   _simulate(run)

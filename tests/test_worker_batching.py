@@ -34,7 +34,7 @@ def _engine(batching, method="diloco"):
               else optax.adam(1e-2))
   return hj.make_engine(_loss, PARAMS, [_data(i) for i in range(3)], method=method,
                         inner_tx=inner_tx, inner_steps=4, speeds="homogeneous",
-                        budget_steps=3 * 4 * 5, runtime=hj.simulated_runtime(
+                        budget=hj.Budget(steps=3 * 4 * 5), runtime=hj.simulated_runtime(
                             worker_batching=batching))
 
 

@@ -98,8 +98,8 @@ def test_hj_simulate_takes_a_writer_as_on_row(tmp_path):
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - 1.0) ** 2)
   writer = hj.TensorBoardWriter(str(tmp_path))
   hj.simulate(loss_fn, params, data, method="heloco", inner_steps=4, speeds=[1.0, 2.0, 3.0],
-              budget_steps=40, eval_fn=lambda p: loss_fn(p, data[0][0]), eval_every_steps=20,
-              on_row=writer)
+              budget=hj.Budget(steps=40, eval_every_steps=20),
+              eval_fn=lambda p: loss_fn(p, data[0][0]), on_row=writer)
   writer.close()
   scalars = read_scalars(str(tmp_path))
   assert len(scalars["val_loss"]) >= 2 and "heloco/lambda" in scalars

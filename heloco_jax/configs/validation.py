@@ -229,10 +229,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     name, value, allowed = refused
     _fail(_STREAMING_KEYS.get(name, name), value, allowed)
   _validate_syncer(config, method)
+  if config.dylu and method.synchrony != "async":
+    _fail("dylu", True, f"False with method={config.method!r} (DyLU sets the steps of "
+          "asynchronous dispatches)")
   _validate_chaos(config)
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
-    method.lookahead_dispatch(config.lookahead_dispatch)
+    method.lookahead_dispatch(config.lookahead_dispatch, name="lookahead_dispatch")
   except ValueError as error:
     raise ConfigError(f"config.{error}") from None
   if config.budget.tokens == 0 and config.budget.sim_seconds == 0:

@@ -111,6 +111,8 @@ class Engine:
                        "simulated runtime (runtime=None or hj.simulated_runtime())")
     self.spec = spec
     self.method = spec.method
+    self.on_row: Optional[Callable[[Row], None]] = None  # run()'s default
+    self.handle_signals = False  # run() stops at the next update on SIGTERM and Ctrl-C
     if 0 < spec.budget.units < self._smallest_work(spec):
       self._no_work()  # before any work: no batch read, nothing compiled
     self.runtime = runtime
@@ -349,8 +351,12 @@ class Engine:
                 on_checkpoint: Optional[Callable[["Engine"], None]] = None) -> dict[str, Any]:
     """Runs (or, after ``load_state``, continues) until a budget ends.
 
+    With ``handle_signals`` (``make_engine``'s), SIGTERM and Ctrl-C stop it at the next
+    outer update (``stop_on_signals``).
+
     Args:
-      on_row: called with every metrics row as it is emitted.
+      on_row: called with every metrics row as it is emitted; None: ``self.on_row``
+        (``make_engine``'s).
       on_checkpoint: called with the engine every ``checkpoint_every`` outer
         updates, at a point where ``checkpoint_state()`` is the whole run state.
 
@@ -363,6 +369,13 @@ class Engine:
         rejected, every one of the run was, or an evaluation is not finite.
       Stopped: ``request_stop`` was called.
     """
+    with stop_on_signals(self) if self.handle_signals else contextlib.nullcontext():
+      return await self._run_to_the_end(self.on_row if on_row is None else on_row,
+                                        on_checkpoint)
+
+  async def _run_to_the_end(self, on_row: Optional[Callable[[Row], None]],
+                            on_checkpoint: Optional[Callable[["Engine"], None]]
+                            ) -> dict[str, Any]:
     run, s, directory = self._run, self.state, self.directory
     if directory is not None:
       def record(row: Row, on_row=on_row) -> None:

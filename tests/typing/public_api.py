@@ -32,8 +32,8 @@ def engine(params: dict[str, jax.Array], data: list[list[dict[str, jax.Array]]])
   writer = hj.TensorBoardWriter("/tmp/tb")
   result: hj.SimulationResult = hj.simulate(
       loss_fn, params, data, method="heloco", inner_steps=20, speeds="severe",
-      budget_steps=1000, inner_tx=hj.inner_adamw(), on_row=writer,
-      comm=hj.CommModel(latency=0.25, ddp_overlap=2 / 3))
+      budget=hj.Budget(steps=1000, eval_every_steps=100), inner_tx=hj.inner_adamw(),
+      on_row=writer, comm=hj.CommModel(latency=0.25, ddp_overlap=2 / 3))
   writer.close()
   rows: list[dict[str, Any]] = result.history
   del rows
@@ -43,20 +43,35 @@ def engine(params: dict[str, jax.Array], data: list[list[dict[str, jax.Array]]])
 def engines(params: dict[str, jax.Array], data: list[list[dict[str, jax.Array]]]) -> None:
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
   engine = hj.make_engine(
-      loss_fn, params, data, method="mla", outer_options={"learning_rate": 0.5},
-      budget_steps=1000, eval_every_steps=100, runtime=hj.simulated_runtime(),
-      workdir=hj.Workdir("/tmp/run", keep_checkpoints=2), checkpoint_every=5)
+      loss_fn, params, data, method="mla",
+      method_options={"learning_rate": 0.5, "lookahead_dispatch": True, "dylu": False},
+      budget=hj.Budget(tokens=1_000_000, tokens_per_step=4 * 128, eval_every_tokens=100_000),
+      runtime=hj.simulated_runtime(),
+      syncer=hj.Syncer(grace_window=1.0),
+      streaming=hj.Streaming(fragments=2, layout="strided", overlap_steps=1, alpha=0.5),
+      workdir=hj.Workdir("/tmp/run", checkpoint_every=5, keep_checkpoints=2),
+      on_row=lambda row: None, handle_signals=True)
   with hj.stop_on_signals(engine):
     summary: dict[str, Any] = asyncio.run(engine.run(on_row=lambda row: None))
+  again: dict[str, Any] = asyncio.run(engine.run())  # make_engine's on_row and signals
   rows: list[dict[str, Any]] = engine.rows
   final: Any = engine.params
   engine.request_stop("a reason")
   engine.close()
-  del summary, rows, final
+  del summary, again, rows, final
   for runtime in (None, hj.simulated_runtime(), hj.devices_runtime(batch_size=8),
                   hj.ray_runtime(num_cpus=4)):
-    hj.simulate(loss_fn, params, data, budget_sim_seconds=60.0, runtime=runtime,
+    hj.simulate(loss_fn, params, data, budget=hj.Budget(sim_seconds=60.0), runtime=runtime,
                 workdir="/tmp/run", handle_signals=True)
+  palsgd: hj.SimulationResult = hj.simulate(
+      loss_fn, params, data, method="palsgd", budget=hj.Budget(steps=1000),
+      inner_tx=hj.palsgd_inner(optax.identity(), 0.02, pseudo_sync_prob=0.2),
+      method_options={"coins": "independent", "warmup_steps": 10},
+      streaming=None, syncer=None, workdir=hj.Workdir("/tmp/palsgd"))
+  del palsgd
+  budget: hj.Budget = hj.Budget(steps=100)
+  streaming: hj.Streaming = hj.Streaming(fragments=2)
+  del budget, streaming
 
 
 def server(params: dict[str, jax.Array], delta: dict[str, jax.Array]) -> None:
