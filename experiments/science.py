@@ -41,6 +41,20 @@ after every earlier run, so for those earlier runs they are rules fixed afterwar
    with margin ±``TIE_MARGIN``% on the window gain (two one-sided t-tests, α = ``ALPHA``; its
    p is the larger one): p < α is a *tie*, a finding, not an "unclear". A Holm-unclear cell
    that ties is reported as tie in the Holm-corrected verdict.
+
+The page's words are ``experiments/RESULTS.template.md`` (``TEMPLATE``): RESULTS.md as it
+reads, with a ``string.Template`` placeholder (``$name``, or ``${name}`` when a letter, digit or
+underscore follows it; ``$$`` is a literal dollar sign) for each number, table and figure list
+this module computes and for each sentence whose wording depends on the numbers
+(``write_results``'s fields, all strings). ``render`` fills it in by paragraphs, the blocks
+between blank lines (a template paragraph holds no blank line; a field may):
+
+* a paragraph with a placeholder whose field is None (nothing to say yet) is left out;
+* a section, from a ``#`` heading to the next, is left out whole when one of its placeholders
+  named ``*_table`` is None (no runs for that table yet);
+* a sentence that may be missing is a field that starts with its space, or is "".
+
+Every placeholder needs a field and every field a placeholder (``render`` raises otherwise).
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ import dataclasses
 import itertools
 import math
 import os
+import string
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -73,10 +88,6 @@ CLAIMS = (
     ("HeLoCo beats CGAD, wall-clock budget (CGAD's η tuned here)", "time",
      grids.AUTHORS_PRESETS, ("cgad",), "– (after the paper)"),
 )
-# RESULTS.md's sections that measure why a claim is not reproduced.
-WHY_PALSGD = "Why PALSGD misses DDP's loss: PALSGD and DiLoCo at each other's outer lr"
-WHY_SYNC = ("Why HeLoCo trails synchronous DiLoCo at severe paces: the fast worker's language "
-            "and the inner lr decay")
 # The authors' final losses in this harness (GPT-2 vocabulary, paces [1,2,3,1,5], tokens).
 AUTHORS_FINAL = {"async_nesterov": 7.98, "mla": 7.68, "heloco": 7.60, "diloco": 7.59}
 
@@ -784,8 +795,10 @@ def vocab_table(results: Sequence[Result]) -> str:
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def time_budget_note(results: Sequence[Result]) -> str:
-  """How close to T the asynchronous token runs ended, and what synchronous DiLoCo read."""
+def time_budget_fields(results: Sequence[Result]) -> dict[str, Optional[str]]:
+  """The wall-clock section's numbers: T per preset (``time_budgets``), how close to T the
+  asynchronous token runs ended (``time_runs_from``, ``time_runs_to``; all None without such
+  runs) and what synchronous DiLoCo read in T (``sync_tokens_in_t``, a clause or "")."""
   authors = _authors(results)
   spread, sync = [], []
   for preset in grids.AUTHORS_PRESETS:
@@ -796,14 +809,14 @@ def time_budget_note(results: Sequence[Result]) -> str:
     if sync_runs and preset != "homogeneous":
       sync.append(f"{preset} {np.mean([r.summary['tokens'] for r in sync_runs]):,.0f}")
   if not spread:
-    return ""
-  read = ("; in T synchronous DiLoCo read (mean tokens) " + "; ".join(sync)) if sync else ""
-  return ("T per preset = the simulated seconds in which non-waiting workers read the token "
-          "budget (`grids.time_budget`): "
-          + ", ".join(f"{p} {grids.time_budget(grids.AUTHORS, p):,.0f} s"
-                      for p in grids.AUTHORS_PRESETS)
-          + f". The asynchronous token runs ended between {100 * min(spread):+.1f}% and "
-          f"{100 * max(spread):+.1f}% of T{read}.")
+    return dict.fromkeys(("time_budgets", "time_runs_from", "time_runs_to",
+                          "sync_tokens_in_t"))
+  return {"time_budgets": ", ".join(f"{p} {grids.time_budget(grids.AUTHORS, p):,.0f} s"
+                                    for p in grids.AUTHORS_PRESETS),
+          "time_runs_from": f"{100 * min(spread):+.1f}%",
+          "time_runs_to": f"{100 * max(spread):+.1f}%",
+          "sync_tokens_in_t": ("; in T synchronous DiLoCo read (mean tokens) " + "; ".join(sync))
+                              if sync else ""}
 
 
 def _lr_losses(results: Sequence[Result], method: str) -> dict[float, float]:
@@ -863,7 +876,7 @@ def cgad_lr_note(results: Sequence[Result]) -> str:
 
 def lr_note(results: Sequence[Result]) -> str:
   """One sentence: HeLoCo at the authors' lr against each baseline at the best lr of its sweep
-  (seed 0), next to the same comparison at the authors' lrs."""
+  (seed 0), next to the same comparison at the authors' lrs; "" without those runs."""
   heloco = _lr_base(results, "heloco")
   gains = []
   for method in grids.METHODS:
@@ -875,14 +888,9 @@ def lr_note(results: Sequence[Result]) -> str:
                f"{100 * (found[best] - heloco) / found[best]:+.2f}% at its best (× {best:g})")
     gains.append(f"{method} {100 * (found[1.0] - heloco) / found[1.0]:+.2f}% at its authors' lr, "
                  + at_best)
-  edges = "; ".join(f"{m} also × " + ", ".join(f"{f:g}" for f in fs)
-                    for m, fs in grids.LR_EDGE_FACTORS.items())
-  sweep = (f"Final validation loss at the token budget, seed 0, one run per lr: each method's "
-           f"outer lr × {', '.join(f'{f:g}' for f in grids.LR_FACTORS)}, and further up where "
-           f"the best of those was the top one ({edges}).")
   if not gains:
-    return sweep
-  return (sweep + " HeLoCo at the authors' lr against each baseline (gain as in the claims): "
+    return ""
+  return ("HeLoCo at the authors' lr against each baseline (gain as in the claims): "
           + "; ".join(gains) + ".")
 
 
@@ -1215,56 +1223,40 @@ def palsgd_figure(results: Sequence[Result], fig_dir: str) -> list[str]:
   return [analysis._save(fig, os.path.join(fig_dir, "palsgd_speedup_vs_c.png"))]  # pylint: disable=protected-access
 
 
-# RESULTS.md's prose about the claims (``str.format`` fields: write_results).
-CLAIMS_INTRO = (
-    "Gain = (L_baseline − L_HeLoCo) / L_baseline, in %. Verdict (`science.verdict`): per seed, "
-    "the gain averaged over every evaluation from 50% to 100% of the budget (every 5%); over "
-    "seeds, paired by seed, its mean and 95% CI (Student's t, sample std); a cell is *better* "
-    "when its CI is above 0, *worse* when below, *unclear* otherwise. *Reproduced*: every cell "
-    "better (≥ 3 seeds); *partly*: some cells better; *reversed*: none better and some worse; "
-    "*not reproduced*: every cell unclear. PALSGD's rows: faster than DDP on every seed at "
-    "every c (reproduced) or at some c (partly).\n\n"
-    "**When the rule was fixed** (column *rule*). The window rule was committed at 15f8751 (25 "
-    "Nov). The authors' grid, the outer-lr check, `dn_tuned` and `palsgd_c` had run on 23–24 "
-    "Nov and been reported with the final point: their rows are *{REJUDGED}*. Every later grid "
-    "(CGAD, jitter, lr sweeps, held-out, 50,257 ids, PALSGD fairly) ran after it: "
-    "*{PRE_REGISTERED}*. The Holm correction, the TOST and the symmetric-seed rule below were "
-    "added by issue 60 after all of those runs and committed before the runs of its "
-    "`symmetric` grid (seeds {SEEDS}): for the earlier runs they too are rules fixed "
-    "afterwards.\n\n"
-    "**Multiplicity.** *Holm-corrected verdict*: each cell's two-sided paired t-test p "
-    "(H₀: mean window gain 0, the test behind the CI) is Holm–Bonferroni adjusted over the "
-    "row's cells (α 0.05); a cell is better / worse when its adjusted p < 0.05, and the verdict "
-    "maps the cells as above. **Equivalence.** Each severe-paces cell also gets a paired TOST "
-    "with a ±{TIE_MARGIN:g}% margin on the window gain (α 0.05): p < 0.05 is a *tie*, a finding "
-    "that the gain is within ±{TIE_MARGIN:g}%; the Holm-corrected verdict names the "
-    "Holm-unclear cells that tie.\n\n"
-    "**Seeds** (column *seeds per cell*). A row reads the seeds every one of its cells has, so "
-    "all its cells stand on the same n; seeds that only some cells have are listed there and "
-    "not read. The extension rule, fixed before the runs it adds: every cell of the "
-    "authors'-setting rows (the authors grid, CGAD, DN at its tuned lr), of the jitter rows "
-    "and of the best-lr rows gets seeds {SEEDS} ({PLANNED} seeds each; `grids.symmetric_grid`, "
-    "whether or not its CI crosses 0); the held-out-language and 50,257-id rows stay at 3 "
-    "seeds for every cell. The earlier rule (seeds 3 and 4 only where a cell's CI crossed 0, "
-    "issue 36) ran them on 5 jitter, held-out and best-lr cells; under no true effect it "
-    "raises a cell's false-\"better\" rate from 2.5% to 4.4%, which is why the rows no longer "
-    "read them unless every cell of the row has them.\n\n"
-    "Why a claim is not reproduced is measured in the sections \"{WHY_SYNC}\" and "
-    "\"{WHY_PALSGD}\".")
-WINDOW_INTRO = (
-    "Each HeLoCo claims row's verdict and Holm-corrected verdict with the per-seed gain "
-    "averaged over other windows: the final evaluation alone (the verdict before issue 36), "
-    "every 5% from 25% to 100%, the rule's 50–100%, and every evaluation from 5% to 100%; the "
-    "same seeds as the claims table. A verdict that holds only under some windows rests on "
-    "when the curves are read.")
+# RESULTS.md's words: the page with a placeholder for each computed part (module docstring).
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.template.md")
+
+
+def render(template: str, fields: dict[str, Optional[str]]) -> str:
+  """``template`` (RESULTS.template.md's text) with ``fields`` in its ``$name`` placeholders,
+  by the rules of the module docstring: a paragraph with a placeholder whose value is None is
+  left out, and the whole section with it when the placeholder's name ends in ``_table``.
+  Raises KeyError for a placeholder without a field and ValueError for a field without one."""
+  sections: list[list[string.Template]] = []
+  for paragraph in template.split("\n\n"):
+    if paragraph.startswith("#") or not sections:
+      sections.append([])
+    sections[-1].append(string.Template(paragraph))
+  kept, used = [], set()
+  for section in sections:
+    names = [p.get_identifiers() for p in section]
+    used.update(itertools.chain(*names))
+    if any(fields[n] is None for n in itertools.chain(*names) if n.endswith("_table")):
+      continue
+    kept += [p.substitute(fields) for p, ns in zip(section, names)
+             if all(fields[n] is not None for n in ns)]
+  if set(fields) - used:
+    raise ValueError(f"fields {sorted(set(fields) - used)} have no placeholder in the template")
+  return "\n\n".join(kept)
 
 
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
                   scale_note: str, small_scale: str = "RESULTS_small_scale.md",
                   sections: Sequence[str] = (), *, planned: int) -> None:
-  """Writes RESULTS.md for issue 18's and 36's grids with its figures under ``fig_dir``, and
-  ``sections`` (markdown lines: other grids' sections) before the small-scale note.
-  ``planned``: how many runs ``results`` are drawn from (finished or not)."""
+  """Writes RESULTS.md for issue 18's and 36's grids (``TEMPLATE`` with this function's
+  numbers, tables and figure list) with its figures under ``fig_dir``, and ``sections``
+  (markdown lines: other grids' sections) before the small-scale note. ``planned``: how many
+  runs ``results`` are drawn from (finished or not)."""
   authors = [r for r in _authors(results) if r.run.table == "tokens"]
   figures = (curves(results, fig_dir) + palsgd_figure(results, fig_dir)
              + analysis.diagnostics_figures(authors, fig_dir, presets=grids.AUTHORS_PRESETS,
@@ -1272,103 +1264,40 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
   on_gpu = [r for r in results if r.run.name.startswith(grids.SCALE_PREFIX)]
   on_cpu = [r for r in results if not r.run.name.startswith(grids.SCALE_PREFIX)]
-  core_hours = sum(r.summary.get("wall_seconds", 0.0) for r in on_cpu) / 3600
   steps_per_second = 1 / clock.seconds_per_step(grids.DECAY_WHY_PRESET, 5)
-  fast_share = steps_per_second.max() / steps_per_second.sum()
-  parts = [
-      "# Results", "",
-      f"Regenerate from the committed digests (`experiments/results/`) with `{command} "
-      f"--report-only`; without `--report-only` the runs missing there are run first. "
-      f"{len(on_cpu)} of {planned} runs "
-      f"are finished ({core_hours:.1f} core-hours, one core per run); the scale grid "
-      f"(`--grid=scale`, for a GPU): {len(on_gpu)} of {len(grids.grid('scale'))} runs.", "",
-      scale_note, "",
-      *analysis._section(  # pylint: disable=protected-access
-          "The claims, measured", claims_table(results), CLAIMS_INTRO.format(
-              WHY_SYNC=WHY_SYNC, WHY_PALSGD=WHY_PALSGD, TIE_MARGIN=TIE_MARGIN,
-              PRE_REGISTERED=PRE_REGISTERED, REJUDGED=REJUDGED,
-              SEEDS=", ".join(map(str, grids.SYMMETRIC_SEEDS)),
-              PLANNED=len(authors_planned_seeds()))),
-      *analysis._section(  # pylint: disable=protected-access
-          "How the verdicts depend on the window", window_table(results), WINDOW_INTRO),
-      *analysis._section(  # pylint: disable=protected-access
-          "The authors' harness: fixed token budget (10,000 local steps)",
-          loss_table(results, "tokens"),
-          "Validation loss at 25%, 50% and 100% of the budget, mean ± sample std over seeds. The "
-          "authors' own final losses (GPT-2 vocabulary, paces [1,2,3,1,5]): "
-          + ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()) + ". Synchronous "
-          "DiLoCo's row is one run at every paces: each round waits for all workers, so the "
-          "paces change its clock, not its trajectory in tokens."),
-      *analysis._section(  # pylint: disable=protected-access
-          "The authors' harness: fixed wall-clock (simulated) budget",
-          loss_table(results, "time"), time_budget_note(results)),
-      *analysis._section(  # pylint: disable=protected-access
-          "Outer learning rate: the authors' against a sweep around it (paces [1,2,3,1,5], "
-          "seed 0)", lr_table(results), " ".join(filter(None, (lr_note(results),
-                                                                cgad_lr_note(results))))),
-      *analysis._section(  # pylint: disable=protected-access
-          "Outer learning rate per preset: each method's sweep (jitter "
-          f"{grids.JITTER:g}, seed 0)", skeptic_lr_table(results),
-          "Validation loss averaged over the claims' window (every 5% from 50% to 100% of "
-          "the budget: tokens for the asynchronous methods, time for synchronous DiLoCo), "
-          "seed 0, one run per factor of the method's own outer lr (× 1: the jitter grid's "
-          "run; –: not run). Each sweep runs × 0.5 and × 2, and a factor further out where an "
-          "edge is the best (`grids.SKEPTIC_LR_EDGE_FACTORS`; Delayed Nesterov also × 4, 8 "
-          "and 16, around the best of the mixed-paces check, × 16). Seeds "
-          "1 and 2 run each method at seed 0's best, seeds 3 and 4 first ran the cells whose CI "
-          "crossed zero at 3 seeds (`grids.LR_UNCLEAR`), then every cell (`grids.symmetric_grid`); "
-          "the claims' best-lr rows read seeds 3 and 4 once every cell of a row has them."),
-      *analysis._section(  # pylint: disable=protected-access
-          "PALSGD vs DDP vs DiLoCo over the communication ratio c", palsgd_table(results),
-          "Homogeneous workers, IID split, the byte-level small-scale model; shared coins, "
-          "p = 0.2, pull η_ps·α/p = 0.05 and outer Nesterov lr 0.1 as in the PALSGD authors' "
-          "example; DDP plain, and with its all-reduce overlapped with the backward pass "
-          "(`comm.ddp_overlap` = 2/3). Time to each seed's DDP final loss; DiLoCo and PALSGD "
-          "may read up to twice DDP's tokens. PALSGD at outer lr 0.7: the same PALSGD at "
-          "DiLoCo's outer lr (next section). Paper: PALSGD 21.1–24.4% faster than DDP."),
-      *analysis._section(  # pylint: disable=protected-access
-          WHY_PALSGD, palsgd_why_table(results),
-          f"The runs above at c = {grids.PALSGD_WHY_C:g}, and the same two with the outer "
-          "learning rate swapped (`palsgd_why`); everything else is equal. Time to each "
-          "seed's DDP final loss, mean over seeds where every seed reaches it. The table above "
-          "has PALSGD at outer lr 0.7 at every c."),
-      *analysis._section(  # pylint: disable=protected-access
-          "PALSGD fairly: DDP tuned for its own run, PALSGD's outer lr and pull swept",
-          palsgd_fair_table(results),
-          "The palsgd_c runs' setting (homogeneous, IID, the small-scale model). DDP: its inner "
-          f"cosine decay over its own {grids.ddp_own_steps():,} steps (palsgd_c's decayed over "
-          "4,000 and ended at 92% of the peak lr) and its inner lr × "
-          + ", ".join(f"{f:.3g}" for f in grids.DDP_FAIR_LR_FACTORS) + " for its "
-          "5× global batch; the tuned DDP is the lowest mean final loss, and its final loss is "
-          "each seed's target (seeds 1 and 2 run PALSGD at seed 0's best only). PALSGD "
-          "(shared coins, p = 0.2, pull η_ps·α/p) reads twice DDP's tokens; `palsgd_fair` in "
-          "experiments/README.md."),
-      *analysis._section(  # pylint: disable=protected-access
-          f"The authors' vocabulary size: {grids.VOCAB_50K:,} ids against "
-          f"{grids.AUTHORS_VOCAB:,}", vocab_table(results),
-          "Final validation loss at the token budget (10,000 local steps), mean ± sample std "
-          f"(seeds); synchronous DiLoCo's is its one run at every paces. The {grids.VOCAB_50K:,}"
-          f"-id BPE is trained on the corpus like the {grids.AUTHORS_VOCAB:,}-id one; the model "
-          "grows to 14.5M parameters (the untied embedding and head), as the authors' does; "
-          "jitter 0, as the authors grid. Losses per token of different vocabularies are not "
-          "comparable across columns, their gaps to sync DiLoCo are. The claims on these "
-          "runs: the claims table's rows marked with the vocabulary."),
-      *analysis._section(  # pylint: disable=protected-access
-          WHY_SYNC, decay_why_table(results),
-          "Paces [1,15,15,15,15]: worker 0 (de) steps every second, the others every 15 s, so "
-          f"the fast worker takes {fast_share:.0%} of the asynchronous methods' steps, while "
-          "each synchronous round gives the five languages equal shares; the validation loss "
-          "weighs them equally. The authors' inner cosine decay ends at each worker's own "
-          "2,000th step and holds 1e-6 after it; in T the fast worker takes about four times "
-          "that, so most of its arrivals carry almost no update. The `decay_why` runs repeat "
-          "HeLoCo's and synchronous DiLoCo's runs with the decay spanning the fast worker's "
-          f"{grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,} steps in T, and with a "
-          "constant inner lr; nothing else changes. Losses at T (7,895 s), mean over seeds; "
-          "the lowest on de is over the run's evaluations."),
-      "## Figures", "",
-      *[f"![{os.path.basename(f)}]({rel(f)})" for f in figures], "", *sections,
-      "## Small scale", "",
-      f"The earlier byte-level grid (0.28M-parameter GPT, 1M tokens per run): "
-      f"[{small_scale}]({small_scale}).", ""]
+  optional = lambda text: f" {text}" if text else ""  # a sentence that may be missing
+  tables = {"claims_table": claims_table(results), "window_table": window_table(results),
+            "token_table": loss_table(results, "tokens"),
+            "time_table": loss_table(results, "time"), "lr_table": lr_table(results),
+            "skeptic_lr_table": skeptic_lr_table(results), "palsgd_table": palsgd_table(results),
+            "palsgd_why_table": palsgd_why_table(results),
+            "palsgd_fair_table": palsgd_fair_table(results), "vocab_table": vocab_table(results),
+            "decay_why_table": decay_why_table(results)}
+  fields = {
+      "command": command, "finished": str(len(on_cpu)), "planned": str(planned),
+      "core_hours": f"{sum(r.summary.get('wall_seconds', 0.0) for r in on_cpu) / 3600:.1f}",
+      "finished_gpu": str(len(on_gpu)), "planned_gpu": str(len(grids.grid("scale"))),
+      "scale_note": scale_note,
+      **{name: table or None for name, table in tables.items()},  # no runs: no section
+      "rejudged": REJUDGED, "pre_registered": PRE_REGISTERED, "tie_margin": f"{TIE_MARGIN:g}",
+      "symmetric_seeds": ", ".join(map(str, grids.SYMMETRIC_SEEDS)),
+      "planned_seeds": str(len(authors_planned_seeds())),
+      "authors_final": ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()),
+      **time_budget_fields(results),
+      "lr_factors": ", ".join(f"{f:g}" for f in grids.LR_FACTORS),
+      "lr_edge_factors": "; ".join(f"{m} also × " + ", ".join(f"{f:g}" for f in fs)
+                                   for m, fs in grids.LR_EDGE_FACTORS.items()),
+      "lr_note": optional(lr_note(results)), "cgad_lr_note": optional(cgad_lr_note(results)),
+      "jitter": f"{grids.JITTER:g}", "palsgd_why_c": f"{grids.PALSGD_WHY_C:g}",
+      "ddp_own_steps": f"{grids.ddp_own_steps():,}",
+      "ddp_fair_lr_factors": ", ".join(f"{f:.3g}" for f in grids.DDP_FAIR_LR_FACTORS),
+      "vocab_50k": f"{grids.VOCAB_50K:,}", "authors_vocab": f"{grids.AUTHORS_VOCAB:,}",
+      "fast_share": f"{steps_per_second.max() / steps_per_second.sum():.0%}",
+      "fast_worker_steps": f"{grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,}",
+      "figures": "\n".join(f"![{os.path.basename(f)}]({rel(f)})" for f in figures) or None,
+      "sections": "\n".join(sections).removesuffix("\n") or None,
+      "small_scale": small_scale}
+  with open(TEMPLATE) as f:
+    page = render(f.read(), fields)
   with open(path, "w") as f:
-    f.write("\n".join(parts))
+    f.write(page)

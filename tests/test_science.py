@@ -418,6 +418,32 @@ def test_results_md_and_figures_from_made_up_runs(tmp_path):
     assert part in text
   for figure in ("authors_loss_vs_steps.png", "authors_loss_vs_sim_time.png"):
     assert os.path.getsize(tmp_path / "figures" / figure) > 10_000 and figure in text
+  # no PALSGD runs: their sections are left out, heading and intro with the table
+  assert "## PALSGD" not in text and "shared coins" not in text
+  assert "$" not in text  # every placeholder filled
+
+
+def test_the_template_is_filled_by_paragraphs_and_sections():
+  template = ("# Page\n\nIntro $n runs.$extra\n\nMaybe $note.\n\n## A\n\nWords for A.\n\n"
+              "$a_table\n\n## B\n\nWords for B ($$1).\n\n$b_table\n")
+  fields = {"n": "3", "extra": " More.", "note": None, "a_table": None, "b_table": "| b |"}
+  # a None field drops its paragraph; a None *_table its whole section
+  assert science.render(template, fields) == (
+      "# Page\n\nIntro 3 runs. More.\n\n## B\n\nWords for B ($1).\n\n| b |\n")
+  with pytest.raises(KeyError):
+    science.render(template, {k: v for k, v in fields.items() if k != "n"})
+  with pytest.raises(ValueError, match="unused"):
+    science.render(template, {**fields, "unused": "x"})
+
+
+def test_the_template_names_the_sections_it_points_to():
+  with open(science.TEMPLATE) as f:
+    template = f.read()
+  headings = re.findall(r"^#+ (.*)$", template, flags=re.M)
+  pointed = re.findall(r'measured in the sections "([^"]+)" and "([^"]+)"', template)
+  assert pointed and all(name in headings for name in pointed[0])
+  # one paragraph per block: no line of only spaces, which would hide a paragraph break
+  assert not re.search(r"^[ \t]+$", template, flags=re.M)
 
 
 def test_palsgd_that_never_reaches_ddps_loss_is_not_reproduced_and_says_so():

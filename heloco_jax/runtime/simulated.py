@@ -110,8 +110,9 @@ def compute_worker(inner: inner_lib.InnerLoop, previous: Optional[inner_lib.Inne
 
 WorkerBatching = Literal["auto", "vmap", "sequential"]
 # "auto" per backend (docs/DESIGN.md, "Worker batching": ``python -m benchmarks.worker_batching``
-# on CPU: a CNN 1.23–3.79× slower vmapped, TinyGPT 0.92× ; vmap kept, today's bits).
-AUTO_BATCHING = {"cpu": "vmap", "gpu": "vmap", "tpu": "vmap"}
+# on CPU, vmapped ÷ sequential at K = 2, 5, 16: a CNN 1.23, 1.48, 3.79; TinyGPT 0.92, 0.93,
+# 1.51). Accelerators keep vmap: one program over the workers, not measured here.
+AUTO_BATCHING = {"cpu": "sequential", "gpu": "vmap", "tpu": "vmap"}
 
 
 def check_batching(batching: Any) -> None:
