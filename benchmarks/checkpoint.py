@@ -7,7 +7,7 @@
    one (``StandardSave`` of a flat dict), both synchronous, medians of
    ``--repeats`` alternating runs.
 2. Run overhead: wall time of the quickstart's run (the CLI's engine,
-   ``harness.make_engine``, writing a workdir) with ``checkpoint_every`` = 10
+   ``harness.engine_of_config``, writing a workdir) with ``checkpoint_every`` = 10
    (the default) against 0 (off), same process.
 
   python benchmarks/checkpoint.py [--repeats 5]
@@ -39,7 +39,7 @@ def _state() -> tuple[dict, dict]:
     captured["state"] = engine.checkpoint_state()
     engine.request_stop("one checkpoint")  # enough: one real mid-run state
   with tempfile.TemporaryDirectory() as root:  # checkpoints come with a workdir
-    engine, _ = harness.make_engine(config, workdir=root)
+    engine, _ = harness.engine_of_config(config, workdir=root)
     try:
       asyncio.run(engine.run(on_checkpoint=on_checkpoint))
     except hj.Stopped:
@@ -88,7 +88,7 @@ def run_overhead() -> None:
     config = default.get_config()
     config.checkpoint_every = every
     with tempfile.TemporaryDirectory() as root:
-      engine, _ = harness.make_engine(config, workdir=root)  # checkpoints to root/checkpoints
+      engine, _ = harness.engine_of_config(config, workdir=root)  # checkpoints to root/checkpoints
       try:
         summary = asyncio.run(engine.run())
       finally:

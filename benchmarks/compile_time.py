@@ -40,7 +40,7 @@ def _child(cache_dir: str, arrivals: int) -> None:
   config.eval_every_tokens = 0
   config.metrics_fetch_every = 1  # a row per arrival as it happens, not 16 at a time
   first = []
-  engine, _ = harness.make_engine(config)  # the CLI's engine of the config
+  engine, _ = harness.engine_of_config(config)  # the CLI's engine of the config
   try:
     asyncio.run(engine.run(lambda row: first.append(time.perf_counter() - start)
                            if row["event"] == "arrival" and not first else None))

@@ -48,7 +48,7 @@ def overhead(dispatches: int) -> dict:
   tokens_per_dispatch = config.inner_steps * config.batch_size * config.model.context
   config.budget.tokens = (dispatches + 1) * tokens_per_dispatch
   arrivals: list[tuple[float, int]] = []
-  engine, problem = harness.make_engine(config)  # the CLI's engine of the config
+  engine, problem = harness.engine_of_config(config)  # the CLI's engine of the config
   update = engine.server.update
 
   def timed_update(*args, **kwargs):  # when each outer update is applied (rows are
@@ -89,7 +89,7 @@ def scale_one(num_workers: int, tokens: int) -> None:
   from heloco_jax import train  # pylint: disable=g-import-not-at-top
   train.use_compilation_cache(train.default_cache_dir())  # as the CLI: warm after one run
   start = time.perf_counter()
-  engine, _ = harness.make_engine(_config(num_workers, tokens))
+  engine, _ = harness.engine_of_config(_config(num_workers, tokens))
   try:
     summary = asyncio.run(engine.run())
   finally:

@@ -97,13 +97,13 @@ def config_of(run: grids.Run, changes: Optional[dict[str, Any]] = None
 
 def shadowed_engine(config: ml_collections.ConfigDict, compressors: Sequence[compress.Compressor],
                     dataset: Any = None) -> Any:
-  """``harness.make_engine`` of ``config`` (a HeLoCo run) with its own outer rule shadowed
+  """``harness.engine_of_config`` of ``config`` (a HeLoCo run) with its own outer rule shadowed
   (``shadow_branches``); the pairs are ``engine.outer_state.pairs`` after the run."""
   method = methods.get(config.method)
   rule = method.make_outer(config.num_workers, harness.outer_options(config))
   run_options = {key: value for key, value in harness.method_options(config).items()
                  if key in method.run_keys}  # the outer keys are the shadowed rule's
-  engine, _ = harness.make_engine(config, dataset, outer_tx=shadow_branches(rule, compressors),
+  engine, _ = harness.engine_of_config(config, dataset, outer_tx=shadow_branches(rule, compressors),
                                   method_options=run_options)
   return engine
 

@@ -195,8 +195,8 @@ def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compresso
                           error_feedback=c.error_feedback)
 
 
-def make_engine(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
-                workdir: Any = None, **overrides: Any) -> tuple[Any, Problem]:
+def engine_of_config(config: ml_collections.ConfigDict, dataset: Optional[data_lib.Data] = None,
+                     workdir: Any = None, **overrides: Any) -> tuple[Any, Problem]:
   """(``hj.make_engine`` of ``config``'s default problem, the problem); ``overrides``
   replace keyword arguments (e.g. a test's ``runtime``). ``workdir`` (a path or an
   ``hj.Workdir``) takes ``config.checkpoint_every`` and ``config.keep_checkpoints``."""

@@ -350,7 +350,7 @@ def _main(argv: list[str]) -> int:
   try:  # the data first: a config it refuses leaves no trace in the workdir
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      engine, problem = harness.make_engine(config, workdir=directory)
+      engine, problem = harness.engine_of_config(config, workdir=directory)
   except (workdir_lib.WorkdirError, checkpoint.CheckpointError) as error:
     return _error(str(error))
   except ConnectionError as error:  # e.g. runtime=ray with an unreachable ray.address

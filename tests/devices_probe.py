@@ -25,7 +25,7 @@ from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
 
 def run(config):
   validation.validate(config)
-  engine, _ = harness.make_engine(config, tiny.dataset(config.num_workers))  # the CLI's engine
+  engine, _ = harness.engine_of_config(config, tiny.dataset(config.num_workers))  # the CLI's engine
   try:
     summary = asyncio.run(engine.run())
     params = [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(engine.params))]

@@ -1,6 +1,6 @@
 """Checkpoints: packing, orbax round trips, fallback past corrupt steps, failed writes, and
 exact resume of every method from a mid-run checkpoint (in-process: the checkpoints of a
-workdir run, restored into the CLI's engine, ``harness.make_engine``)."""
+workdir run, restored into the CLI's engine, ``harness.engine_of_config``)."""
 
 import asyncio
 import errno
@@ -158,8 +158,8 @@ def _config(method, **overrides):
 
 
 def _engine(config, workdir=None):
-  """The CLI's engine of ``config`` (``harness.make_engine``) on the tiny data."""
-  return harness.make_engine(config, _dataset(config.num_workers), workdir=workdir)[0]
+  """The CLI's engine of ``config`` (``harness.engine_of_config``) on the tiny data."""
+  return harness.engine_of_config(config, _dataset(config.num_workers), workdir=workdir)[0]
 
 
 def _checkpoints(workdir):

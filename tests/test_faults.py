@@ -6,7 +6,7 @@ its end params in its n-th round (sync). The server must emit a ``rejected``
 row, leave θ and the outer state untouched, not count an outer update or a
 staleness, re-dispatch the worker with fresh AdamW moments (its step count
 kept), still count the tokens, and keep training. Runs use the small model of
-``tiny``, on the CLI's engine (``harness.make_engine``).
+``tiny``, on the CLI's engine (``harness.engine_of_config``).
 """
 
 import asyncio
@@ -82,7 +82,7 @@ class _Traced:
     config.metrics_fetch_every = 1  # each row is handed on as it happens, with its snapshot
     validate(config)
     overrides = {} if fault is None else {"runtime": faulty(**fault)}
-    self.sim, _ = harness.make_engine(config, dataset or _dataset(config.num_workers),
+    self.sim, _ = harness.engine_of_config(config, dataset or _dataset(config.num_workers),
                                       **overrides)
     self.snapshots = []
 

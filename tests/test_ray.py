@@ -1,5 +1,5 @@
 """runtime=ray (heloco_jax/runtime/ray.py): a local Ray cluster of 2 CPUs, from the CLI (and the
-CLI's engine, ``harness.make_engine``, with a test's fault-injecting executor)."""
+CLI's engine, ``harness.engine_of_config``, with a test's fault-injecting executor)."""
 
 import collections
 import importlib.util
@@ -52,7 +52,7 @@ def _train(args):
   _python(["-m", "heloco_jax.train", *args])
 
 
-# The CLI's engine (``harness.make_engine``) of the config the JSON overrides in argv[2] give,
+# The CLI's engine (``harness.engine_of_config``) of the config the JSON overrides in argv[2] give,
 # run into the workdir argv[1] with worker 1's actor killed at its 3rd dispatch (``faulty`` of
 # tests/faults.py: the tests' wrapper of the Ray executor; production code knows nothing of
 # it). In a process of its own, as ``_train``'s runs.
@@ -71,7 +71,7 @@ for key, value in json.loads(sys.argv[2]).items():
     node = node[parent]
   node[leaf] = value
 validation.validate(config)
-engine, _ = harness.make_engine(config, workdir=hj.Workdir(sys.argv[1]), runtime=faulty(
+engine, _ = harness.engine_of_config(config, workdir=hj.Workdir(sys.argv[1]), runtime=faulty(
     worker=1, arrival=3, kill=True, runtime=harness.runtime_factory(config)))
 try:
   print(asyncio.run(engine.run()))

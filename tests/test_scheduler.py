@@ -1,6 +1,6 @@
 """The simulated engine: exact schedules, sync rounds, identities, budgets, determinism.
 
-Runs go through the engine the CLI builds (``harness.make_engine``, ``tiny.simulate``).
+Runs go through the engine the CLI builds (``harness.engine_of_config``, ``tiny.simulate``).
 """
 
 
@@ -199,7 +199,7 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   # Eager: checkpoint_state() at every row computes all work in flight, as computing at
   # dispatch does.
   runs.clear()
-  engine, _ = harness.make_engine(config, _dataset(config.num_workers))
+  engine, _ = harness.engine_of_config(config, _dataset(config.num_workers))
   def force(row):
     if engine.state.workers is not None:
       engine.checkpoint_state()
@@ -216,7 +216,7 @@ sys.path.insert(0, {tests!r})
 import asyncio, jax, numpy as np, tiny
 from heloco_jax import harness
 config = tiny.config("heloco", 3, jitter=0.2, **{{"budget.tokens": 3000, "eval_every_tokens": 1000}})
-engine, _ = harness.make_engine(config, tiny.dataset(3))
+engine, _ = harness.engine_of_config(config, tiny.dataset(3))
 asyncio.run(engine.run())
 where = sorted({{d.id for w in engine.state.workers for x in jax.tree.leaves(w)
                  for d in x.devices()}})

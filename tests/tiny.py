@@ -1,5 +1,5 @@
 """The small model and data the engine-level tests share, how they run it (``simulate``: the
-CLI's engine, ``harness.make_engine``), and a warning filter two checkpoint tests share
+CLI's engine, ``harness.engine_of_config``), and a warning filter two checkpoint tests share
 (imported by the test modules)."""
 
 import asyncio
@@ -55,10 +55,10 @@ def config(method: str = "mla", num_workers: int = 3, **overrides) -> ml_collect
 
 def simulate(config: ml_collections.ConfigDict, shards: Optional[data.Data] = None,
              on_row=None, **overrides) -> tuple[dict, list[dict]]:
-  """(summary, rows) of ``config``'s run on the engine the CLI builds (``harness.make_engine``),
+  """(summary, rows) of ``config``'s run on the engine the CLI builds (``harness.engine_of_config``),
   on ``shards`` (default: ``dataset(config.num_workers)``); ``overrides`` replace
   ``hj.make_engine`` keywords (e.g. ``runtime=`` a fault-injecting runtime of tests/faults.py)."""
-  engine, _ = harness.make_engine(config, shards or dataset(config.num_workers), **overrides)
+  engine, _ = harness.engine_of_config(config, shards or dataset(config.num_workers), **overrides)
   try:
     summary = asyncio.run(engine.run(on_row))
   finally:
