@@ -487,11 +487,11 @@ def make_engine(
   try:
     engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
                                eval_fn=eval_fn, lookahead=lookahead, compressor=compress,
-                               model_state=model_state, model_state_merge=model_state_merge)
+                               model_state=model_state, model_state_merge=model_state_merge,
+                               on_row=on_row, handle_signals=handle_signals)
   except BaseException:
     built.close()  # e.g. Ray's actors, started for a run that cannot be built
     raise
-  engine.on_row, engine.handle_signals = on_row, bool(handle_signals)
   if workdir is not None:
     try:
       run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],

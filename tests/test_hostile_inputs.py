@@ -14,6 +14,8 @@ import heloco_jax as hj
 from heloco_jax import cli, compress, writers
 from tests.test_cli import TINY
 
+import tiny
+
 W = np.array([[1.0], [-2.0]], np.float32)
 
 
@@ -187,21 +189,12 @@ def test_every_file_a_run_writes_follows_the_umask(tmp_path, umask):
 def test_a_refused_resume_beside_a_half_written_checkpoint_is_one_line(tmp_path, capfd):
   """Before: orbax's background clean-up of N.orbax-checkpoint-tmp-* printed a 50-line
   'cannot schedule new futures after shutdown' after the one-line refusal (1 in 3 tries)."""
-  import asyncio  # pylint: disable=g-import-not-at-top
   run = tmp_path / "run"
   engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_data(0), _data(1)],
                           inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
                           budget=hj.Budget(steps=40),
                           workdir=hj.Workdir(str(run), checkpoint_every=2))
-  seen = []
-
-  def stop(row):
-    seen.append(row)
-    if len(seen) == 8:
-      engine.request_stop("test")
-  with pytest.raises(hj.Stopped):
-    asyncio.run(engine.run(stop))
-  engine.close()
+  tiny.stop_after_rows(engine, 8)
   half = run / "checkpoints" / "9.orbax-checkpoint-tmp-1764262800"
   half.mkdir()
   (half / "arrays").mkdir()

@@ -12,6 +12,8 @@ import pytest
 import heloco_jax as hj
 from heloco_jax import plot, safe_files, workdir as workdir_lib
 
+import tiny
+
 W = np.array([[1.0], [-2.0]], np.float32)
 VICTIM_TEXT = "root:x:0:0:root:/root:/bin/bash\n" * 50
 
@@ -151,15 +153,7 @@ def _interrupted(run, **more):
   """A workdir holding a run stopped after its 10th row, with checkpoints."""
   engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1))}, [Stream(0), Stream(1)],
                           workdir=_workdir(run), **_kwargs(**more))
-  seen = []
-
-  def stop(row):
-    seen.append(row)
-    if len(seen) == 10:
-      engine.request_stop("test")
-  with pytest.raises(hj.Stopped):
-    asyncio.run(engine.run(stop))
-  engine.close()
+  tiny.stop_after_rows(engine, 10)
 
 
 def _other_loss(params, batch):

@@ -64,3 +64,18 @@ def simulate(config: ml_collections.ConfigDict, shards: Optional[data.Data] = No
   finally:
     engine.close()
   return summary, engine.rows
+
+
+def stop_after_rows(engine, rows: int) -> None:
+  """Runs ``engine`` until its ``rows``-th row, stops it there (``hj.Stopped``, after a
+  checkpoint with a workdir) and closes it: a workdir holding an interrupted run."""
+  from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def stop(row):
+    seen.append(row)
+    if len(seen) == rows:
+      engine.request_stop("test")
+  with pytest.raises(engine_lib.Stopped):
+    asyncio.run(engine.run(stop))
+  engine.close()

@@ -82,13 +82,16 @@ class Engine:
     model_state: the initial model state besides θ (``heloco_jax.model_state``), for a
       ``loss_fn`` that takes ``state``; None: none.
     model_state_merge: how the server merges the workers' model states ("mean", "latest").
+    on_row: ``run``'s default row callback.
+    handle_signals: ``run`` stops at the next outer update on SIGTERM and Ctrl-C.
   """
 
   def __init__(self, spec: RunSpec, runtime: base.Runtime, params: Any,
                data: Sequence[Iterable[Any]], outer_tx: Any = None,
                eval_fn: Optional[Callable[..., Any]] = None, lookahead: bool = False,
                compressor: Optional[compress.Compressor] = None, model_state: Any = None,
-               model_state_merge: str = "mean"):
+               model_state_merge: str = "mean",
+               on_row: Optional[Callable[[Row], None]] = None, handle_signals: bool = False):
     if len(data) != spec.num_workers:
       raise ValueError(f"data holds {len(data)} worker streams; allowed: one per worker "
                        f"(num_workers={spec.num_workers})")
@@ -111,8 +114,8 @@ class Engine:
                        "simulated runtime (runtime=None or hj.simulated_runtime())")
     self.spec = spec
     self.method = spec.method
-    self.on_row: Optional[Callable[[Row], None]] = None  # run()'s default
-    self.handle_signals = False  # run() stops at the next update on SIGTERM and Ctrl-C
+    self.on_row = on_row
+    self.handle_signals = bool(handle_signals)
     if 0 < spec.budget.units < self._smallest_work(spec):
       self._no_work()  # before any work: no batch read, nothing compiled
     self.runtime = runtime
