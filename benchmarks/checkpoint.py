@@ -2,7 +2,7 @@
 
 1. Save and restore time of the quickstart's whole run state (HeLoCo, 5
    workers, 0.87M-parameter GPT: θ, momentum, 5 inner AdamW states and 5
-   pending pseudo-gradients) through ``heloco_jax.checkpoint.Checkpointer``
+   pending pseudo-gradients) through ``heloco_jax.rundir.checkpoint.Checkpointer``
    (one packed array per dtype) against orbax saving the same leaves one by
    one (``StandardSave`` of a flat dict), both synchronous, medians of
    ``--repeats`` alternating runs.
@@ -26,8 +26,9 @@ import jax
 import orbax.checkpoint as ocp
 
 import heloco_jax as hj
-from heloco_jax import checkpoint, harness
-from heloco_jax.configs import default
+from heloco_jax.cli.configs import default
+from heloco_jax.lm import harness
+from heloco_jax.rundir import checkpoint
 
 
 def _state() -> tuple[dict, dict]:

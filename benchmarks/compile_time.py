@@ -23,10 +23,13 @@ import time
 
 
 def _child(cache_dir: str, arrivals: int) -> None:
-  import jax  # pylint: disable=g-import-not-at-top
   import asyncio  # pylint: disable=g-import-not-at-top
-  from heloco_jax import harness, train  # pylint: disable=g-import-not-at-top
-  from heloco_jax.configs import default  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli.configs import default  # pylint: disable=g-import-not-at-top
+  from heloco_jax.lm import harness  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   train.use_compilation_cache(cache_dir)
   seconds: dict[str, float] = {}

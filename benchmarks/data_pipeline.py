@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from heloco_jax import data
+from heloco_jax.lm import data
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """On an accelerator: inner-loop MFU of a 125M GPT and outer-step memory bandwidth.
 
-1. Inner loop: the project's own GPT (``heloco_jax.model``) at GPT-2-small
+1. Inner loop: the project's own GPT (``heloco_jax.lm.model``) at GPT-2-small
    size (d_model 768, 12 layers, 12 heads, context 1024; byte vocabulary 257
    unless ``--vocab``), H AdamW steps per ``InnerLoop.run_jit`` call, timed
    after a warm-up compile (median of repeats, each call's state fed to the
@@ -48,11 +48,12 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 import heloco_jax as hj
-from heloco_jax import inner, model as model_lib, server
+from heloco_jax.lm import model as model_lib
+from heloco_jax.training import inner, server
 
 try:  # python -m benchmarks.device_step
   from benchmarks.outer_step import tinygpt_shaped_tree

@@ -15,7 +15,7 @@ XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 240 python3 benchmarks/device
   > "$OUT/device_step_deterministic.txt" 2>&1
 echo "## deterministic ops on"; grep -E "tokens/s|ms/update|side by side" "$OUT/device_step_deterministic.txt"
 for dtype in float32 bfloat16; do
-  timeout 200 python3 -m heloco_jax.train --workdir="$OUT/quickstart_$dtype" \
+  timeout 200 python3 -m heloco_jax.cli.train --workdir="$OUT/quickstart_$dtype" \
     --config.model.compute_dtype=$dtype 2>&1 | tail -1
   python3 - "$OUT/quickstart_$dtype/metrics.jsonl" <<'PY'
 import json, sys

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import inner, model
+from heloco_jax.lm import model
+from heloco_jax.training import inner
 
 
 def _median_seconds(fn, repeats: int) -> float:

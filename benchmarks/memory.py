@@ -1,6 +1,6 @@
 """Per-device memory of a sharded run against the replicated layout, measured in one run.
 
-The CLI's GPT at three sizes, FSDP-sharded (``heloco_jax.sharding.fsdp_specs``) over a mesh of
+The CLI's GPT at three sizes, FSDP-sharded (``heloco_jax.training.sharding.fsdp_specs``) over a mesh of
 D = 1, 2, 4, 8 devices (host CPU devices here; the same code on GPUs or TPU chips), HeLoCo with
 K = 2 workers on the simulated runtime through ``hj.make_engine``. After a few arrivals it
 reads, from the live arrays' ``addressable_shards``, the bytes the fullest device holds for θ,
@@ -27,7 +27,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
 
 import heloco_jax as hj  # pylint: disable=g-import-not-at-top
-from heloco_jax import model as model_lib, sharding  # pylint: disable=g-import-not-at-top
+from heloco_jax.lm import model as model_lib  # pylint: disable=g-import-not-at-top
+from heloco_jax.training import sharding  # pylint: disable=g-import-not-at-top
 
 SIZES = {"small": dict(d_model=64, num_layers=2), "medium": dict(d_model=128, num_layers=4),
          "large": dict(d_model=256, num_layers=4)}

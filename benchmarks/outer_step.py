@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import heloco_jax as hj
-from heloco_jax import server
+from heloco_jax.training import server
 
 
 def tinygpt_shaped_tree(vocab: int, d_model: int = 128, num_layers: int = 8,

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import harness
-from heloco_jax.configs import default
+from heloco_jax.cli.configs import default
+from heloco_jax.lm import harness
 
 
 def _config(num_workers: int, tokens: int):
@@ -86,7 +86,7 @@ def overhead(dispatches: int) -> dict:
 
 def scale_one(num_workers: int, tokens: int) -> None:
   """Child process: one simulation; prints JSON with wall time and peak RSS."""
-  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
   train.use_compilation_cache(train.default_cache_dir())  # as the CLI: warm after one run
   start = time.perf_counter()
   engine, _ = harness.engine_of_config(_config(num_workers, tokens))

@@ -1,7 +1,7 @@
 """PyTorch (CPU, eager) reference: the quickstart's async HeLoCo run, harness style.
 
 A plain PyTorch simulation of the same asynchronous HeLoCo run as heloco_jax's
-quickstart (``heloco_jax/configs/default.py``), written the way the HeLoCo
+quickstart (``heloco_jax/cli/configs/default.py``), written the way the HeLoCo
 authors' reference harness is: one Python iteration per inner step, one
 worker's H steps at a time, ``torch.optim.AdamW`` + ``clip_grad_norm_`` with
 a hand-set learning rate, and a per-tensor Python loop for the outer rule.
@@ -16,14 +16,14 @@ runs in an environment of its own:
 The last line printed is ``RESULT {json}``.
 
 Matched (same values as the quickstart):
-  * Model: TinyGPT of ``heloco_jax/model.py`` at d_model 128, 4 layers, 4 heads,
+  * Model: TinyGPT of ``heloco_jax/lm/model.py`` at d_model 128, 4 layers, 4 heads,
     context 128: 257-token byte vocabulary (256 bytes + BOS), token and learned
     position embeddings, pre-LayerNorm blocks (LayerNorm ε = 1e-6, as flax),
     fused bias-free QKV, causal attention (``scaled_dot_product_attention``),
     tanh-GELU MLP of width 4·d_model (``jax.nn.gelu``'s default), final
     LayerNorm, untied head; N(0, 0.02²) init, residual outputs / √(2·layers).
     float32 throughout; 874,241 parameters, 50 tensors, as heloco_jax.
-  * Inner optimizer (``heloco_jax/inner.py``): AdamW (β = 0.9, 0.95, ε = 1e-8,
+  * Inner optimizer (``heloco_jax/training/inner.py``): AdamW (β = 0.9, 0.95, ε = 1e-8,
     weight decay 0.1 on matrices only), global-norm clipping at 1.0, linear
     warm-up from 0 over 20 steps then cosine to 0.1·3e-3 at step 2000, indexed
     by the worker's own step count; AdamW moments reset at every dispatch
@@ -83,11 +83,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB_SIZE = 257  # 256 bytes + BOS, as heloco_jax.model.BYTE_VOCAB_SIZE
+VOCAB_SIZE = 257  # 256 bytes + BOS, as heloco_jax.lm.model.BYTE_VOCAB_SIZE
 INIT_STD = 0.02
 LAYER_NORM_EPS = 1e-6  # flax nnx.LayerNorm's default
 
-# Seconds per inner step for 5 workers (heloco_jax/clock.py, the HeLoCo authors' presets).
+# Seconds per inner step for 5 workers (heloco_jax/runtime/clocks.py, the HeLoCo authors' presets).
 PRESETS = {
     "homogeneous": (1.0, 1.0, 1.0, 1.0, 1.0),
     "mild": (1.0, 1.0, 1.0, 2.0, 2.0),

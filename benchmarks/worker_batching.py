@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import heloco_jax as hj
-from heloco_jax import model as tinygpt
+from heloco_jax.lm import model as tinygpt
 
 H = 5
 

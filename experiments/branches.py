@@ -31,9 +31,12 @@ import numpy as np
 import optax
 
 from experiments import grids
-from heloco_jax import compress, harness, methods, outer
-from heloco_jax.configs import default
+from heloco_jax import outer
+from heloco_jax.cli.configs import default
+from heloco_jax.comm import compress
+from heloco_jax.lm import harness
 from heloco_jax.outer import lookahead
+from heloco_jax.training import methods
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DIGESTS = os.path.join(_HERE, "results", "streaming", "branches")

@@ -9,7 +9,7 @@ overrides, written to ``OUT/runs/<name>``. Two tables share the paper grid:
     T = tokens / (batch·context·Σ_i 1/t_i). Synchronous DiLoCo reads fewer
     tokens in T because every round waits for the slowest worker.
 
-Everything else is the quickstart's (``heloco_jax/configs/default.py``): the
+Everything else is the quickstart's (``heloco_jax/cli/configs/default.py``): the
 outer learning rates and momenta of ALGORITHMS.md and one inner learning rate
 for all methods.
 """
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from heloco_jax import clock
+from heloco_jax.runtime import clocks
 
 PRESETS = ("homogeneous", "mild", "moderate", "severe")
 METHODS = ("async_nesterov", "delayed_nesterov", "mla", "heloco", "diloco")
@@ -108,7 +108,7 @@ def _flag(value: Any) -> str:
 
 def time_budget(scale: Scale, preset: str, num_workers: int = 5) -> float:
   """Simulated seconds in which non-waiting workers read ``scale.tokens`` tokens."""
-  steps_per_second = np.sum(1.0 / clock.seconds_per_step(preset, num_workers))
+  steps_per_second = np.sum(1.0 / clocks.seconds_per_step(preset, num_workers))
   return float(scale.tokens / (scale.batch_size * scale.context * steps_per_second))
 
 
@@ -301,7 +301,7 @@ LR_EDGE_FACTORS = {"delayed_nesterov": (4.0, 8.0, 16.0, 32.0)}
 def authors_lr_grid(scale: Scale = AUTHORS) -> list[Run]:
   """Each method's outer lr × ``LR_FACTORS`` (and ``LR_EDGE_FACTORS``), mixed paces, seed 0,
   token budget (× 1 is the authors grid's run)."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
   runs = []
   for method in METHODS:
     for factor in LR_FACTORS + LR_EDGE_FACTORS.get(method, ()):
@@ -321,7 +321,7 @@ DN_TUNED_FACTOR = 16.0
 
 def dn_tuned_learning_rate() -> float:
   """Delayed Nesterov's outer lr in ``dn_tuned_grid``: ``DN_TUNED_FACTOR`` × the authors'."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
   return methods.get("delayed_nesterov").learning_rate * DN_TUNED_FACTOR
 
 
@@ -391,7 +391,7 @@ def palsgd_why_grid(scale: Scale = PAPER, seeds: Sequence[int] | None = None) ->
   """``palsgd_c_grid``'s PALSGD at DiLoCo's outer lr over ``COMM_RATIOS``, and its DiLoCo at
   PALSGD's at c = ``PALSGD_WHY_C``: whether the outer lr is what keeps PALSGD from DDP's loss,
   and PALSGD's crossover with it."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
   diloco_lr = methods.get("diloco").learning_rate
   palsgd = {**_palsgd_authors(scale), "outer.learning_rate": diloco_lr}
   runs = []
@@ -417,7 +417,7 @@ DECAY_WHY_VARIANTS = ("long_decay", "no_decay")
 
 def fastest_worker_steps(scale: Scale, preset: str, num_workers: int = 5) -> int:
   """The local steps the fastest worker takes in ``time_budget`` when no one waits."""
-  seconds = clock.seconds_per_step(preset, num_workers)
+  seconds = clocks.seconds_per_step(preset, num_workers)
   return int(round(time_budget(scale, preset, num_workers) / seconds.min()))
 
 
@@ -477,7 +477,7 @@ SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "pa
 # With ``jitter = 0`` every seed has the same arrival schedule (worker order, simulated times,
 # staleness), so the seeds' loss oscillations were in phase (correlation +0.68) and "3 of 3
 # seeds" mostly tested one phase. ``jitter = 0.2`` draws each step's time as t_i·(1 + 0.2·u),
-# u ~ U(−1, 1) from each seed's own generator (``clock.StepClock``): a per-step std of 11.5%
+# u ~ U(−1, 1) from each seed's own generator (``clocks.StepClock``): a per-step std of 11.5%
 # (2.6% over an arrival's H = 20 steps), the mean paces unchanged. Measured on the clock alone
 # (T of the authors' budget): at severe paces the four 15 s workers no longer arrive at the
 # same instant (at jitter 0 they tie on every arrival) but spread by 20–40 s by the end, their
@@ -579,7 +579,7 @@ def lr_sweep_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) ->
   its ``jitter_grid`` run with only ``outer.learning_rate`` changed, seed by seed; then the
   ``LR_UNCLEAR`` cells at their best on ``MORE_SEEDS`` (not with ``seeds`` given)."""
   def at(run: Run, factor: float) -> Run:
-    from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+    from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
     swept = _skeptic(run, "lr", {"outer.learning_rate": methods.get(run.method).learning_rate
                                  * factor})
     return dataclasses.replace(
@@ -916,7 +916,7 @@ def chaos_grid(scale: Scale = CHAOS, seeds: Sequence[int] | None = None) -> list
   """Every method of ``CHAOS_METHODS`` undisturbed and under the failure schedule (the
   asynchronous ones also both with ``CHAOS_SYNCER``), at equal simulated time, seed by
   seed."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
   seconds = time_budget(scale, CHAOS_PRESET)
   failures = {"chaos.rate": CHAOS_FAILURES / seconds, "chaos.downtime": CHAOS_DOWNTIME * seconds}
   runs = []
@@ -1004,7 +1004,7 @@ SCALE_METHODS = ("async_nesterov", "mla", "heloco", "diloco")
 
 
 def scale_params(scale: Scale = SCALE, vocab: int = VOCAB_50K) -> int:
-  """The GPT's parameters at ``scale`` (heloco_jax.model: learned positions, pre-LayerNorm,
+  """The GPT's parameters at ``scale`` (heloco_jax.lm.model: learned positions, pre-LayerNorm,
   MLP of width 4·d_model, untied head, biases but the QKV projection's;
   ``tests/test_experiments.py`` checks it against the model)."""
   d, layers = scale.d_model, scale.num_layers

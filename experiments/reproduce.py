@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from experiments import analysis, chaos, grids, science, streaming
-from heloco_jax import clock
+from heloco_jax.runtime import clocks
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,7 +62,7 @@ def _corpus(path: Optional[str], out: str, runs: Sequence[grids.Run]) -> str:
   runs read (``corpus_vocabularies``), each trained there when missing or of another size,
   and the folders next to it that they read (``extra_corpora``), built when missing."""
   vocabs = corpus_vocabularies(runs)
-  from heloco_jax import cli  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli import main as cli  # pylint: disable=g-import-not-at-top
   if path:
     if not os.path.isdir(path):
       raise SystemExit(f"reproduce: --corpus={path!r} is not a directory")
@@ -90,7 +90,7 @@ def _corpus(path: Optional[str], out: str, runs: Sequence[grids.Run]) -> str:
       continue
     # The same training as `heloco-jax corpus bpe` (every language of the folder, without the
     # last 10% of each), written under another name so that both sizes sit in one corpus.
-    from heloco_jax.data import bpe, sources  # pylint: disable=g-import-not-at-top
+    from heloco_jax.lm.data import bpe, sources  # pylint: disable=g-import-not-at-top
     bpe.train(sources.load_documents("text_dir", path, None, None), vocab).save(tokenizer)
   for suffix in extra_corpora(runs):
     languages, vocab = grids.EXTRA_CORPORA[suffix]
@@ -149,7 +149,7 @@ def expected_tokens(run: grids.Run) -> float:
   if o.get("budget.tokens"):
     return float(o["budget.tokens"])
   k = int(o.get("num_workers", 5))
-  slowest = float(np.max(clock.seconds_per_step(o.get("speeds", "severe"), k)))
+  slowest = float(np.max(clocks.seconds_per_step(o.get("speeds", "severe"), k)))
   return o["budget.sim_seconds"] * k * o["batch_size"] * o["model.context"] / slowest
 
 
@@ -213,10 +213,10 @@ def _last_progress(log: str) -> str:
   return lines[-1].replace("heloco-jax train: ", "") if lines else ""
 
 
-# ``python -m heloco_jax.train`` on the given cores (Linux; elsewhere unpinned).
+# ``python -m heloco_jax.cli.train`` on the given cores (Linux; elsewhere unpinned).
 _PINNED = ("import os, runpy, sys\n"
            "if hasattr(os, 'sched_setaffinity'): os.sched_setaffinity(0, {cores})\n"
-           "runpy.run_module('heloco_jax.train', run_name='__main__', alter_sys=True)")
+           "runpy.run_module('heloco_jax.cli.train', run_name='__main__', alter_sys=True)")
 
 
 def commit_digests(results_dir: str, message: str) -> None:
@@ -241,7 +241,7 @@ def commit_digests(results_dir: str, message: str) -> None:
 def prune_checkpoints(workdir: str) -> None:
   """Deletes a finished run's checkpoints but its newest (its final state): a 50,257-id run
   keeps three of 776 MB each otherwise."""
-  from heloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory) or len(os.listdir(directory)) <= 1:
     return  # nothing to prune (most runs at start-up, once pruned): no checkpoint manager
@@ -268,7 +268,7 @@ def finish(run: grids.Run, out: str, results_dir: str, commit: bool, prune: bool
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
                  jobs: int, heartbeat: float = 300.0, commit: bool = False,
                  timed: Sequence[tuple[grids.Run, float]] = (), prune: bool = False) -> int:
-  """Runs ``todo`` as ``python -m heloco_jax.train`` processes, ``jobs`` at a time, each pinned
+  """Runs ``todo`` as ``python -m heloco_jax.cli.train`` processes, ``jobs`` at a time, each pinned
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
   ``results_dir`` (and, with ``commit``, into git; ``prune``: see ``finish``). ``timed``:
@@ -385,7 +385,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.error(f"--jobs={args.jobs} is not allowed; allowed: 0 (one per core) or more")
 
   import jax  # pylint: disable=g-import-not-at-top
-  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
   os.makedirs(args.out, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.out, "xla_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

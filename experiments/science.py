@@ -70,7 +70,7 @@ import numpy as np
 from scipy import stats
 
 from experiments import analysis, grids
-from heloco_jax import clock
+from heloco_jax.runtime import clocks
 
 Result = analysis.Result
 
@@ -838,7 +838,7 @@ def _lr_base(results: Sequence[Result], method: str) -> Optional[float]:
 
 def lr_table(results: Sequence[Result]) -> str:
   """Markdown: the one-seed outer-lr check (mixed paces, seed 0, token budget)."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
   factors = sorted({*grids.LR_FACTORS, *itertools.chain(*grids.LR_EDGE_FACTORS.values()), 1.0})
   lines = ["| method | authors' lr | " + " | ".join(f"× {f:g}" for f in factors)
            + " | authors' lr vs the best |", "|---|---|" + "---|" * len(factors) + "---|"]
@@ -1027,7 +1027,7 @@ def palsgd_why_table(results: Sequence[Result]) -> str:
 
 
 def _fastest_worker(preset: str, num_workers: int = 5) -> int:
-  return int(np.argmin(clock.seconds_per_step(preset, num_workers)))
+  return int(np.argmin(clocks.seconds_per_step(preset, num_workers)))
 
 
 def fastest_worker_steps_taken(result: Result, num_workers: int = 5) -> int:
@@ -1264,7 +1264,7 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
   rel = lambda p: os.path.relpath(p, os.path.dirname(os.path.abspath(path)))
   on_gpu = [r for r in results if r.run.name.startswith(grids.SCALE_PREFIX)]
   on_cpu = [r for r in results if not r.run.name.startswith(grids.SCALE_PREFIX)]
-  steps_per_second = 1 / clock.seconds_per_step(grids.DECAY_WHY_PRESET, 5)
+  steps_per_second = 1 / clocks.seconds_per_step(grids.DECAY_WHY_PRESET, 5)
   optional = lambda text: f" {text}" if text else ""  # a sentence that may be missing
   tables = {"claims_table": claims_table(results), "window_table": window_table(results),
             "token_table": loss_table(results, "tokens"),

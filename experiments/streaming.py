@@ -25,6 +25,7 @@ import os
 from typing import Sequence
 
 import matplotlib
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=g-import-not-at-top
 import numpy as np  # noqa: E402

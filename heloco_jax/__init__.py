@@ -12,6 +12,11 @@ heterogeneous workers (``hj.simulate``), or a server for a loop of your own
 (``hj.Server``).
 """
 
+from heloco_jax.api import Budget, SimulationResult, Workdir, make_engine, simulate
+from heloco_jax.comm import compress, fragments
+from heloco_jax.comm.cost import CommModel
+from heloco_jax.comm.fragments import Streaming
+from heloco_jax.comm.syncer import Syncer
 from heloco_jax.outer import (
     BRANCH_NAMES,
     CorrectionInfo,
@@ -20,11 +25,11 @@ from heloco_jax.outer import (
     MLAState,
     arrival_weight,
     async_nesterov,
-    cgad,
     block_names,
-    heloco_correct,
+    cgad,
     delayed_nesterov,
     heloco,
+    heloco_correct,
     heloco_diagnostics,
     lookahead_params,
     mla,
@@ -32,24 +37,19 @@ from heloco_jax.outer import (
     scale_by_age_gate,
     scale_by_arrival_weight,
 )
-
-from heloco_jax import compress, fragments
-from heloco_jax.api import Budget, SimulationResult, Workdir, make_engine, simulate
-from heloco_jax.fragments import Streaming
-from heloco_jax.runtime.factories import devices_runtime, ray_runtime, simulated_runtime
-from heloco_jax.clock import CommModel
-from heloco_jax.determinism import DeterminismError, enable as enable_deterministic_ops
-from heloco_jax.inner import PalsgdState, adamw as inner_adamw, palsgd_inner
-from heloco_jax.inner import scale_by_step_schedule
-from heloco_jax.methods import METHODS
-from heloco_jax.rejection import DivergenceError
+from heloco_jax.rundir.workdir import WorkdirError
+from heloco_jax.rundir.writers import TensorBoardWriter, Writers
 from heloco_jax.runtime.engine import BudgetError, Stopped, stop_on_signals
-from heloco_jax.server import Server
-from heloco_jax.membership import Membership
-from heloco_jax.syncer import Syncer
-from heloco_jax.sharding import fsdp_specs
-from heloco_jax.workdir import WorkdirError
-from heloco_jax.writers import TensorBoardWriter, Writers
+from heloco_jax.runtime.factories import devices_runtime, ray_runtime, simulated_runtime
+from heloco_jax.training.determinism import DeterminismError
+from heloco_jax.training.determinism import enable as enable_deterministic_ops
+from heloco_jax.training.inner import PalsgdState, palsgd_inner, scale_by_step_schedule
+from heloco_jax.training.inner import adamw as inner_adamw
+from heloco_jax.training.membership import Membership
+from heloco_jax.training.methods import METHODS
+from heloco_jax.training.rejection import DivergenceError
+from heloco_jax.training.server import Server
+from heloco_jax.training.sharding import fsdp_specs
 
 __version__ = "0.1.0"
 

@@ -39,12 +39,18 @@ import jax
 import numpy as np
 import optax
 
-from heloco_jax import clock, compress as compress_lib, determinism, inner as inner_lib
-from heloco_jax import fragments as fragments_lib, methods, problem, sharding
-from heloco_jax import membership as membership_lib, model_state as model_state_lib
-from heloco_jax import syncer as syncer_lib
-from heloco_jax import workdir as workdir_lib
-from heloco_jax.runtime import engine as engine_lib, factories, state as state_lib
+from heloco_jax.comm import compress as compress_lib
+from heloco_jax.comm import cost
+from heloco_jax.comm import fragments as fragments_lib
+from heloco_jax.comm import syncer as syncer_lib
+from heloco_jax.rundir import workdir as workdir_lib
+from heloco_jax.runtime import clocks, factories
+from heloco_jax.runtime import engine as engine_lib
+from heloco_jax.runtime import state as state_lib
+from heloco_jax.training import checks, determinism, methods, sharding
+from heloco_jax.training import inner as inner_lib
+from heloco_jax.training import membership as membership_lib
+from heloco_jax.training import model_state as model_state_lib
 
 Row = dict[str, Any]
 _P = ParamSpec("_P")
@@ -271,7 +277,7 @@ def make_engine(
     streaming: Optional[fragments_lib.Streaming] = None,
     compress: Optional[compress_lib.Compressor] = None,
     membership: Optional[membership_lib.Membership] = None,
-    comm: clock.CommModel = clock.CommModel(),
+    comm: cost.CommModel = cost.CommModel(),
     jitter: float = 0.0,
     model_state: Any = None,
     model_state_merge: model_state_lib.Merge = "mean",
@@ -302,7 +308,7 @@ def make_engine(
       reads ``data[i]``, one batch per inner step. Re-iterables (lists,
       grain datasets) or iterators with ``get_state``/``set_state`` resume
       exactly from a ``workdir``.
-    method: a registry name (``heloco_jax.methods.METHODS``): ddp, local_sgd,
+    method: a registry name (``heloco_jax.training.methods.METHODS``): ddp, local_sgd,
       diloco, palsgd, async_nesterov, delayed_nesterov, mla, heloco, cgad.
     budget: where the run ends and how often it is evaluated (``hj.Budget``:
       steps, tokens with tokens_per_step, simulated seconds; eval cadence).
@@ -325,7 +331,7 @@ def make_engine(
       PALSGD needs ``hj.palsgd_inner(...)``.
     method_options: the method's own keyword options. Its outer rule's (with
       ``outer_tx`` None), e.g. ``{"learning_rate": 0.5}``: the keys are
-      ``heloco_jax.methods.METHODS[method].outer_keys``. Its run's
+      ``heloco_jax.training.methods.METHODS[method].outer_keys``. Its run's
       (``.run_keys``): ``lookahead_dispatch`` (mla: dispatch from the look-ahead
       point), ``dylu`` (asynchronous methods: H_i = max(1, ⌊v_i/v_ref·H⌋)),
       PALSGD's ``coins`` ("shared": all workers pseudo-sync on the same steps,
@@ -414,7 +420,7 @@ def make_engine(
   _positive_int("metrics_fetch_every", metrics_fetch_every)
   if compress is not None and not isinstance(compress, compress_lib.Compressor):
     raise ValueError(f"compress={compress!r} is not allowed; allowed: None (Δ sent as it is) "
-                     "or a heloco_jax.compress.Compressor, e.g. hj.compress.int8()")
+                     "or a heloco_jax.comm.compress.Compressor, e.g. hj.compress.int8()")
   if budget is None:
     raise ValueError("budget=None is not allowed; allowed: hj.Budget(steps=...), "
                      "hj.Budget(sim_seconds=...) or hj.Budget(tokens=..., tokens_per_step=...) "
@@ -428,14 +434,14 @@ def make_engine(
                            factory.simulated_clock, spec_method.synchrony == "async")
   run_budget, eval_every, units_per_step, unit = _budget(budget)
   model_state_lib.check_params_are_trained(params)
-  problem.check_params(params)
+  checks.check_params(params)
   contract = inner_lib.LossContract.of(loss_fn)
   model_state_lib.check_model_state(model_state, contract)
   model_state_lib.check_merge(model_state_merge)
   _check_carried(contract, factory, streaming.fragments)
   streams = [state_lib.WorkerStream(source, worker=i) for i, source in enumerate(data)]
-  problem.check_loss_fn(loss_fn, params, streams[0].peek(), model_state)
-  seconds = clock.seconds_per_step(speeds, num_workers)
+  checks.check_loss_fn(loss_fn, params, streams[0].peek(), model_state)
+  seconds = clocks.seconds_per_step(speeds, num_workers)
   if inner_tx is None:
     inner_tx = spec_method.make_inner(inner_lib.InnerConfig())
   elif spec_method.inner == "palsgd":
@@ -448,7 +454,7 @@ def make_engine(
                      "allowed: one of them (method_options' outer keys set the method's own "
                      "rule)")
   else:
-    problem.check_outer_tx(outer_tx, params, spec_method, lookahead)
+    checks.check_outer_tx(outer_tx, params, spec_method, lookahead)
   try:  # P and the layout, in the names of ``streaming``
     fragments_lib.split(params, streaming.fragments, streaming.layout)
   except ValueError as error:
@@ -494,7 +500,7 @@ def make_engine(
     raise
   if workdir is not None:
     try:
-      run = problem.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
+      run = checks.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
                                 outer_tx, inner_tx, compress)
       # the keys of config.json's "options" as they were: older workdirs resume
       settings = dict(outer_options=outer_options, lookahead_dispatch=lookahead,
@@ -502,7 +508,7 @@ def make_engine(
       if model_state is not None or contract.rng:  # the keys only then: older workdirs match
         settings["model_state"] = {
             "merge": model_state_merge, "rng": contract.rng,
-            "shapes": None if model_state is None else problem.describe_tree(model_state)}
+            "shapes": None if model_state is None else checks.describe_tree(model_state)}
       _open_workdir(engine, workdir, settings=settings)
     except BaseException:
       engine.close()
@@ -585,7 +591,7 @@ def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
   spec = dataclasses.asdict(engine.spec)
   spec["method"] = engine.spec.method.name
   if callable(engine.spec.fragment_layout):  # its code, not its address: a resume matches
-    spec["fragment_layout"] = problem.function_fingerprint(engine.spec.fragment_layout)
+    spec["fragment_layout"] = checks.function_fingerprint(engine.spec.fragment_layout)
   spec["comm"] = {"latency": engine.spec.comm.latency,
                   "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
                   else engine.spec.comm.bandwidth,

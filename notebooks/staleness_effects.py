@@ -107,7 +107,7 @@ if FAST:  # same code paths, tiny sizes: the test suite runs this in seconds
 #
 # Every run is built by `hj.make_engine`, the library's one way to build an engine (the command
 # line builds its runs there too). Its settings come from a run config: the quickstart config
-# (`heloco_jax/configs/default.py`) with this notebook's knobs, validated before anything runs,
+# (`heloco_jax/cli/configs/default.py`) with this notebook's knobs, validated before anything runs,
 # so a bad knob fails at once with a message naming it. `harness.default_problem` turns the
 # config into the command line's problem (TinyGPT, the per-worker data, the held-out
 # evaluation) and `harness.engine_options` into `hj.make_engine`'s keyword arguments (`method`,
@@ -128,9 +128,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import heloco_jax as hj
-from heloco_jax import clock, data, harness
-from heloco_jax.configs import default, validation
-from heloco_jax.methods import METHODS as REGISTRY
+from heloco_jax.cli.configs import default, validation
+from heloco_jax.lm import data, harness
+from heloco_jax.runtime import clocks
+from heloco_jax.training.methods import METHODS as REGISTRY
 
 # %matplotlib inline
 
@@ -175,7 +176,7 @@ def make_dataset(c):
 unknown = [m for m in METHODS if m not in REGISTRY]
 assert not unknown, f"unknown methods {unknown}; allowed: {', '.join(REGISTRY)}"
 configs = {(m, s): make_config(m, s) for m in METHODS for s in SEEDS}
-SECONDS = clock.seconds_per_step(SPEEDS, NUM_WORKERS)  # seconds per inner step, per worker
+SECONDS = clocks.seconds_per_step(SPEEDS, NUM_WORKERS)  # seconds per inner step, per worker
 ASYNC = [m for m in METHODS if REGISTRY[m].synchrony == "async"]
 COLORS = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(METHODS)}
 print(f"{len(configs)} runs: methods {METHODS}, seeds {SEEDS}; K = {NUM_WORKERS}, "

@@ -21,10 +21,10 @@ import tempfile
 
 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
-from heloco_jax import determinism  # noqa: E402  (no JAX backend starts on import)
+from heloco_jax.training import determinism  # noqa: E402  (no JAX backend starts on import)
 
 determinism.enable()
-# IEEE float32 division on NVIDIA GPUs, where XLA picks div.full (heloco_jax/compress.py);
+# IEEE float32 division on NVIDIA GPUs, where XLA picks div.full (heloco_jax/comm/compress.py);
 # LLVM options of other targets leave the CPU's programs as they are.
 os.environ["XLA_FLAGS"] += " --xla_backend_extra_options=-nvptx-prec-divf32=2"
 

@@ -1,4 +1,4 @@
-"""Runs the devices runtime on 8 host CPU devices and prints what tests/test_devices.py checks.
+"""Runs the devices runtime on 8 host CPU devices and prints what tests/runtime/test_devices.py checks.
 
 Run as ``python tests/devices_probe.py OUT.json`` (a subprocess: the device
 count is fixed when JAX starts, so the test process itself cannot have 8).
@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
-
 import tiny  # pylint: disable=g-import-not-at-top
-from heloco_jax import harness  # pylint: disable=g-import-not-at-top
-from heloco_jax.configs import validation  # pylint: disable=g-import-not-at-top
+
+from heloco_jax.cli.configs import validation  # pylint: disable=g-import-not-at-top
+from heloco_jax.lm import harness  # pylint: disable=g-import-not-at-top
 
 
 def run(config):

@@ -4,7 +4,7 @@
 the simulated one) so that worker 1's 2nd result carries a NaN in one
 element: its 2nd pseudo-gradient (asynchronous methods) or its end
 parameters in its 2nd round (synchronous ones). The engine must reject it
-(``heloco_jax.rejection``). ``kill_worker`` (Ray) kills that worker's actor
+(``heloco_jax.training.rejection``). ``kill_worker`` (Ray) kills that worker's actor
 at its ``arrival``-th dispatch result instead.
 
 Production code knows nothing of this: it wraps ``Executor.run_worker`` and
@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from heloco_jax import rejection
 from heloco_jax.runtime import factories
+from heloco_jax.training import rejection
 
 
 class FaultyExecutor:

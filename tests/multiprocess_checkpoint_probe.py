@@ -1,6 +1,6 @@
 """One of 2 jax.distributed processes (4 host CPU devices each): a tree sharded over all 8
 devices is checkpointed (each process writing its own shards) and restored, onto the same
-mesh and onto a 4 × 2 mesh; prints what tests/test_sharding.py checks, as JSON, from process 0.
+mesh and onto a 4 × 2 mesh; prints what tests/training/test_sharding.py checks, as JSON, from process 0.
 
   python tests/multiprocess_checkpoint_probe.py COORDINATOR PROCESS_ID DIRECTORY OUT.json
 """
@@ -16,12 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+from jax.sharding import PartitionSpec as P
 
 
 def main(coordinator, process_id, directory, out):
   jax.distributed.initialize(coordinator, num_processes=2, process_id=int(process_id))
-  from heloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("fsdp",))
   values = {"w": np.arange(64 * 8, dtype=np.float32).reshape(64, 8) / 7,
             "b": np.arange(64, dtype=np.float32)}

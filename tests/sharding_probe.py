@@ -1,5 +1,5 @@
 """A user's flax.nnx model FSDP-sharded over 4 of 8 host CPU devices, trained with hj.simulate;
-prints what tests/test_sharding.py checks, as JSON.
+prints what tests/training/test_sharding.py checks, as JSON.
 
 ``python tests/sharding_probe.py OUT.json`` runs HeLoCo and DiLoCo sharded and unsharded;
 ``python tests/sharding_probe.py OUT.json METHOD WORKDIR`` runs one sharded run in WORKDIR
@@ -178,7 +178,8 @@ def rounds_on_devices(method):
 
 def checkpoint_across_meshes(directory):
   """A sharded tree saved from θ's 4-device mesh and restored onto a 2-device mesh."""
-  from heloco_jax import checkpoint, sharding  # pylint: disable=g-import-not-at-top
+  from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import sharding  # pylint: disable=g-import-not-at-top
   tree = {"params": sharded_params(), "step": np.int32(3)}
   packed, layout = checkpoint.pack(tree)
   kept_sharded = sorted(name for name, x in packed.items()

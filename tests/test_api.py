@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import heloco_jax as hj
-from heloco_jax import methods
-from heloco_jax.runtime import base, simulated
+from heloco_jax.runtime import base, clocks, simulated
+from heloco_jax.training import methods
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W_TRUE = np.array([[1.0], [-2.0], [0.5]], np.float32)
@@ -229,7 +229,7 @@ def test_every_runtime_implements_the_protocol():
   assert isinstance(runtime.executor, simulated.LocalExecutor)
   assert isinstance(runtime.executor, base.RoundExecutor)  # runs every synchrony
   assert runtime.executor.synchronies == base.SYNCHRONIES
-  assert isinstance(engine.clock, base.SimulatedClock)
+  assert isinstance(engine.clock, clocks.SimulatedClock)
   from heloco_jax.runtime import devices, ray  # pylint: disable=g-import-not-at-top
   # The executors' classes define the protocol's methods (their attributes are set per run).
   for cls, protocol in ((simulated.LocalExecutor, base.RoundExecutor),
@@ -361,8 +361,9 @@ def test_a_requested_stop_ends_the_run_at_the_next_boundary():
   engine = hj.make_engine(_loss, _params(), [Stream(i) for i in range(3)], method="heloco",
                           inner_tx=optax.sgd(0.02), inner_steps=4, speeds=[1.0, 2.0, 3.0],
                           budget=hj.Budget(steps=120))
-  from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
   import asyncio  # pylint: disable=g-import-not-at-top
+
+  from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
 
   def stop_at_the_third(row):
     if row["event"] == "arrival" and row["outer_updates"] == 3:

@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 import pytest
+import tiny
 
 from experiments import analysis, chaos, grids
-from heloco_jax import membership
-import tiny
+from heloco_jax.lm import harness
 
 
 def test_the_grid_gives_every_method_the_same_schedule_and_the_syncer_to_async_ones():
@@ -19,7 +19,7 @@ def test_the_grid_gives_every_method_the_same_schedule_and_the_syncer_to_async_o
     assert {r.method for r in runs if r.table == condition} == {
         "async_nesterov", "mla", "heloco", "cgad"}
   for seed in (0, 1, 2):
-    schedules = {membership.of_config(tiny.config(r.method, num_workers=5, **dict(
+    schedules = {harness.membership(tiny.config(r.method, num_workers=5, **dict(
         (k, v) for k, v in r.overrides if k.startswith(("chaos", "budget", "speeds", "seed",
                                                           "batch", "model.context")))))
         for r in runs if r.seed == seed and r.table.startswith("failures")}

@@ -242,7 +242,7 @@ def test_authors_grid_mirrors_the_authors_harness():
 
 
 def test_authors_lr_grid_scales_each_methods_default():
-  from heloco_jax import methods
+  from heloco_jax.training import methods
   runs = grids.grid("authors_lr")
   assert len(runs) == len(grids.METHODS) * len(grids.LR_FACTORS) + sum(
       map(len, grids.LR_EDGE_FACTORS.values()))
@@ -367,7 +367,7 @@ def test_lr_sweep_grid_changes_only_the_outer_lr_of_the_jitter_runs_seed_0_first
   """Issue 36, item 3: on seed 0 every method's outer lr × 0.5 and 2 (DN also × 4, 8 and 16;
   MLA and HeLoCo also × 0.25) at severe and moderate paces; seeds 1 and 2 at seed 0's best
   only; × 1 is the jitter grid's."""
-  from heloco_jax import methods  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import methods  # pylint: disable=g-import-not-at-top
   jitter = {r.name: dict(r.overrides) for r in grids.grid("jitter")}
   monkeypatch.setattr(grids, "SKEPTIC_LR_BEST", {})
   runs = grids.grid("lr_sweep")
@@ -591,7 +591,7 @@ def test_parallel_runner_stops_on_sigterm_with_runs_still_queued(tmp_path):
 
 
 def test_one_job_runner_goes_on_past_a_failed_run(tmp_path, monkeypatch, capsys):
-  from heloco_jax import train  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
   real = train.main
   monkeypatch.setattr(train, "main", lambda argv: 1 if "tokens/homogeneous/mla/" in argv[0]
                       else real(argv))
@@ -606,7 +606,8 @@ def test_one_job_runner_goes_on_past_a_failed_run(tmp_path, monkeypatch, capsys)
 
 def test_prune_keeps_only_the_newest_checkpoint_of_finished_runs(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from heloco_jax import checkpoint  # pylint: disable=g-import-not-at-top
+
+  from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
   saved = checkpoint.Checkpointer(str(tmp_path / "run" / "checkpoints"))
   for step in (1, 2, 3):
     saved.save(step, {"w": jnp.ones(3) * step}, {"step": step})
@@ -732,9 +733,11 @@ def test_symmetric_grid_gives_every_cell_of_the_authors_jitter_and_best_lr_rows_
 def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp_path):
   """Issue 60, item 5: d_model 512, 8 layers, the 50,257-id BPE, ≥ 1 token per parameter;
   severe and mixed paces, HeLoCo, MLA, async Nesterov and sync DiLoCo at the authors' lr."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  from heloco_jax import model, train  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
+  from heloco_jax.lm import model  # pylint: disable=g-import-not-at-top
   runs = grids.grid("scale")
   assert len(runs) == 3 * 2 * 4 and len({r.name for r in runs}) == len(runs)
   assert [r.name for r in runs[:4]] == [f"scale/tokens/severe/{m}/seed0"

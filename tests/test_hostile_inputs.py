@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tiny
 
 import heloco_jax as hj
-from heloco_jax import cli, compress, writers
-from tests.test_cli import TINY
-
-import tiny
+from heloco_jax.cli import main as cli
+from heloco_jax.comm import compress
+from heloco_jax.rundir import writers
+from tests.cli.test_cli import TINY
 
 W = np.array([[1.0], [-2.0]], np.float32)
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import heloco_jax as hj
-from heloco_jax import train
+from heloco_jax.cli import train
 
 # A tiny CLI run (test_resume.py's).
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
@@ -98,7 +98,7 @@ def test_a_stray_positional_argument_is_refused(tmp_path, capsys):
 def test_a_closed_stderr_never_stops_the_run(tmp_path):
   workdir = tmp_path / "run"
   process = subprocess.Popen(
-      [sys.executable, "-m", "heloco_jax.train", f"--workdir={workdir}", *TINY,
+      [sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}", *TINY,
        "--config.budget.tokens=4000"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   process.stderr.readline()  # as `| head -1`: one line, then the reader is gone
@@ -130,7 +130,7 @@ def _plot_run(tmp_path, lines, config='{"method": "heloco", "speeds": [1, 2]}'):
 ])
 def test_plot_names_a_malformed_row_instead_of_dropping_or_hanging(tmp_path, capsys, line,
                                                                     message):
-  from heloco_jax import plot  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli import plot  # pylint: disable=g-import-not-at-top
   run = _plot_run(tmp_path, [line])
   assert plot.main([str(run)]) == 2
   err = capsys.readouterr().err
@@ -138,7 +138,7 @@ def test_plot_names_a_malformed_row_instead_of_dropping_or_hanging(tmp_path, cap
 
 
 def test_plot_takes_numeric_speeds_sparse_worker_ids_and_refuses_an_out_file(tmp_path, capsys):
-  from heloco_jax import plot  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli import plot  # pylint: disable=g-import-not-at-top
   run = _plot_run(tmp_path, ['{"event": "arrival", "worker": 4000, "staleness": 3, '
                              '"sim_time": 2.0, "outer_updates": 2}'])
   assert plot.main([str(run)]) == 0

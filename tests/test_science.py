@@ -709,7 +709,7 @@ _CLAIMS = {  # claim -> (table, baselines)
     "HeLoCo beats CGAD, wall-clock budget (CGAD's η tuned here)": ("time", ("cgad",)),
 }
 _PRESETS = ("homogeneous", "mild", "moderate", "severe", "mixed")
-# Seconds per step of each worker (heloco_jax.clock's presets, ALGORITHMS.md).
+# Seconds per step of each worker (heloco_jax.runtime.clocks's presets, ALGORITHMS.md).
 _SECONDS = {"homogeneous": [1] * 5, "mild": [1, 1, 1, 2, 2], "moderate": [1, 6, 6, 6, 6],
             "severe": [1, 15, 15, 15, 15], "mixed": [1, 2, 3, 1, 5]}
 

@@ -8,10 +8,10 @@ import os
 import jax
 import numpy as np
 import pytest
+import tiny
 
 from experiments import analysis, branches, grids, science, streaming
-from heloco_jax import compress
-import tiny
+from heloco_jax.comm import compress
 
 
 def _result(run, final, peak=1000.0, sent=5000.0, network=2.0, evals=None, arrivals=()):

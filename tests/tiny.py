@@ -9,8 +9,8 @@ from typing import Optional
 import ml_collections
 import pytest
 
-from heloco_jax import data, harness
-from heloco_jax.configs import default
+from heloco_jax.cli.configs import default
+from heloco_jax.lm import data, harness
 
 H, BATCH, CONTEXT = 2, 4, 16
 

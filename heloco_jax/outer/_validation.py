@@ -2,7 +2,7 @@
 
 Every check raises ``ValueError`` with one message naming the factory (when
 ``fn`` is given), the argument, the value given and what is allowed; the run
-config's checks (``heloco_jax.configs.validation``) use them with ``fn=None``
+config's checks (``heloco_jax.cli.configs.validation``) use them with ``fn=None``
 and the config key as the name. Values that are JAX tracers
 (e.g. under ``optax.inject_hyperparams`` inside ``jit``) cannot be inspected
 without a host sync and are accepted as they are.

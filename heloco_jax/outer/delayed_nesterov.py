@@ -18,8 +18,8 @@ import numpy as np
 import optax
 
 from heloco_jax.outer import _validation
-from heloco_jax.outer.mla import zeros_momentum
 from heloco_jax.outer import weighting as weighting_lib
+from heloco_jax.outer.mla import zeros_momentum
 
 
 class DelayedNesterovState(NamedTuple):

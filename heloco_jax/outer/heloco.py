@@ -19,11 +19,20 @@ import optax
 
 from heloco_jax.outer import _validation
 from heloco_jax.outer import weighting as weighting_lib
-from heloco_jax.outer.correction import (CorrectionInfo, RotateSchedule, Scope,
-                                         correction_coefficients, heloco_correct,
-                                         validate_correction_args)
-from heloco_jax.outer.mla import (hyperparams_fields, momentum_step, validate_mla_args,
-                                  zeros_momentum)
+from heloco_jax.outer.correction import (
+  CorrectionInfo,
+  RotateSchedule,
+  Scope,
+  correction_coefficients,
+  heloco_correct,
+  validate_correction_args,
+)
+from heloco_jax.outer.mla import (
+  hyperparams_fields,
+  momentum_step,
+  validate_mla_args,
+  zeros_momentum,
+)
 
 WeightOrder = Literal["before", "after"]
 WEIGHT_ORDERS: tuple[str, ...] = get_args(WeightOrder)

@@ -16,14 +16,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-
 import optax
 
 from heloco_jax.outer.correction import BRANCH_NAMES, block_names
 from heloco_jax.outer.delayed_nesterov import DelayedNesterovState
 from heloco_jax.outer.heloco import HeLoCoState
 from heloco_jax.outer.mla import MLAState
-
 
 LOOKAHEAD_STATES = (MLAState, HeLoCoState)
 MOMENTUM_STATES = (MLAState, HeLoCoState, DelayedNesterovState, optax.TraceState)

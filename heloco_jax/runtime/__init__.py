@@ -8,14 +8,18 @@ A ``Runtime`` (``base``) composes an executor (``simulated.LocalExecutor``,
 module is imported only when used.
 """
 
-from heloco_jax.runtime.base import (Clock, Executor, RealClock, RoundExecutor, Runtime,
-                                     SimulatedClock)
+from heloco_jax.runtime.base import Clock, Executor, RoundExecutor, Runtime
+from heloco_jax.runtime.clocks import RealClock, SimulatedClock
 from heloco_jax.runtime.engine import Engine
-from heloco_jax.runtime.factories import (RuntimeFactory, devices_runtime, ray_runtime,
-                                          simulated_runtime)
-from heloco_jax.runtime.state import Budget, Run, RunSpec, RunState
-from heloco_jax.rejection import DivergenceError
+from heloco_jax.runtime.factories import (
+                                          RuntimeFactory,
+                                          devices_runtime,
+                                          ray_runtime,
+                                          simulated_runtime,
+)
 from heloco_jax.runtime.simulated import LocalExecutor
+from heloco_jax.runtime.state import Budget, Run, RunSpec, RunState
+from heloco_jax.training.rejection import DivergenceError
 
 __all__ = ["Budget", "Clock", "DivergenceError", "Engine", "Executor", "LocalExecutor",
            "RealClock", "RoundExecutor", "Run", "RunSpec", "RunState", "Runtime",

@@ -8,12 +8,12 @@ server's θ, outer state and outer step live on one chosen device.
 Synchronous methods stack the K replicas on a ``workers`` × ``data`` mesh and
 run them as one program (``vmap`` partitioned by XLA over ``workers``); DDP
 splits its K·B batch over all the workers' devices. Time is the real clock
-(``heloco_jax.runtime.base.RealClock``), and asynchronous arrivals
+(``heloco_jax.runtime.clocks.RealClock``), and asynchronous arrivals
 (``DeviceArrivals``) are taken in the order the devices finish them. With
 ``jax.distributed`` (``initialize_distributed``) the groups come from every
 process's devices and synchronous methods run SPMD: θ replicated on the
 workers × data mesh, the outer step in every process. When θ is sharded
-(``heloco_jax.sharding``), each worker's group is a sub-mesh of θ's mesh's
+(``heloco_jax.training.sharding``), each worker's group is a sub-mesh of θ's mesh's
 shape and axis names, its states keep θ's specs there, and its Δ moves to θ's
 mesh shard by shard; rounds split the stacked replicas over a ``workers`` axis
 of a ``workers`` × θ's axes mesh (docs/DESIGN.md, "Scaling out").
@@ -33,10 +33,13 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from heloco_jax import inner as inner_lib, server as server_lib, syncer as syncer_lib
-from heloco_jax.runtime import base, simulated
+from heloco_jax.comm import syncer as syncer_lib
+from heloco_jax.runtime import base, clocks, simulated
+from heloco_jax.training import inner as inner_lib
+from heloco_jax.training import server as server_lib
 
 
 class DeviceConfigError(ValueError):
@@ -132,22 +135,21 @@ def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
   return DeviceGroups(groups, devices[server], factors)
 
 
-def initialize_distributed(config: Any) -> None:
-  """``jax.distributed.initialize`` per ``config.distributed`` (before any other JAX call).
+def initialize_distributed(coordinator: Optional[str], num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None) -> None:
+  """``jax.distributed.initialize`` (before any other JAX call); nothing without a coordinator.
 
   "auto" lets JAX find the coordinator (Cloud TPU VMs, SLURM, Open MPI);
   HOST:PORT with ``num_processes`` and ``process_id`` names it.
   """
-  dist = config.distributed
-  if not dist.coordinator:
+  if not coordinator:
     return
-  if dist.coordinator == "auto":
+  if coordinator == "auto":
     jax.distributed.initialize()
   else:
-    if dist.process_id == 0:
-      _refuse_a_second_process_0(dist.coordinator)
-    jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
-                               process_id=dist.process_id)
+    if process_id == 0:
+      _refuse_a_second_process_0(coordinator)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
 def _refuse_a_second_process_0(coordinator: str) -> None:
@@ -357,7 +359,7 @@ class DeviceExecutor(base.OneProcess):
         self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
 
 
-def device_arrivals(clock: base.RealClock, executor: DeviceExecutor,
+def device_arrivals(clock: clocks.RealClock, executor: DeviceExecutor,
                     emit: Callable[[dict], None]) -> "DeviceArrivals":
   """The queue of asynchronous results in flight, taken as the devices finish them."""
   del emit

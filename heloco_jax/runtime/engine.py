@@ -17,7 +17,7 @@ The summary reports the applied and the rejected units apart. PALSGD's
 pseudo-sync steps read no data and count none. Work whose arrival would pass
 a budget is discarded, with everything still in flight.
 
-Faults (``heloco_jax.rejection``): a non-finite pseudo-gradient is
+Faults (``heloco_jax.training.rejection``): a non-finite pseudo-gradient is
 rejected before the outer rule, with a ``{"event": "rejected"}`` row; the
 worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit``
 rejections in a row (default K, at least 2), at the end of a run in which
@@ -38,12 +38,15 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from heloco_jax import compress, fragments as fragments_lib, model_state as model_state_lib
-from heloco_jax import problem, rejection
-from heloco_jax import server as server_lib
+from heloco_jax.comm import compress
+from heloco_jax.comm import fragments as fragments_lib
+from heloco_jax.comm import uplink as uplink_lib
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
 from heloco_jax.runtime.state import Recorder, Run, RunSpec, RunState, WorkerStream
+from heloco_jax.training import checks, rejection
+from heloco_jax.training import model_state as model_state_lib
+from heloco_jax.training import server as server_lib
 
 Row = dict[str, Any]
 
@@ -78,8 +81,8 @@ class Engine:
     eval_fn: ``params -> loss`` or ``-> {"val_loss": ..., ...}`` (``(params, *, state)``
       with a model state); None: no evaluations.
     lookahead: dispatch from θ − η·μ·m.
-    compressor: workers compress their Δ (``heloco_jax.compress``); None: sent as it is.
-    model_state: the initial model state besides θ (``heloco_jax.model_state``), for a
+    compressor: workers compress their Δ (``heloco_jax.comm.compress``); None: sent as it is.
+    model_state: the initial model state besides θ (``heloco_jax.training.model_state``), for a
       ``loss_fn`` that takes ``state``; None: none.
     model_state_merge: how the server merges the workers' model states ("mean", "latest").
     on_row: ``run``'s default row callback.
@@ -129,7 +132,7 @@ class Engine:
                                           lookahead=lookahead)
     else:
       server = executor.make_server(outer_tx, params, lookahead=lookahead)
-    uplink = state_lib.Uplink(compressor, params, fragments)
+    uplink = uplink_lib.Uplink(compressor, params, fragments)
     clock = runtime.clock(base.ClockSettings(
         np.asarray(spec.seconds_per_step, float), spec.jitter, spec.seed, spec.comm,
         model_bytes, uplink.bytes_up, uplink.bytes_down, spec.overlap_steps), executor)
@@ -163,7 +166,7 @@ class Engine:
     self.resumed_from, self.workdir_notes = directory.restore(self)
     self._run.recorder.rows[:0] = directory.rows_so_far()
 
-  # θ and the outer state live on the server (``heloco_jax.server``).
+  # θ and the outer state live on the server (``heloco_jax.training.server``).
 
   @property
   def params(self) -> Any:
@@ -171,7 +174,7 @@ class Engine:
 
   @property
   def layout(self) -> Any:
-    """The server's θ layout (``heloco_jax.sharding.Layout``; None: θ is not sharded)."""
+    """The server's θ layout (``heloco_jax.training.sharding.Layout``; None: θ is not sharded)."""
     return self._run.server.layout
 
   @property
@@ -180,7 +183,7 @@ class Engine:
 
   @property
   def model_state(self) -> Any:
-    """The server's copy of the model state (``heloco_jax.model_state``; None: none)."""
+    """The server's copy of the model state (``heloco_jax.training.model_state``; None: none)."""
     return self._run.model_states.merged
 
   @property
@@ -325,7 +328,7 @@ class Engine:
       return
     every = self.spec.eval_every
     s.next_eval = (s.units // every + 1) * every if every > 0 else math.inf
-    metrics = problem.eval_metrics(self._call_eval())
+    metrics = checks.eval_metrics(self._call_eval())
     bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
     if bad:
       where = ("before training" if s.version == 0 and s.units == 0
@@ -343,7 +346,7 @@ class Engine:
     """``eval_fn`` on θ, and on the server's model state for an ``eval_fn`` that takes
     ``state``. It runs as given: an ``eval_fn`` wrapped in ``jax.jit`` runs compiled
     (docs/DESIGN.md, "Model state and randomness")."""
-    if self._run.model_states.merged is not None and problem.takes_keyword(self.eval_fn,
+    if self._run.model_states.merged is not None and checks.takes_keyword(self.eval_fn,
                                                                           "state"):
       return self.eval_fn(self.params, state=self.model_state)
     return self.eval_fn(self.params)

@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 
-from heloco_jax import inner as inner_lib
-from heloco_jax.runtime import base, simulated
+from heloco_jax.runtime import base, clocks, simulated
 from heloco_jax.runtime.state import RunSpec
+from heloco_jax.training import inner as inner_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class RuntimeFactory:
     worker_devices: ``K -> the devices one worker's θ spans`` (what a model
       sharded for this runtime is split over: ``sharding.put_fsdp``).
     model_state: it carries a model state and the workers' keys
-      (``heloco_jax.model_state``).
+      (``heloco_jax.training.model_state``).
   """
   build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
   simulated_clock: bool
@@ -68,7 +68,7 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None,
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     del spec
     return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching),
-                        base.SimulatedClock, simulated.simulated_arrivals)
+                        clocks.SimulatedClock, simulated.simulated_arrivals)
   return RuntimeFactory(build, simulated_clock=True,
                         worker_devices=lambda k: list(devices or jax.local_devices()))
 
@@ -88,7 +88,7 @@ def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = ""
     from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
     groups = devices.group_devices(spec.num_workers, batch_size, group_sizes, server, slowdown,
                                    synchronous=spec.method.synchrony != "async")
-    return base.Runtime(devices.DeviceExecutor(inner, groups), base.RealClock,
+    return base.Runtime(devices.DeviceExecutor(inner, groups), clocks.RealClock,
                         devices.device_arrivals)
 
   def first_group(k: int) -> Sequence[Any]:  # every group takes θ's mesh's shape
@@ -109,7 +109,7 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
   ray_options = ray.RayOptions(**options)
 
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
-    return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), base.RealClock,
+    return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), clocks.RealClock,
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
   return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,

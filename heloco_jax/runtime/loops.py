@@ -7,9 +7,9 @@ on at each yield, in one place.
 
   * ``run_async``: one outer update per arrival with staleness τ = v − s; the
     worker is re-dispatched at once from the server's dispatch point.
-    The syncer (``heloco_jax.syncer``: quorum, grace window, token weights)
+    The syncer (``heloco_jax.comm.syncer``: quorum, grace window, token weights)
     may group arrivals into one update (``OuterServer.update``). A failure
-    schedule (``heloco_jax.membership``) takes workers away and brings them
+    schedule (``heloco_jax.training.membership``) takes workers away and brings them
     back through the same queue. On the simulated clock a dispatch fixes its
     inputs (start point, batches, PRNG key) and its steps are computed lazily:
     when its job reaches the head of the arrival queue (so the device works on
@@ -33,10 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import clock as clock_lib, fragments as fragments_lib, inner as inner_lib
-from heloco_jax import rejection, syncer as syncer_lib
-from heloco_jax.runtime import base
+from heloco_jax.comm import fragments as fragments_lib
+from heloco_jax.comm import syncer as syncer_lib
+from heloco_jax.runtime import base, clocks
 from heloco_jax.runtime.state import Job, Run
+from heloco_jax.training import inner as inner_lib
+from heloco_jax.training import rejection
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -56,7 +58,7 @@ def _emit_train(run: Run, loss, **fields: int) -> None:
 def steps_per_dispatch(spec) -> np.ndarray:
   """H for every worker, or DyLU's H_i = max(1, ⌊v_i/v_ref·H⌋) (ALGORITHMS.md, "DyLU")."""
   if spec.dylu:
-    return clock_lib.dylu_steps(np.asarray(spec.seconds_per_step, float), spec.inner_steps)
+    return clocks.dylu_steps(np.asarray(spec.seconds_per_step, float), spec.inner_steps)
   return np.full(spec.num_workers, spec.inner_steps)
 
 

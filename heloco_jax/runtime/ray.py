@@ -4,7 +4,7 @@ docs/DESIGN.md, "Runtimes". The engine (``heloco_jax.runtime.engine``) runs
 the asynchronous methods here exactly as on the other runtimes; only where
 things live changes:
 
-  * the parameter-server actor (``OuterServer``, ``heloco_jax.server``) holds
+  * the parameter-server actor (``OuterServer``, ``heloco_jax.training.server``) holds
     θ, the outer state and the jitted outer rule. The engine sends it each
     arrival group's pseudo-gradients as object refs (they go from the worker's
     node to the server's, not through the engine) and reads θ back only to
@@ -54,8 +54,12 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from heloco_jax import inner as inner_lib, safe_files, server as server_lib, sharding
-from heloco_jax.runtime import base, devices as devices_lib, simulated
+from heloco_jax.rundir import safe_files
+from heloco_jax.runtime import base, clocks, simulated
+from heloco_jax.runtime import devices as devices_lib
+from heloco_jax.training import inner as inner_lib
+from heloco_jax.training import server as server_lib
+from heloco_jax.training import sharding
 
 INSTALL_HINT = "pip install 'heloco-jax[ray]'"
 
@@ -483,7 +487,7 @@ class RayExecutor(base.OneProcess):
       self._ray.shutdown()
 
 
-def ray_arrivals(clock: base.RealClock, executor: RayExecutor,
+def ray_arrivals(clock: clocks.RealClock, executor: RayExecutor,
                  emit: Callable[[dict], None]) -> "RayArrivals":
   """The queue of Ray dispatches in flight; restarts and re-sends are emitted as rows."""
   executor.watch(clock.now, emit)

@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import inner as inner_lib, server as server_lib, syncer as syncer_lib
+from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.runtime import base
+from heloco_jax.training import inner as inner_lib
+from heloco_jax.training import server as server_lib
 
 
 class SimulatedArrivals:

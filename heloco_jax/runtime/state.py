@@ -11,17 +11,20 @@ and the server: what the loops (``runtime.loops``) read and change.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Iterable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax import clock as clock_lib, compress as compress_lib, fragments as fragments_lib
-from heloco_jax import methods as methods_lib, problem, server as server_lib
-from heloco_jax import membership as membership_lib, syncer as syncer_lib
+from heloco_jax.comm import cost
+from heloco_jax.comm import fragments as fragments_lib
+from heloco_jax.comm import syncer as syncer_lib
+from heloco_jax.comm import uplink as uplink_lib
+from heloco_jax.training import checks
+from heloco_jax.training import membership as membership_lib
+from heloco_jax.training import methods as methods_lib
+from heloco_jax.training import server as server_lib
 
 Row = dict[str, Any]
 PALSGD_COINS = ("shared", "independent")  # RunSpec.palsgd_coins
@@ -56,15 +59,15 @@ class RunSpec:
   """Everything about a run except the problem and the runtime.
 
   Attributes:
-    method: the registry entry (``heloco_jax.methods.METHODS[name]``).
+    method: the registry entry (``heloco_jax.training.methods.METHODS[name]``).
     num_workers: K.
     inner_steps: H.
     seconds_per_step: per worker, simulated seconds per inner step.
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     comm: message and all-reduce costs.
     dylu: H_i = max(1, ⌊v_i/v_ref·H⌋) (asynchronous methods).
-    syncer: how arrivals are grouped and merged (``heloco_jax.syncer.Syncer``).
-    membership: when workers leave and join (``heloco_jax.membership.Membership``).
+    syncer: how arrivals are grouped and merged (``heloco_jax.comm.syncer.Syncer``).
+    membership: when workers leave and join (``heloco_jax.training.membership.Membership``).
     palsgd_warmup_steps: DDP steps before PALSGD's rounds; None = H.
     budget: where the run ends (``Budget``).
     eval_every: units between evaluations (0 = at the start and end only).
@@ -79,7 +82,7 @@ class RunSpec:
     metrics_fetch_every: arrival rows whose device scalars are fetched together.
     fragments: P, θ's fragments, each synced every H steps at offset p·H/P
       (ALGORITHMS.md, "Fragments"); 1: θ syncs as a whole.
-    fragment_layout: how leaves are split (``heloco_jax.fragments.split``).
+    fragment_layout: how leaves are split (``heloco_jax.comm.fragments.split``).
     overlap_steps: τ, inner steps a worker takes while a fragment's sync is in
       flight (with fragments).
     fragment_alpha: α, the weight of the arrived fragment against the local one.
@@ -90,7 +93,7 @@ class RunSpec:
   inner_steps: int
   seconds_per_step: tuple[float, ...]
   jitter: float = 0.0
-  comm: clock_lib.CommModel = clock_lib.CommModel()
+  comm: cost.CommModel = cost.CommModel()
   dylu: bool = False
   syncer: syncer_lib.Syncer = syncer_lib.Syncer()
   membership: membership_lib.Membership = membership_lib.Membership()
@@ -167,7 +170,7 @@ class WorkerStream:
       if not self.first:
         self.first.append((batch, _signature(batch)))
       elif _signature(batch) != self.first[0][1]:  # the message names the worker and leaf
-        problem.check_batch(self.worker, self._read, batch, self.first[0][0])
+        checks.check_batch(self.worker, self._read, batch, self.first[0][0])
       batches.append(batch)
       self._read += 1
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
@@ -237,75 +240,6 @@ class Recorder:
       self.on_row(row)
 
 
-class Uplink:
-  """How a worker's Δ reaches the server: compressed or not, fragment by fragment, and the
-  bytes each way (ALGORITHMS.md, "Compression in a run" and "Fragments").
-
-  Args:
-    compressor: a ``heloco_jax.compress.Compressor``, or None: Δ is sent as it is.
-    params: θ (shapes and dtypes: the bytes of a message).
-    fragments: θ's split (``heloco_jax.fragments.Fragments``).
-
-  Attributes:
-    bytes_up: per fragment, one worker's Δ of it on the wire (the compressor's payload).
-    bytes_down: per fragment, its θ sent to a worker (its own bytes).
-    model_bytes: θ's bytes (a first dispatch sends all of θ).
-  """
-
-  def __init__(self, compressor: Optional[compress_lib.Compressor], params: Any,
-               fragments: fragments_lib.Fragments):
-    self.compressor = compressor
-    self.fragments = fragments
-    parts = [fragments.take(params, p) for p in range(fragments.num)]
-    self.bytes_up = [compress_lib.payload_nbytes(compressor, part) for part in parts]
-    self.bytes_down = [compress_lib.payload_nbytes(None, part) for part in parts]
-    self.model_bytes = compress_lib.payload_nbytes(None, params)
-    if compressor is not None:
-      self._send = jax.jit(functools.partial(compress_lib.transmit, compressor))
-      self._init = jax.jit(compressor.init)
-      self._round = jax.jit(functools.partial(_compressed_round_delta, compressor))
-
-  def init(self, params: Any, num_workers: int, stacked: bool) -> Any:
-    """The K workers' first compressor states, per fragment (None without a compressor):
-    ``[worker][fragment]``, or for rounds ``[fragment]`` stacked over workers on axis 0."""
-    if self.compressor is None:
-      return None
-    states = [self._init(self.fragments.take(params, p)) for p in range(self.fragments.num)]
-    if stacked:
-      return [jax.tree.map(lambda x: jnp.stack([x] * num_workers), state) for state in states]
-    return [list(states) for _ in range(num_workers)]  # never changed in place
-
-  def send(self, delta: Any, state: Any) -> tuple[Any, Any]:
-    """(what the server receives of Δ, the worker's next state): ``compress.transmit``."""
-    if self.compressor is None:
-      return delta, state
-    return self._send(delta, state)
-
-  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray,
-                  states: Any) -> tuple[Any, Any]:
-    """A round in which every worker sends its compressed Δ_i = θ − end_i: (the mean of the
-    accepted workers' received Δ_i, the workers' next states, stacked on axis 0)."""
-    return self._round(params, ends, accepted, states)
-
-
-def _compressed_round_delta(compressor: compress_lib.Compressor, params: Any, ends: Any,
-                            accepted: jax.Array, states: Any) -> tuple[Any, Any]:
-  """``Uplink.round_delta`` (ALGORITHMS.md, "Compression in a run"); a rejected worker keeps
-  its state (``compress.transmit``)."""
-  k = len(accepted)
-  sent = [compress_lib.transmit(compressor,
-                                jax.tree.map(lambda theta, end: theta - end[i], params, ends),
-                                jax.tree.map(lambda x: x[i], states)) for i in range(k)]
-  # Worker by worker, not jax.vmap: batched, XLA rounds the quantizers' scaling differently
-  # (a few ulps off the unbatched compressor and the NumPy reference).
-  received, states = jax.tree.map(lambda *xs: jnp.stack(xs), *sent)
-  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
-  def mean(r):  # a rejected worker's Δ may hold NaN: 0·NaN is NaN, so it is dropped first
-    kept = jnp.where(accepted.reshape((-1,) + (1,) * (r.ndim - 1)), r, 0)
-    return jnp.tensordot(weights.astype(r.dtype), kept, axes=1)
-  return jax.tree.map(mean, received), states
-
-
 @dataclasses.dataclass
 class Job:
   """A dispatched worker's result, waiting for its finish time.
@@ -363,7 +297,7 @@ class RunState:
   received: list = dataclasses.field(default_factory=list)
   anchors: Any = None
   # The syncer's adaptive grace window: ḡ, the mean gap between arrivals, and the last
-  # arrival's time (``heloco_jax.syncer.update_gap``).
+  # arrival's time (``heloco_jax.comm.syncer.update_gap``).
   mean_gap: Optional[float] = None
   last_arrival: Optional[float] = None
   # Elastic membership: per worker away or about to leave, [time, "leave" | "join", the units
@@ -416,21 +350,21 @@ class Run:
     arrivals: builds the queue of asynchronous work in flight.
     server: θ, the outer state and the outer rule (``server.OuterServer``).
     uplink: how Δ reaches the server (``Uplink``).
-    fragments: θ's split (``heloco_jax.fragments.Fragments``; one fragment: θ).
+    fragments: θ's split (``heloco_jax.comm.fragments.Fragments``; one fragment: θ).
     streams: the K workers' ``WorkerStream``s.
     recorder: the metrics rows.
     state: the host side of where the run stands.
     streak: non-finite pseudo-gradients in a row (``rejection.RejectionStreak``).
     key: the run's PRNG key stream.
     model_states: the server's copy of the model state and the workers' keys
-      (``heloco_jax.model_state``; inactive for a plain ``loss_fn``).
+      (``heloco_jax.training.model_state``; inactive for a plain ``loss_fn``).
   """
   spec: RunSpec
   executor: Any
   clock: Any
   arrivals: Callable[[], Any]
   server: Any
-  uplink: Uplink
+  uplink: uplink_lib.Uplink
   fragments: fragments_lib.Fragments
   streams: list[WorkerStream]
   recorder: Recorder

@@ -1,0 +1,330 @@
+"""The server side of every runtime: θ, the outer state and the jitted outer rule.
+
+``OuterServer`` holds θ and the state of any optax outer transform (a
+registry method's, or a user's chain). It gives the dispatch point (θ, or
+the look-ahead point θ − η·μ·m, docs/ALGORITHMS.md "MLA"), and applies one
+``update`` per arrival group: it rejects non-finite pseudo-gradients
+(``heloco_jax.training.rejection``), measures cos(Δ, m) with the momentum the
+arrival meets, combines a grace window's arrivals and applies the rule.
+HeLoCo's diagnostics come from the HeLoCo state wherever it sits in the chain
+(``hj.heloco_diagnostics(state, per_block=False)``); the sub-states the server
+reads are found once, when it is built, and indexed at every arrival.
+
+For a loop of your own, ``dispatch(worker)`` and ``arrive(delta, worker)`` do
+the version and staleness bookkeeping::
+
+  server = hj.Server(hj.heloco(0.7, 0.9, num_workers=2), params, lookahead=True)
+  start = server.dispatch(worker=0)            # θ − η·μ·m
+  ...                                          # H local steps from start
+  row = server.arrive(start_minus_end, worker=0)  # {"staleness": τ, "applied": True, ...}
+
+The engine (``heloco_jax.runtime.engine``) runs it in its own process for the
+simulated and devices runtimes and as the parameter-server actor on Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from heloco_jax import outer
+from heloco_jax.outer import lookahead as lookahead_lib
+from heloco_jax.outer import weighting as weighting_lib
+from heloco_jax.training import rejection, sharding
+
+Row = dict[str, Any]
+
+
+@jax.jit
+def alignment(delta: Any, momentum: Any) -> jax.Array:
+  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0."""
+  cosines = []
+  for d, m in zip(jax.tree.leaves(delta), jax.tree.leaves(momentum)):
+    d, m = d.astype(jnp.float32).ravel(), m.astype(jnp.float32).ravel()
+    norms = jnp.linalg.norm(d) * jnp.linalg.norm(m)
+    cosines.append(jnp.where(norms > 0, jnp.dot(d, m) / jnp.where(norms > 0, norms, 1.0), 0.0))
+  return jnp.mean(jnp.stack(cosines))
+
+
+@jax.jit
+def heloco_row(heloco_state: outer.HeLoCoState) -> dict[str, jax.Array]:
+  """HeLoCo's arrival-row diagnostics (``hj.heloco_diagnostics(per_block=False)``), as
+  device scalars.
+
+  Fresh buffers, so they outlive the next outer step (which donates the
+  state holding them) and can be fetched later, in a batch (``to_host``). The
+  staleness is left out: a grace group's state holds τ_max, and each
+  arrival's row already has its own τ.
+  """
+  row = outer.heloco_diagnostics(heloco_state, per_block=False)
+  del row["staleness"]
+  return row
+
+
+def to_host(rows: list[Row]) -> list[Row]:
+  """``rows`` with their device scalars as Python numbers, in one device-to-host transfer."""
+  fetched = jax.device_get(rows)
+  return [{k: v.item() if isinstance(v, (np.ndarray, np.generic)) else v for k, v in row.items()}
+          for row in fetched]
+
+
+def _copy(tree: Any) -> Any:
+  """New buffers with ``tree``'s values (the outer step donates the server's): one
+  transfer call for the whole tree, no compiled program per leaf shape. Arrays of other
+  processes' devices too (``jax.distributed``: copied where they are)."""
+  if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+    return jax.device_put(tree, may_alias=False)
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
+
+
+# The look-ahead point θ − η·μ·m as two compiled programs per tree structure (η·μ·m, then
+# θ − that), not two eager ops per leaf at every dispatch. Not one program: XLA would fuse
+# the multiply and the subtract into an FMA, and the single rounding changes θ's last bits
+# against the eager hj.lookahead_params (the README's example then ends at val loss 0.0020
+# instead of 0.054); two programs round as the eager ops do, bit for bit.
+_scaled_momentum = jax.jit(lookahead_lib.scaled_momentum)
+_subtract = jax.jit(lookahead_lib.subtract)
+
+
+def _identity(tree: Any) -> Any:
+  return tree
+
+
+def jit_outer_step(tx: optax.GradientTransformationExtraArgs,
+                   constrain: Callable[[Any], Any] = _identity) -> Callable[..., Any]:
+  """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated;
+  ``constrain`` pins the outputs' layout (``heloco_jax.training.sharding.Layout.constrain``)."""
+  tx = optax.with_extra_args_support(tx)
+  def step(params, state, delta, staleness):
+    updates, state = tx.update(delta, state, params, staleness=staleness)
+    return constrain((optax.apply_updates(params, updates), state))
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _getter(state: Any, types: tuple[type, ...], fn: str) -> Optional[Callable[[Any], Any]]:
+  """``lookahead.state_getter``, or None when ``state`` holds no (or several) ``types``."""
+  try:
+    return lookahead_lib.state_getter(state, types, fn)
+  except ValueError:
+    return None
+
+
+class OuterServer:
+  """θ, the outer state and an outer rule.
+
+  Args:
+    outer_tx: any optax transform of pseudo-gradients (``hj.heloco(...)``, a
+      chain holding one, ``optax.sgd(...)``); its ``update`` receives the
+      keyword ``staleness``. None: θ changes only through ``params``
+      (DDP).
+    params: the initial θ (copied: the outer step donates the server's buffers).
+    lookahead: dispatch from θ − η·μ·m (needs an MLA or HeLoCo state in the chain).
+    place: puts a pytree where the server computes (default: leaves it).
+    layout: θ's ``heloco_jax.training.sharding.Layout`` when θ is sharded: θ, the outer
+      state and the outer step keep it (and ``place`` should put trees there).
+  """
+
+  def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
+               lookahead: bool = False,
+               place: Callable[[Any], Any] = _identity,
+               layout: Optional[sharding.Layout] = None):
+    self._place = place
+    self.layout = layout
+    self.outer_tx = outer_tx
+    constrain = layout.constrain if layout is not None else _identity
+    self.params = place(_copy(params))
+    # One compiled program (not one small eager op per leaf): start-up time. From the placed
+    # θ: across processes the user's θ may sit on other devices than the server's.
+    self.outer_state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self.params))
+                        if outer_tx is not None else None)
+    self.lookahead = lookahead
+    # The sub-states read at every dispatch and arrival, found once from the state's
+    # structure (no method names); each is then indexed, not searched for.
+    self._lookahead_state = _getter(self.outer_state, lookahead_lib.LOOKAHEAD_STATES,
+                                    "lookahead_params")
+    if lookahead and self._lookahead_state is None:
+      raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
+                       "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
+    # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
+    self._arrival_weight = weighting_lib.arrival_weighting(self.outer_state)
+    self._step = jit_outer_step(outer_tx, constrain) if outer_tx is not None else None
+    self._heloco_state = _getter(self.outer_state, (outer.HeLoCoState,), "heloco_diagnostics")
+    self._momentum_state = None if self._heloco_state is not None else _getter(
+        self.outer_state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")
+    self.version = 0
+    self._dispatched: dict[int, int] = {}
+
+  def get(self) -> tuple[Any, Any]:
+    """(θ, outer state) on the host; sharded, where they are (a checkpoint writes them shard
+    by shard)."""
+    if self.layout is not None:
+      return self.params, self.outer_state
+    return jax.device_get((self.params, self.outer_state))
+
+  def set(self, params: Any, outer_state: Any) -> None:
+    """Replaces θ and the outer state (a restored checkpoint)."""
+    self.params, self.outer_state = self._place(params), self._place(outer_state)
+
+  def dispatch_point(self) -> Any:
+    """Where a dispatched worker starts: θ, or θ − η·μ·m (look-ahead dispatch).
+
+    New arrays, which later updates (they donate θ) leave intact: the
+    simulated runtime runs a worker's steps when its arrival comes up.
+    """
+    if self.lookahead:
+      return _subtract(self.params, _scaled_momentum(self._lookahead_state(self.outer_state)))
+    return _copy(self.params)
+
+  def apply(self, delta: Any, staleness: int) -> None:
+    """One outer update with pseudo-gradient ``delta`` of staleness τ."""
+    self.params, self.outer_state = self._step(self.params, self.outer_state, delta,
+                                               jnp.int32(staleness))
+
+  def update(self, taus: list[int], *deltas: Any, fetch: bool = True,
+             weights: Optional[list[float]] = None) -> list[Row]:
+    """One arrival group: at most one outer update.
+
+    The only host read is the group's finiteness flags, which decide whether
+    the update happens; with ``fetch=False`` the diagnostics stay device
+    scalars, for the caller to fetch in batches with ``to_host``.
+
+    Args:
+      taus: each arrival's staleness τ.
+      *deltas: the arrivals' pseudo-gradients.
+      fetch: return the diagnostics as Python numbers (default).
+      weights: per arrival, ω_j of the merge (``heloco_jax.comm.syncer.Syncer.merge_weights``);
+        None: 1 each (the mean).
+
+    Returns:
+      Per arrival, ``{"reason": None | "nan" | "inf"}`` plus, when applied,
+      its diagnostics: ``cosine_mean`` (cos(Δ, m) with the momentum it
+      meets) and, when the chain holds HeLoCo, its block summary after the
+      update. The update happens iff some reason is None; several applied
+      arrivals are combined as Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G|.
+    """
+    results = [{"reason": reason} for reason in rejection.screen(deltas)]
+    applied = [i for i, result in enumerate(results) if result["reason"] is None]
+    if not applied:
+      return results
+    if self._momentum_state is not None:  # HeLoCo logs its own cosines, per block
+      momentum = lookahead_lib.momentum_of(self._momentum_state(self.outer_state))
+      for i in applied:
+        results[i]["cosine_mean"] = alignment(deltas[i], momentum)
+    taus_applied = [taus[i] for i in applied]
+    if len(applied) == 1:
+      self.apply(deltas[applied[0]], taus_applied[0])
+    else:
+      omegas = [1.0 if weights is None else weights[i] for i in applied]
+      self.apply(self._combine([deltas[i] for i in applied], taus_applied, omegas),
+                 max(taus_applied))
+    self.version += 1
+    if self._heloco_state is not None:
+      diagnostics = heloco_row(self._heloco_state(self.outer_state))
+      for i in applied:
+        results[i].update(diagnostics)
+    return to_host(results) if fetch else results
+
+  def _combine(self, deltas: list[Any], taus: list[int], omegas: list[float]) -> Any:
+    """A group: Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G| (ω_j = 1: the mean)."""
+    weight = self._arrival_weight
+    scales = [weight(tau) / weight(max(taus)) * omega / len(deltas)
+              for tau, omega in zip(taus, omegas)]
+    return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
+
+  # ------------------------------------------------ a loop of your own
+
+  def dispatch(self, worker: int = 0) -> Any:
+    """The start point for ``worker``; remembers the version it starts from."""
+    self._dispatched[worker] = self.version
+    return self.dispatch_point()
+
+  def arrive(self, delta: Any, worker: int = 0) -> Row:
+    """``worker``'s pseudo-gradient Δ = start − end arrives: one outer update.
+
+    Returns:
+      ``{"worker", "staleness", "applied", "reason", "version", ...}`` with
+      the diagnostics of ``update`` as Python numbers; a non-finite Δ is
+      rejected (``applied`` False, θ unchanged).
+
+    Raises:
+      KeyError: ``worker`` was not dispatched.
+      ValueError: ``delta`` has another structure or other shapes than θ (the message
+        names the leaf).
+    """
+    if worker not in self._dispatched:
+      raise KeyError(f"arrive(worker={worker}): that worker was not dispatched; call "
+                     "dispatch(worker) first")
+    _check_like(delta, self.params, f"arrive(worker={worker})")
+    tau = self.version - self._dispatched.pop(worker)
+    result = self.update([tau], delta)[0]
+    reason = result.pop("reason")
+    return {"worker": worker, "staleness": tau, "applied": reason is None, "reason": reason,
+            "version": self.version, **result}
+
+
+class FragmentServers:
+  """θ in P fragments, each with its own outer state and rule (ALGORITHMS.md, "Fragments").
+
+  Fragment p's server is an ``OuterServer`` over ``fragments.take(θ, p)``: its
+  outer state (the momentum HeLoCo checks against, MLA's look-ahead) holds the
+  fragment's leaves only, and its cosine check, correction and weights see
+  that fragment alone.
+
+  Args:
+    make_server: ``(outer_tx, params, lookahead=...) -> OuterServer`` (the executor's).
+    outer_tx: the outer rule, one copy per fragment.
+    params: the initial θ.
+    fragments: the split (``heloco_jax.comm.fragments.Fragments``).
+    lookahead: each fragment dispatches from its own θ_p − η·μ·m_p.
+  """
+
+  layout = None  # fragments run with θ on one device
+
+  def __init__(self, make_server: Callable[..., OuterServer], outer_tx: Any, params: Any,
+               fragments: Any, *, lookahead: bool = False):
+    self.fragments = fragments
+    self.servers = [make_server(outer_tx, fragments.take(params, p), lookahead=lookahead)
+                    for p in range(fragments.num)]
+
+  @property
+  def params(self) -> Any:
+    return self.fragments.merge([server.params for server in self.servers])
+
+  @property
+  def outer_state(self) -> list[Any]:
+    return [server.outer_state for server in self.servers]
+
+  def get(self) -> tuple[Any, list[Any]]:
+    """(θ, the fragments' outer states) on the host."""
+    parts = [server.get() for server in self.servers]
+    return self.fragments.merge([params for params, _ in parts]), [state for _, state in parts]
+
+  def set(self, params: Any, outer_state: list[Any]) -> None:
+    for p, server in enumerate(self.servers):
+      server.set(self.fragments.take(params, p), outer_state[p])
+
+  def dispatch_point(self) -> Any:
+    """θ's dispatch point, fragment by fragment."""
+    return self.fragments.merge([server.dispatch_point() for server in self.servers])
+
+  def fragment(self, p: int) -> OuterServer:
+    return self.servers[p]
+
+
+def _check_like(delta: Any, params: Any, where: str) -> None:
+  """``delta`` has θ's tree structure and leaf shapes, or a ValueError naming the leaf."""
+  if jax.tree.structure(delta) != jax.tree.structure(params):
+    raise ValueError(f"{where}: the pseudo-gradient's structure {jax.tree.structure(delta)} is "
+                     f"not θ's; allowed: a tree like θ, {jax.tree.structure(params)}")
+  for (path, d), p in zip(jax.tree_util.tree_leaves_with_path(delta), jax.tree.leaves(params)):
+    if np.shape(d) != np.shape(p):
+      raise ValueError(f"{where}: the pseudo-gradient's leaf "
+                       f"{jax.tree_util.keystr(path, simple=True, separator='/')!r} has shape "
+                       f"{tuple(np.shape(d))}; allowed: θ's, {tuple(np.shape(p))}")
+
+
+Server = OuterServer

@@ -1,0 +1,325 @@
+"""runtime=ray (heloco_jax/runtime/ray.py): a local Ray cluster of 2 CPUs, from the CLI (and the
+CLI's engine, ``harness.engine_of_config``, with a test's fault-injecting executor)."""
+
+import collections
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tiny
+
+from heloco_jax.cli.configs import validation
+
+# Ray's tests run one after another in one worker process: one local Ray cluster at a time
+# (also test_api.py's Ray test).
+pytestmark = pytest.mark.xdist_group("ray")
+# The tests that start a cluster; the settings test needs no Ray (validation refuses first).
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="Ray is not installed (extra 'ray')")
+
+TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.context=16",
+        "--config.batch_size=4", "--config.inner_steps=2",
+        "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8"]
+
+
+def _rows(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def _python(args):
+  """``python ARGS`` in a process of its own; asserts it succeeds (stderr's tail if not).
+
+  A process that starts a local Ray cluster can be ended by Ray itself while it shuts the
+  cluster down on a CPU-starved machine (Ray 2.60's core worker logged "Exiting because the
+  Raylet IPC connection failed and the local Raylet is dead" and exited, once, with the grid
+  using both cores): here that fails one test, with Ray's message, instead of ending pytest.
+  """
+  out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=900,
+                       check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _train(args):
+  """`heloco-jax train ARGS` in a process of its own (``_python``)."""
+  _python(["-m", "heloco_jax.cli.train", *args])
+
+
+# The CLI's engine (``harness.engine_of_config``) of the config the JSON overrides in argv[2] give,
+# run into the workdir argv[1] with worker 1's actor killed at its 3rd dispatch (``faulty`` of
+# tests/faults.py: the tests' wrapper of the Ray executor; production code knows nothing of
+# it). In a process of its own, as ``_train``'s runs.
+KILL_SCRIPT = """
+import asyncio, json, sys
+sys.path.insert(0, {tests!r})
+from faults import faulty
+import heloco_jax as hj
+from heloco_jax.lm import harness
+from heloco_jax.cli.configs import default, validation
+config = default.get_config()
+for key, value in json.loads(sys.argv[2]).items():
+  *parents, leaf = key.split(".")
+  node = config
+  for parent in parents:
+    node = node[parent]
+  node[leaf] = value
+validation.validate(config)
+engine, _ = harness.engine_of_config(config, workdir=hj.Workdir(sys.argv[1]), runtime=faulty(
+    worker=1, arrival=3, kill=True, runtime=harness.runtime_factory(config)))
+try:
+  print(asyncio.run(engine.run()))
+finally:
+  engine.close()
+"""
+
+
+def _config_overrides(args):
+  """``--config.KEY=VALUE`` flags as {KEY: value} (numbers parsed)."""
+  overrides = {}
+  for arg in args:
+    key, value = arg.removeprefix("--config.").split("=", 1)
+    try:
+      overrides[key] = int(value)
+    except ValueError:
+      try:
+        overrides[key] = float(value)
+      except ValueError:
+        overrides[key] = value
+  return overrides
+@needs_ray
+@pytest.mark.slow  # 60–80 s on 2 cores: the default suite stays under 15 minutes
+def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrupts_it(tmp_path):
+  budget = 12_000
+  overrides = _config_overrides([
+      "--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=3",
+      f"--config.budget.tokens={budget}", "--config.eval_every_tokens=4000",
+      "--config.checkpoint_every=20", *TINY])
+  _python(["-c", KILL_SCRIPT.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+           str(tmp_path), json.dumps(overrides)])
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  rows = _rows(tmp_path)
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  counts = collections.Counter(r["worker"] for r in arrivals)
+
+  # It learns, on the real clock, up to the token budget (the last arrival would pass it).
+  step_tokens = 2 * 4 * 16
+  assert budget - 3 * step_tokens < summary["tokens"] <= budget
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
+  assert np.isfinite(summary["final_val_loss"])
+
+  # The death is counted once: Ray restarted worker 1's actor, which kept computing its
+  # work; no other actor restarted (none was killed), nothing had to move.
+  restarted = [r for r in rows if r["event"] == "actor_restarted"]
+  assert [(r["worker"], r["actor"]) for r in restarted] == [(1, 1)]
+  assert not [r for r in rows if r["event"] == "redispatched"]
+  after = rows.index(restarted[0])
+  assert any(r["event"] == "arrival" and r["worker"] == 1 for r in rows[after:])
+  assert set(counts) == {0, 1, 2} and counts[1] > 3
+
+  # The arrival log is consistent: one outer update per arrival, in order, with
+  # staleness below the update count and real time never going back.
+  assert [r["outer_updates"] for r in arrivals] == list(range(1, len(arrivals) + 1))
+  assert summary["outer_updates"] == len(arrivals)
+  assert all(0 <= r["staleness"] < r["outer_updates"] for r in arrivals)
+  times = [r["sim_time"] for r in rows if "sim_time" in r]
+  assert times == sorted(times)
+  assert summary["mean_staleness"] == pytest.approx(np.mean([r["staleness"] for r in arrivals]))
+  assert all(np.isfinite(r["cosine_mean"]) for r in arrivals)
+  assert (tmp_path / "checkpoints").is_dir()
+
+
+@needs_ray
+@pytest.mark.slow  # two Ray runs, 2–4 min: the default suite stays under 15 minutes
+def test_an_actor_killed_for_good_gets_a_new_one_and_the_loss_stays_within_noise(tmp_path):
+  """Worker 1's actor is killed with no restarts left at its 3rd dispatch; with
+  ``ray.replacements=1`` a new actor takes its work (scale-up back to K actors). The run ends
+  within noise of an undisturbed one (Ray's arrival order is real time's: no replay)."""
+  # A budget that outlasts a new actor's start (its JAX import and compile: ~10–20 s here).
+  flags = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=3",
+           "--config.budget.tokens=96000", "--config.eval_every_tokens=32000",
+           "--config.checkpoint_every=0", *TINY]
+  _train([f"--workdir={tmp_path / 'undisturbed'}", *flags])
+  overrides = _config_overrides([*flags, "--config.ray.max_restarts=0",
+                                 "--config.ray.replacements=1"])
+  _python(["-c", KILL_SCRIPT.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+           str(tmp_path / "killed"), json.dumps(overrides)])
+  rows = _rows(tmp_path / "killed")
+  added = [r for r in rows if r["event"] == "actor_added"]
+  assert [(r["worker"], r["lost_actor"], r["actor"]) for r in added] == [(1, 1, 3)]
+  assert not [r for r in rows if r["event"] in ("actor_restarted", "redispatched")]
+  after = rows.index(added[0])
+  assert len([r for r in rows[after:] if r["event"] == "arrival" and r["worker"] == 1]) > 2
+  plain, killed = (json.loads((tmp_path / name / "summary.json").read_text())
+                   for name in ("undisturbed", "killed"))
+  assert killed["final_val_loss"] < killed["initial_val_loss"] - 2.0
+  assert abs(killed["final_val_loss"] - plain["final_val_loss"]) < 0.15, (plain, killed)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(runtime="ray", method="diloco"),
+     "runtime='ray' runs the asynchronous methods (async_nesterov, delayed_nesterov, mla, "
+     "heloco, cgad). Synchronous methods run across processes with jax.distributed"),
+    ({"runtime": "ray", "devices.slowdown": "1,2"}, "config.devices.slowdown='1,2' is not allowed"),
+    ({"runtime": "ray", "devices.slowdown": "1,0.5,1"},
+     "config.devices.slowdown='1,0.5,1' is not allowed; allowed: factors ≥ 1"),
+    ({"runtime": "ray", "ray.gpus_per_worker": -1.0}, "config.ray.gpus_per_worker=-1.0"),
+])
+def test_bad_ray_settings_fail_before_any_work(overrides, message):
+  overrides = dict(overrides)
+  with pytest.raises(validation.ConfigError) as error:
+    method = overrides.pop("method", "heloco")
+    config = tiny.config(method, 3, **{"budget.tokens": 100, **overrides})
+    validation.validate(config)
+  assert message in str(error.value)
+
+
+def _worker_actor_pids():
+  """The pids of this machine's Ray worker-actor processes (their title names the class)."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        if f.read().startswith(b"ray::WorkerActor"):
+          pids.append(int(entry))
+    except (OSError, ValueError):
+      continue
+  return sorted(pids)
+
+
+def _kill_actors_from_outside(metrics, kills, num_actors, gap=4, first=None, timeout=900):
+  """A thread that SIGKILLs ``kills`` of the run's first worker-actor processes, the i-th once
+  the run has ``first + i·gap`` arrivals (``first`` defaults to ``gap``; ``timeout``: the
+  run's, ``_train``'s; on 2 busy cores its start alone took over 4 min).
+
+  It does not wait for a killed actor's restart before the next kill. Returns the thread, the
+  list of killed pids, and an event to set when the run has ended (the thread then stops).
+  """
+  first = gap if first is None else first
+  killed = []
+  run_ended = threading.Event()
+
+  def arrivals():
+    try:
+      return metrics.read_text().count('"arrival"')
+    except OSError:
+      return 0
+
+  before = set(_worker_actor_pids())  # an earlier run's actors, possibly still exiting
+
+  def run():
+    deadline = time.monotonic() + timeout
+    original = []  # this run's first actor processes: each is killed at most once
+    while len(killed) < kills and time.monotonic() < deadline and not run_ended.is_set():
+      if not original:
+        pids = [pid for pid in _worker_actor_pids() if pid not in before]
+        if len(pids) == num_actors and arrivals() > 0:
+          original.extend(pids)
+      elif arrivals() >= first + gap * len(killed):
+        victim = original[len(killed)]
+        os.kill(victim, signal.SIGKILL)
+        killed.append(victim)
+      time.sleep(0.05)
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  return thread, killed, run_ended
+
+
+def _train_while_killing(thread, run_ended, args):
+  """``_train(args)``, then stops the killing thread and waits for it."""
+  try:
+    _train(args)
+  finally:
+    run_ended.set()
+    thread.join()
+
+
+@needs_ray
+@pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
+def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouched(tmp_path):
+  """K = 2: each of the two actor processes is killed with SIGKILL (as `kill -9` would), one
+  after the other; the run survives both, and only the killed actors restart.
+
+  The second dies an arrival after the first, while the first restarts: had it waited for
+  that restart, the survivor could finish the whole budget (190 arrivals of a tiny model)
+  before the second restart returned a result (seen with another test process on both cores).
+  """
+  thread, killed, run_ended = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2,
+                                                        num_actors=2, first=4, gap=1)
+  _train_while_killing(thread, run_ended, [
+      f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
+      "--config.num_workers=2", "--config.budget.tokens=24000",
+      "--config.eval_every_tokens=8000", "--config.checkpoint_every=0", *TINY])
+  assert len(killed) == 2
+  rows = _rows(tmp_path)
+  restarted = [r for r in rows if r["event"] == "actor_restarted"]
+  assert sorted(r["actor"] for r in restarted) == [0, 1]  # each once: nothing else restarted
+  assert not [r for r in rows if r["event"] == "redispatched"]
+  after = rows.index(restarted[-1])
+  assert {r["worker"] for r in rows[after:] if r["event"] == "arrival"} == {0, 1}
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
+
+
+@needs_ray
+@pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
+def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_resumes(
+    tmp_path):
+  """K = 2 with no restarts: both actor processes are killed; the run stops (exit 1) with one
+  line naming the cause and the checkpoint to resume from, and the same command finishes it."""
+  args = [f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
+          "--config.num_workers=2", "--config.ray.max_restarts=0",
+          "--config.budget.tokens=24000", "--config.eval_every_tokens=8000",
+          "--config.checkpoint_every=2", *TINY]
+  thread, killed, run_ended = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2,
+                                                        num_actors=2, first=6, gap=0)
+  try:
+    out = subprocess.run([sys.executable, "-m", "heloco_jax.cli.train", *args], capture_output=True,
+                         text=True, timeout=900, check=False)
+  finally:
+    run_ended.set()
+    thread.join()
+  assert len(killed) == 2
+  assert out.returncode == 1, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("heloco-jax train: the run stopped: runtime=ray: every worker actor "
+                         "has died"), out.stderr[-3000:]
+  assert "checkpoint" in last and "Traceback" not in out.stderr
+  assert not (tmp_path / "summary.json").exists()
+  _train(args)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["tokens"] > 20000
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 2.0
+
+
+@needs_ray
+@pytest.mark.slow
+def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_path):
+  args = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=8",
+          "--config.budget.tokens=160000", "--config.eval_every_tokens=40000",
+          "--config.checkpoint_every=0", *TINY]
+  clean = tmp_path / "clean"
+  _train([f"--workdir={clean}", *args])
+  faulty = tmp_path / "faulty"
+  thread, killed, run_ended = _kill_actors_from_outside(
+      faulty / "metrics.jsonl", kills=3, num_actors=8,
+      gap=int(np.random.default_rng().integers(5, 20)))
+  _train_while_killing(thread, run_ended, [f"--workdir={faulty}", *args])
+  assert len(killed) == 3
+  # A restart shows when the new process returns its first result (a restart on 2 busy
+  # cores takes seconds: JAX starts and compiles again), so the run is long enough for that.
+  rows = _rows(faulty)
+  restarted = [r for r in rows if r["event"] == "actor_restarted"]
+  assert len(restarted) == 3 and len({r["actor"] for r in restarted}) == 3
+  for row in restarted:  # each killed worker arrives again after its restart
+    assert any(r["event"] == "arrival" and r["worker"] == row["worker"]
+               for r in rows[rows.index(row):])
+  losses = [json.loads((d / "summary.json").read_text())["final_val_loss"] for d in (clean, faulty)]
+  # Seed noise of this set-up (real-clock arrival order): ~0.05; a lost worker would show more.
+  assert abs(losses[0] - losses[1]) < 0.15, losses

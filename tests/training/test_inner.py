@@ -1,0 +1,206 @@
+"""The compiled inner loop: scan == step-by-step, schedule, reset, PALSGD, vmap."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from heloco_jax.lm import model
+from heloco_jax.training import inner
+
+CONFIG = model.ModelConfig(d_model=32, num_layers=2, num_heads=4, context=16)
+H, BATCH = 8, 4
+
+
+def _setup(**inner_kwargs):
+  """TinyGPT's loss with the default AdamW, or PALSGD's variant when p or η_ps is given."""
+  graphdef, params = model.init(CONFIG, seed=0)
+  kwargs = dict(learning_rate=3e-3, warmup_steps=3, total_steps=50)
+  kwargs.update(inner_kwargs)
+  reset = kwargs.pop("reset_optimizer", True)
+  config = inner.InnerConfig(**kwargs)
+  if "pseudo_sync_prob" in kwargs or "pseudo_sync_rate" in kwargs:
+    tx = inner.palsgd_inner(inner.adamw_direction(config), config.schedule,
+                            pseudo_sync_prob=config.pseudo_sync_prob,
+                            pseudo_sync_rate=config.pseudo_sync_rate)
+  else:
+    tx = inner.adamw(config)
+  loop = inner.InnerLoop(functools.partial(model.loss, graphdef), tx, reset)
+  loop.graphdef, loop.schedule = graphdef, config.schedule
+  return loop, params
+
+
+def _batches(seed=0, h=H):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(0, 256, (h, BATCH, CONFIG.context + 1)), jnp.int32)
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_scanned_loop_equals_step_by_step_loop():
+  loop, params = _setup()
+  batches = _batches()
+  scanned, metrics = loop.run_jit(loop.start(params), batches, jax.random.key(0))
+  step = jax.jit(loop.step)
+  state, losses = loop.start(params), []
+  for batch in batches:
+    state, loss, _ = step(state, batch)
+    losses.append(float(loss))
+  # Same float32 ops in a different compiled program: agreement to ~1e-6 of
+  # parameter scale after 8 AdamW steps (a wrong step would move ~lr = 3e-3).
+  _close(scanned.params, state.params, rtol=1e-4, atol=2e-6)
+  np.testing.assert_allclose(metrics.loss, losses, rtol=1e-5)
+  assert int(scanned.step) == H
+
+
+def test_schedule_follows_the_workers_own_step_count_across_dispatches():
+  loop, params = _setup()
+  state, first = loop.run_jit(loop.start(params), _batches(0), jax.random.key(0))
+  state, second = loop.run_jit(loop.start(state.params, state), _batches(1), jax.random.key(0))
+  np.testing.assert_array_equal(np.concatenate([first.step, second.step]), np.arange(2 * H))
+  want = [float(loop.schedule(t)) for t in range(2 * H)]
+  assert want[0] == 0.0 and want[3] == pytest.approx(3e-3)  # warm-up, then peak
+  assert int(state.step) == 2 * H
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_optimizer_reset_at_dispatch_is_an_option(reset):
+  loop, params = _setup(reset_optimizer=reset)
+  state, _ = loop.run_jit(loop.start(params), _batches(), jax.random.key(0))
+  restarted = loop.start(state.params, state)
+  mu = restarted.opt_state[0][1].mu  # ((clip, adam, decay), schedule)
+  moved = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(mu))
+  assert (moved == 0.0) == reset
+  assert int(restarted.step) == H
+
+
+@pytest.mark.parametrize("start", ["start", "start_jit"])
+def test_start_copies_so_the_callers_params_survive_donation(start):
+  loop, params = _setup()
+  loop.run_jit(getattr(loop, start)(params), _batches(), jax.random.key(0))
+  assert float(jnp.sum(params["head"]["bias"])) == 0.0  # still readable
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_compiled_start_equals_the_eager_one(reset):
+  loop, params = _setup(reset_optimizer=reset)
+  first = loop.start(params)
+  np.testing.assert_equal(jax.device_get(loop.start_jit(params)), jax.device_get(first))
+  state, _ = loop.run_jit(first, _batches(), jax.random.key(0))
+  np.testing.assert_equal(jax.device_get(loop.start_jit(state.params, state)),
+                          jax.device_get(loop.start(state.params, state)))
+
+
+def test_palsgd_with_p_zero_equals_the_plain_loop():
+  loop, params = _setup(pseudo_sync_prob=0.0)
+  anchor = jax.tree.map(lambda x: x + 1.0, params)  # a pull would be visible
+  plain, plain_metrics = loop.run_jit(loop.start(params), _batches(), jax.random.key(0))
+  palsgd, palsgd_metrics = loop.run_jit(loop.start(params), _batches(), jax.random.key(0), anchor)
+  assert not bool(palsgd_metrics.pseudo_sync.any())
+  _close(palsgd.params, plain.params, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(palsgd_metrics.loss, plain_metrics.loss, rtol=1e-6)
+
+
+def test_palsgd_pseudo_sync_pull_matches_the_spec():
+  """Replays the run in float64 from the spec: coin → pull toward θ̃, else AdamW at α/(1−p)."""
+  p, rate = 0.4, 0.5
+  loop, params = _setup(pseudo_sync_prob=p, pseudo_sync_rate=rate, learning_rate=2e-3)
+  anchor = jax.tree.map(lambda x: x + 0.05, params)
+  key = jax.random.key(7)
+  batches = _batches(2, h=12)
+  final, metrics = loop.run_jit(loop.start(params), batches, key, anchor)
+  coins = np.asarray(jax.random.uniform(key, (12,)) < p)
+  np.testing.assert_array_equal(metrics.pseudo_sync, coins)
+  assert 0 < coins.sum() < 12  # both kinds of step occur
+  # The reference: the plain AdamW loop, stepped at α/(1 − p) where the coin says so.
+  config = inner.InnerConfig(learning_rate=2e-3, warmup_steps=3, total_steps=50)
+  plain = inner.InnerLoop(loop.loss_fn, inner.adamw(config))
+  step = jax.jit(plain.step)
+  state = plain.start(params)
+  for t, (coin, batch) in enumerate(zip(coins, batches)):
+    if coin:
+      pull = rate * float(loop.schedule(t)) / p
+      new = jax.tree.map(lambda x, a: np.asarray(x, np.float64)
+                         - pull * (np.asarray(x, np.float64) - np.asarray(a, np.float64)),
+                         state.params, anchor)
+      state = inner.InnerState(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), new),
+                               state.opt_state, state.step + 1)
+      assert float(metrics.loss[t]) == 0.0
+    else:
+      state, _, _ = step(state, batch, lr_scale=1.0 / (1.0 - p))
+  _close(final.params, state.params, rtol=1e-4, atol=2e-6)
+  _close(final.opt_state.inner, state.opt_state[0], rtol=1e-4, atol=1e-8)
+
+
+def test_vmapped_workers_equal_separate_runs():
+  loop, params = _setup()
+  params_b = model.init(CONFIG, seed=1)[1]
+  stack = lambda *xs: jnp.stack(xs)
+  states = jax.tree.map(stack, loop.start(params), loop.start(params_b))
+  batches = jnp.stack([_batches(0), _batches(1)])
+  keys = jax.random.split(jax.random.key(0), 2)
+  together, _ = loop.run_many(states, batches, keys, None)
+  for w, p in enumerate([params, params_b]):
+    alone, _ = loop.run_jit(loop.start(p), batches[w], keys[w])
+    _close(jax.tree.map(lambda x: x[w], together.params), alone.params, rtol=1e-4, atol=2e-6)
+
+
+def test_loss_falls_on_a_repeating_pattern():
+  loop, params = _setup(learning_rate=1e-2, total_steps=200)
+  pattern = np.tile(np.arange(CONFIG.context + 1) % 5 + 97, (30, BATCH, 1)).astype(np.int32)
+  _, metrics = loop.run_jit(loop.start(params), jnp.asarray(pattern), jax.random.key(0))
+  assert float(metrics.loss[-1]) < 0.2 * float(metrics.loss[0])
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(learning_rate=0.0), "inner.learning_rate=0.0"),
+    (dict(warmup_steps=-1), "inner.warmup_steps=-1"),
+    (dict(warmup_steps=10, total_steps=10), "inner.total_steps=10"),
+    (dict(min_learning_rate_ratio=1.5), "inner.min_learning_rate_ratio=1.5"),
+    (dict(weight_decay=-0.1), "inner.weight_decay=-0.1"),
+    (dict(b2=1.0), "inner.b2=1.0"),
+    (dict(grad_clip=-1.0), "inner.grad_clip=-1.0"),
+    (dict(pseudo_sync_prob=1.0), "inner.pseudo_sync_prob=1.0"),
+    (dict(pseudo_sync_rate=-0.5), "inner.pseudo_sync_rate=-0.5"),
+    (dict(learning_rate=0.5, pseudo_sync_prob=0.1, pseudo_sync_rate=0.5),
+     "inner.pseudo_sync_rate=0.5"),
+])
+def test_invalid_inner_config(kwargs, named):
+  with pytest.raises(ValueError, match="allowed:") as error:
+    inner.InnerConfig(**kwargs).check_pseudo_sync()  # PALSGD's pull: checked for PALSGD only
+  assert named in str(error.value)
+
+
+def test_loss_falls_on_synthetic_data_end_to_end():
+  """Synthetic languages → grain iterator → scanned inner loop → held-out loss falls."""
+  from heloco_jax.lm import data, evaluate  # pylint: disable=g-import-not-at-top
+  ds = data.make_data(source="synthetic", partition="non_iid", num_workers=2,
+                      context=CONFIG.context, batch_size=BATCH, val_sequences_per_language=8,
+                      max_bytes_per_language=60_000)
+  loop, params = _setup(learning_rate=1e-2, warmup_steps=5, total_steps=400)
+  evaluator = evaluate.Evaluator(functools.partial(model.token_losses, loop.graphdef),
+                                 ds.validation_tokens,
+                                 ds.validation_language_ids, ds.languages)
+  before = evaluator.as_metrics(params)
+  iterator = ds.worker_iterator(0)  # worker 0 reads only ds.languages[0]
+  state = loop.start(params)
+  for _ in range(4):
+    batches = jnp.asarray(np.stack([next(iterator) for _ in range(25)]))
+    state, metrics = loop.run_jit(state, batches, jax.random.key(0))
+  after = evaluator.as_metrics(state.params)
+  own = f"val_loss/{ds.languages[0]}"
+  assert after[own] < 0.6 * before[own], (before, after)  # learns its own language
+  assert float(metrics.loss[-5:].mean()) < 0.6 * before[own]
+
+
+def test_train_loss_is_the_mean_over_the_steps_that_read_a_batch():
+  metrics = inner.InnerMetrics(loss=jnp.array([[1.0, 0.0, 3.0], [2.0, 2.0, 0.0]]),
+                               pseudo_sync=jnp.array([[False, True, False], [False, False, True]]),
+                               step=jnp.zeros((2, 3), jnp.int32))
+  assert float(inner.train_loss(metrics)) == pytest.approx(2.0)  # (1 + 3 + 2 + 2) / 4
+  assert float(inner.train_loss(metrics._replace(pseudo_sync=jnp.ones((2, 3), bool)))) == 0.0

@@ -1,0 +1,195 @@
+"""Workers that leave and join (heloco_jax/training/membership.py; docs/FAILURES.md): the schedule,
+the loop's accounting of every token, replay, and the refusals."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny
+
+import heloco_jax as hj
+from heloco_jax.cli.configs import default
+from heloco_jax.lm import harness
+
+# Two workers leave (1 comes back at 20, 2 never does); worker 3 is new and joins at 12.
+SCHEDULE = hj.Membership(((1, 5.0, 20.0), (2, 8.0, math.inf), (3, 0.0, 12.0)))
+
+
+def _run(method="heloco", membership=SCHEDULE, **keys):
+  config = tiny.config(method, num_workers=4, **{
+      "budget.tokens": 3200, "eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0], **keys})
+  return tiny.simulate(config, membership=membership)
+
+
+def test_parse_and_the_schedules_questions():
+  m = hj.Membership.parse("1@30-60, 2@40,4@0-50")
+  assert m.absences == ((1, 30.0, 60.0), (2, 40.0, math.inf), (4, 0.0, 50.0))
+  assert m.away(1, 29.9) is None and m.away(1, 30.0) == 60.0 and m.away(1, 60.0) is None
+  assert m.away(2, 1e9) == math.inf and m.away(4, 0.0) == 50.0
+  assert m.next_leave(1, 0.0) == 30.0 and m.next_leave(1, 30.0) == math.inf
+  assert hj.Membership.parse("") == hj.Membership()
+  with pytest.raises(ValueError, match="'1@x'; allowed: WORKER@LEAVE"):
+    hj.Membership.parse("1@x")
+
+
+def test_random_schedules_are_seeded_and_follow_the_rate():
+  a = hj.Membership.random(5, rate=0.01, downtime=30.0, horizon=10_000.0, seed=3)
+  assert a == hj.Membership.random(5, rate=0.01, downtime=30.0, horizon=10_000.0, seed=3)
+  assert a != hj.Membership.random(5, rate=0.01, downtime=30.0, horizon=10_000.0, seed=4)
+  assert a.refusal(5) is None
+  # About rate × (horizon − time away) failures per worker.
+  assert 5 * 100 * 0.6 < len(a.absences) < 5 * 100 * 1.2
+  downtimes = [back - leave for _, leave, back in a.absences]
+  assert 20 < np.mean(downtimes) < 40
+
+
+@pytest.mark.parametrize("absences, why", [
+    (((3, 1.0, 2.0),), "worker 3 is not one of the 3 workers"),
+    (((1, 5.0, 5.0),), "allowed: 0 <= leave < back"),
+    (((1, 1.0, 5.0), (1, 4.0, 9.0)), "worker 1's absences overlap"),
+    (((0, 0.0, 5.0), (1, 0.0, 5.0), (2, 0.0, math.inf)), "every worker is away at the start"),
+])
+def test_bad_schedules_are_refused(absences, why):
+  assert why in hj.Membership(absences).refusal(3)
+
+
+def test_two_leave_one_comes_back_one_joins_every_token_accounted_and_replayed():
+  summary, rows = _run()
+  events = [(r["event"], r["worker"], r["sim_time"]) for r in rows
+            if r["event"] in ("left", "joined")]
+  assert events == [("left", 1, 5.0), ("left", 2, 8.0), ("joined", 3, 12.0),
+                    ("joined", 1, 20.0)]
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  # Nobody arrives while away; the new worker only after it joined.
+  for worker, leave, back in SCHEDULE.absences:
+    assert not [a for a in arrivals if a["worker"] == worker and leave < a["sim_time"] < back]
+  assert {a["worker"] for a in arrivals} == {0, 1, 2, 3}
+  # Every dispatched token: applied (or rejected), dropped with its worker, or in flight at
+  # the end; the rows say the same.
+  dropped = sum(r["dropped_tokens"] for r in rows if r["event"] == "left")
+  assert summary["dropped_tokens"] == dropped > 0
+  assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
+                                          + summary["in_flight_tokens"])
+  assert summary["in_flight_tokens"] >= 0
+  assert summary["tokens"] == sum(a["tokens"] - b for a, b in zip(
+      arrivals, [0] + [a["tokens"] for a in arrivals[:-1]]))
+  assert summary["goodput"] == pytest.approx(
+      summary["applied_tokens"] / (summary["tokens"] + summary["dropped_tokens"]))
+  assert summary["final_val_loss"] < 0.7 * summary["initial_val_loss"]  # it learns
+  again, rows_again = _run()
+  assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
+
+
+@pytest.mark.parametrize("method", [  # the default suite stays under 15 minutes
+    "ddp", pytest.param("diloco", marks=pytest.mark.slow),
+    pytest.param("palsgd", marks=pytest.mark.slow)])
+def test_synchronous_methods_run_elastic_rounds_and_steps(method):
+  """Rounds and DDP steps take the workers present at their start; one that leaves before
+  the barrier loses its part (dropped); nothing is in flight between barriers."""
+  summary, rows = _run(method)
+  events = [(r["event"], r["worker"], r["sim_time"]) for r in rows
+            if r["event"] in ("left", "joined")]
+  assert events == [("left", 1, 5.0), ("left", 2, 8.0), ("joined", 3, 12.0),
+                    ("joined", 1, 20.0)]
+  assert summary["in_flight_tokens"] == 0 and summary["dropped_tokens"] > 0
+  assert summary["dispatched_tokens"] == summary["tokens"] + summary["dropped_tokens"]
+  assert summary["dropped_tokens"] == sum(r["dropped_tokens"] for r in rows
+                                          if r["event"] == "left")
+  per_step = tiny.BATCH * tiny.CONTEXT
+  trains = [r for r in rows if r["event"] == "train"]
+  increments = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + trains, trains)]
+  # Every increment is a whole number of worker parts (three workers, four after 12, ...).
+  assert all(i % per_step == 0 and i > 0 for i in increments)
+  times = [r["sim_time"] for r in rows if "sim_time" in r and r["event"] != "eval"]
+  assert times == sorted(times)
+  assert summary["final_val_loss"] < 0.8 * summary["initial_val_loss"]  # it learns
+  again, rows_again = _run(method)
+  assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
+
+
+def test_fragments_lose_a_dispatch_whole_and_come_back_to_theta_as_a_whole():
+  """With P = 2 fragments a worker that leaves loses the fragment it was computing; back, it
+  starts again from all of θ (its first dispatch receives θ, not a fragment)."""
+  summary, rows = _run(**{"streaming.fragments": 2})
+  assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
+                                          + summary["in_flight_tokens"])
+  assert summary["dropped_tokens"] > 0
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  assert {a["worker"] for a in arrivals} == {0, 1, 2, 3}
+  back = next(r for r in rows if r["event"] == "joined" and r["worker"] == 1)
+  first = next(a for a in arrivals if a["worker"] == 1 and a["sim_time"] > back["sim_time"])
+  assert first["fragment"] == 1  # syncs restart at 0: the first sends fragment 1 of θ whole
+  assert first["bytes_down"] == arrivals[0]["bytes_down"]  # θ as a whole, as at the start
+  assert summary["final_val_loss"] < 0.8 * summary["initial_val_loss"]
+  assert _run(**{"streaming.fragments": 2})[1] == rows
+
+
+@pytest.mark.slow  # Membership() takes the default path; the default suite stays < 15 min
+def test_an_empty_schedule_is_todays_run_bit_for_bit():
+  plain, plain_rows = _run(membership=None)
+  summary, rows = _run(membership=hj.Membership())
+  assert rows == plain_rows and summary == {**plain, "wall_seconds": summary["wall_seconds"],
+                                            "tokens_per_second": summary["tokens_per_second"]}
+  assert "goodput" not in summary
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(method="diloco", streaming=hj.Streaming(fragments=2)),
+     "not with fragments > 1 and a synchronous method (Streaming DiLoCo) yet"),
+    (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
+])
+def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):
+  options = {"method": "heloco", "membership": SCHEDULE, **options}
+  with pytest.raises(ValueError) as error:
+    hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
+                   [[{"x": np.zeros(1)}]] * 4, budget=hj.Budget(steps=40), **options)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_config_builds_the_schedule_and_the_random_failures():
+  config = default.get_config()
+  assert harness.membership(config) is None
+  config.chaos.schedule = "1@30-60"
+  assert harness.membership(config) == hj.Membership(((1, 30.0, 60.0),))
+  config.chaos.rate = 0.001
+  drawn = harness.membership(config)
+  assert drawn.absences[0] == (1, 30.0, 60.0) and len(drawn.absences) > 1
+  assert drawn == harness.membership(config)  # seeded by config.seed
+
+
+def test_a_workdir_records_the_schedule_in_standard_json(tmp_path):
+  engine = hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
+                          [[{"x": np.zeros(1)}] * 100] * 4, membership=SCHEDULE,
+                          budget=hj.Budget(steps=20), workdir=str(tmp_path))
+  engine.close()
+  def not_standard(constant):
+    raise AssertionError(f"config.json holds {constant}")
+  config = json.loads((tmp_path / "config.json").read_text(), parse_constant=not_standard)
+  assert config["membership"] == [[1, 5.0, 20.0], [2, 8.0, None], [3, 0.0, 12.0]]
+
+
+@pytest.mark.parametrize("syncer", [
+    hj.Syncer(quorum=2),
+    pytest.param(hj.Syncer(quorum=3, timeout=4.0), marks=pytest.mark.slow),  # suite < 15 min
+    pytest.param(hj.Syncer(grace_window=1.0, weights="tokens"), marks=pytest.mark.slow)])
+def test_groups_take_membership_events_in_their_stride(syncer):
+  """With a syncer that groups arrivals, events inside an open group are handled at their
+  time; the accounting holds, the new worker's work arrives, and the run replays."""
+  config = tiny.config("heloco", num_workers=4, **{
+      "budget.tokens": 3200, "eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0]})
+  summary, rows = tiny.simulate(config, membership=SCHEDULE, syncer=syncer)
+  assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
+                                          + summary["in_flight_tokens"])
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  assert {a["worker"] for a in arrivals} == {0, 1, 2, 3}
+  for worker, leave, back in SCHEDULE.absences:  # at most the work that arrived before it
+    # left and waited in an open group (its row has the group's time)
+    assert len([a for a in arrivals if a["worker"] == worker and leave < a["sim_time"] < back
+                ]) <= 1
+  times = [r["sim_time"] for r in rows if "sim_time" in r and r["event"] != "eval"]
+  assert times == sorted(times)  # events and groups in time order
+  assert summary["final_val_loss"] < 0.9 * summary["initial_val_loss"]  # q = 3: fewer updates
+  again, rows_again = tiny.simulate(config, membership=SCHEDULE, syncer=syncer)
+  assert rows_again == rows

@@ -1,0 +1,279 @@
+"""Issue 57: model state (BatchNorm statistics), randomness and metrics of a user's model.
+
+The merge rules are checked against a NumPy reference written from docs/DESIGN.md ("Model
+state and randomness") on a toy whose state is a running mean of the batches; a flax.nnx CNN
+with BatchNorm and Dropout trains through ``hj.simulate`` for heloco, diloco and ddp.
+"""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import heloco_jax as hj
+from heloco_jax.training import model_state as model_state_lib
+
+H, K = 3, 2
+W = np.array([[1.0], [-2.0]], np.float32)
+
+
+def _batches(worker, n=60):
+  rng = np.random.default_rng(worker)
+  out = []
+  for _ in range(n):
+    x = rng.normal(worker, 1, (4, 2)).astype(np.float32)
+    out.append((x, x @ W))
+  return out
+
+
+def _toy_loss(params, batch, *, state):
+  """A linear model whose state is a running mean of its inputs (as BatchNorm's mean)."""
+  x, y = batch
+  new_state = {"mean": 0.9 * state["mean"] + 0.1 * jnp.mean(x, axis=0),
+               "count": state["count"] + 1}
+  loss = jnp.mean((x @ params["w"] - y) ** 2)
+  return loss, (new_state, {"input_mean": jnp.mean(x)})
+
+
+STATE0 = {"mean": np.zeros(2, np.float32), "count": np.zeros((), np.int32)}
+
+
+def _simulate(method, **more):
+  return hj.simulate(_toy_loss, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
+                     method=method, inner_tx=optax.sgd(0.05), inner_steps=H,
+                     speeds=[1.0, 2.5], budget=hj.Budget(steps=30), model_state=STATE0, **more)
+
+
+def _steps(state, batches):
+  """The toy's state after ``batches`` (NumPy, float64)."""
+  mean, count = np.array(state[0], np.float64), state[1]
+  for x, _ in batches:
+    mean = 0.9 * mean + 0.1 * np.asarray(x, np.float64).mean(axis=0)
+    count += 1
+  return mean, count
+
+
+@pytest.mark.parametrize("merge", ["mean", "latest"])
+def test_asynchronous_arrivals_merge_the_state_as_documented(merge):
+  result = _simulate("heloco", model_state_merge=merge)
+  arrivals = [row["worker"] for row in result.history if row["event"] == "arrival"]
+  assert len(arrivals) >= 5 and set(arrivals) == {0, 1}
+  data = [_batches(0), _batches(1)]
+  server = (np.zeros(2), 0)
+  start, used = [server, server], [0, 0]
+  for w in arrivals:  # each arrival: the worker's H steps from the state it was sent
+    end = _steps(start[w], data[w][used[w]:used[w] + H])
+    used[w] += H
+    server = (server[0] + (end[0] - server[0]) / K, end[1]) if merge == "mean" else end
+    start[w] = server
+  np.testing.assert_allclose(result.model_state["mean"], server[0], rtol=1e-5, atol=1e-6)
+  assert int(result.model_state["count"]) == server[1]  # an integer leaf: the arriving one's
+
+
+def test_rounds_average_the_workers_states_and_ddp_carries_its_one_state():
+  result = _simulate("diloco")
+  rounds = sum(row["event"] == "train" for row in result.history)
+  data, server = [_batches(0), _batches(1)], (np.zeros(2), 0)
+  for r in range(rounds):
+    ends = [_steps(server, data[w][r * H:(r + 1) * H]) for w in range(K)]
+    server = (np.mean([end[0] for end in ends], axis=0), ends[0][1])
+  np.testing.assert_allclose(result.model_state["mean"], server[0], rtol=1e-5, atol=1e-6)
+
+  ddp = _simulate("ddp")
+  steps = [row for row in ddp.history if row["event"] == "train"][-1]["steps"] // K
+  state = (np.zeros(2), 0)
+  for i in range(steps):  # one state over the workers' batches together
+    x = np.concatenate([data[0][i][0], data[1][i][0]])
+    state = _steps(state, [(x, None)])
+  np.testing.assert_allclose(ddp.model_state["mean"], state[0], rtol=1e-5, atol=1e-6)
+  assert int(ddp.model_state["count"]) == steps
+
+
+def test_metrics_from_loss_fn_reach_the_rows_as_means_over_each_dispatch():
+  result = _simulate("heloco")
+  data, used = [_batches(0), _batches(1)], [0, 0]
+  for row in (r for r in result.history if r["event"] == "arrival"):
+    w = row["worker"]
+    want = np.mean([x.mean() for x, _ in data[w][used[w]:used[w] + H]])
+    used[w] += H
+    assert row["train_input_mean"] == pytest.approx(want, rel=1e-5)
+
+
+def _draws(params, batch, *, rng):
+  x, y = batch
+  return jnp.mean((x @ params["w"] - y) ** 2), {"draw": jax.random.uniform(rng)}
+
+
+def test_every_step_of_every_worker_gets_its_own_key_and_a_replay_the_same():
+  def run():
+    return hj.simulate(_draws, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
+                       method="heloco", inner_tx=optax.sgd(0.05), inner_steps=H,
+                       speeds=[1.0, 2.5], budget=hj.Budget(steps=30), seed=7)
+  first, second = run(), run()
+  assert first.history == second.history
+  rows = [row for row in first.history if row["event"] == "arrival"]
+  steps = [0, 0]
+  for row in rows:  # the documented keys: fold_in(k_w, s) at the worker's own step s
+    w = row["worker"]
+    base = jax.random.wrap_key_data(model_state_lib.worker_rng(7, w))
+    want = np.mean([jax.random.uniform(jax.random.fold_in(base, s))
+                    for s in range(steps[w], steps[w] + H)])
+    steps[w] += H
+    assert row["train_draw"] == pytest.approx(float(want), rel=1e-6)
+  assert len({row["train_draw"] for row in rows}) == len(rows)
+
+
+# A flax.nnx CNN with BatchNorm and Dropout (the shape of flax's MNIST tutorial, smaller).
+class CNN(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.dropout = nnx.Dropout(0.3, rngs=rngs)
+    self.linear = nnx.Linear(4 * 6 * 6, 3, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.dropout(nnx.relu(self.bn(self.conv(x))))
+    return self.linear(x.reshape(x.shape[0], -1))
+
+
+MODEL = CNN(nnx.Rngs(0))
+GRAPHDEF, PARAMS, STATS, REST = nnx.split(MODEL, nnx.Param, nnx.BatchStat, ...)
+CENTRES = np.random.default_rng(0).normal(0, 1, (3, 6, 6, 1)).astype(np.float32)
+
+
+def _images(n, seed):
+  rng = np.random.default_rng(seed)
+  y = rng.integers(0, 3, n)
+  x = CENTRES[y] + rng.normal(0, 1.5, (n, 6, 6, 1)).astype(np.float32) + 3.0
+  return x, y.astype(np.int32)
+
+
+TEST = _images(300, 999)
+
+
+def cnn_loss(params, batch, *, state, rng):
+  model = nnx.merge(GRAPHDEF, params, state, REST, copy=True)
+  nnx.reseed(model, default=rng)
+  x, y = batch
+  logits = model(x)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return loss, (nnx.state(model, nnx.BatchStat),
+                {"accuracy": jnp.mean(logits.argmax(-1) == y)})
+
+
+@jax.jit
+def cnn_eval(params, *, state):
+  model = nnx.merge(GRAPHDEF, params, state, REST, copy=True)
+  model.eval()
+  logits = model(TEST[0])
+  return {"val_loss": optax.softmax_cross_entropy_with_integer_labels(logits, TEST[1]).mean(),
+          "accuracy": jnp.mean(logits.argmax(-1) == TEST[1])}
+
+
+def _cnn_data():
+  return [[_images(16, 100 * w + i) for i in range(80)] for w in range(K)]
+
+
+@pytest.mark.parametrize("method", ["heloco", "diloco", "ddp"])
+def test_a_flax_cnn_with_batchnorm_and_dropout_trains(method):
+  result = hj.simulate(cnn_loss, PARAMS, _cnn_data(), method=method, inner_steps=4,
+                       speeds=[1.0, 2.0], budget=hj.Budget(steps=96, eval_every_steps=48),
+                       inner_tx=optax.adam(1e-2), eval_fn=cnn_eval, model_state=STATS,
+                       method_options={"learning_rate": 0.7} if method != "ddp" else None)
+  evals = [row for row in result.history if row["event"] == "eval"]
+  assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.2, evals
+  assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+  trained = [row for row in result.history if row["event"] in ("arrival", "train")]
+  assert all(0 <= row["train_accuracy"] <= 1 for row in trained)
+  # the statistics moved from BatchNorm's initial mean 0 / var 1
+  stats = result.model_state["bn"]
+  assert np.abs(stats["mean"].get_value()).max() > 0.1
+  assert np.abs(stats["var"].get_value() - 1).max() > 0.1
+
+
+def test_the_dropout_mask_is_new_every_step_and_the_same_on_a_replay():
+  def loss_with_mask(params, batch, *, state, rng):
+    loss, (new_state, metrics) = cnn_loss(params, batch, state=state, rng=rng)
+    mask = nnx.Dropout(0.5)(jnp.ones(64), rngs=nnx.Rngs(default=rng))
+    return loss, (new_state, {**metrics, "mask": jnp.sum(mask * jnp.arange(64.0))})
+
+  def run():
+    return hj.simulate(loss_with_mask, PARAMS, _cnn_data(), method="heloco", inner_steps=1,
+                       speeds=[1.0, 2.0], budget=hj.Budget(steps=12), inner_tx=optax.adam(1e-2),
+                       model_state=STATS)
+  first = run()
+  masks = [row["train_mask"] for row in first.history if row["event"] == "arrival"]
+  assert len(masks) >= 8 and len(set(masks)) == len(masks)
+  assert run().history == first.history
+
+
+def test_a_killed_run_resumes_exactly_with_its_model_state(tmp_path):
+  kwargs = dict(method="heloco", inner_steps=4, speeds=[1.0, 2.0],
+                budget=hj.Budget(steps=96, eval_every_steps=24), inner_tx=optax.adam(1e-2),
+                eval_fn=cnn_eval, model_state=STATS)
+  workdir = hj.Workdir(str(tmp_path / "run"), checkpoint_every=3)
+  whole = hj.simulate(cnn_loss, PARAMS, _cnn_data(), **kwargs)
+  engine = hj.make_engine(cnn_loss, PARAMS, _cnn_data(), workdir=workdir, **kwargs)
+
+  class Killed(Exception):
+    pass
+
+  def die(row):  # dies between checkpoints, as a SIGKILL would: nothing written at the end
+    if row.get("outer_updates") == 10:
+      raise Killed
+  with pytest.raises(Killed):
+    asyncio.run(engine.run(die))
+  engine.close()
+  resumed = hj.simulate(cnn_loss, PARAMS, _cnn_data(), workdir=workdir, **kwargs)
+  assert resumed.history == whole.history
+  for a, b in zip(jax.tree.leaves(resumed.model_state), jax.tree.leaves(whole.model_state)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_batchnorm_statistics_given_as_params_are_refused_naming_the_leaf():
+  everything = nnx.state(MODEL, nnx.Any(nnx.Param, nnx.BatchStat))
+  with pytest.raises(ValueError, match=r"params leaf 'bn/mean' is an nnx.BatchStat"):
+    hj.simulate(lambda p, b: 0.0, everything, _cnn_data(), budget=hj.Budget(steps=8))
+
+
+def test_module_held_rngs_without_the_rng_keyword_are_refused():
+  def closes_over_the_module(params, batch):  # flax's idiom, the engine's key never used
+    model = nnx.merge(GRAPHDEF, params, STATS, REST, copy=True)
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+  with pytest.raises(ValueError, match="draws random numbers from a key it holds"):
+    hj.simulate(closes_over_the_module, PARAMS, _cnn_data(), budget=hj.Budget(steps=8))
+
+
+def test_a_model_state_holding_the_modules_rngs_is_refused():
+  _, _, with_rngs = nnx.split(MODEL, nnx.Param, ...)
+  with pytest.raises(ValueError, match=r"nnx.Rng(Key|Count).*allowed: a loss_fn that takes rng"):
+    hj.simulate(cnn_loss, PARAMS, _cnn_data(), budget=hj.Budget(steps=8),
+                model_state=with_rngs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model_state=None), "takes the keyword state, but model_state is None"),
+    (dict(model_state=STATE0, model_state_merge="median"), "model_state_merge='median'"),
+    (dict(model_state=STATE0, streaming=hj.Streaming(fragments=2)),
+     r"^streaming\.fragments=2 is not allowed with a loss_fn"),
+])
+def test_bad_model_state_arguments_are_one_line_errors(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    hj.simulate(_toy_loss, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
+                inner_steps=2, budget=hj.Budget(steps=8), **kwargs)
+
+
+def test_a_new_state_unlike_the_given_one_is_refused():
+  def wrong(params, batch, *, state):
+    loss, (new_state, metrics) = _toy_loss(params, batch, state=state)
+    return loss, ({"mean": new_state["mean"][:1], "count": new_state["count"]}, metrics)
+  with pytest.raises(ValueError, match="returned a new state .* unlike model_state"):
+    hj.simulate(wrong, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
+                budget=hj.Budget(steps=8), model_state=STATE0)
