@@ -37,7 +37,7 @@ def _state() -> tuple[dict, dict]:
   captured = {}
 
   def on_checkpoint(engine):
-    captured["state"] = engine.checkpoint_state()
+    captured["state"] = engine.snapshot()
     engine.request_stop("one checkpoint")  # enough: one real mid-run state
   with tempfile.TemporaryDirectory() as root:  # checkpoints come with a workdir
     engine, _ = harness.engine_of_config(config, workdir=root)

@@ -523,7 +523,7 @@ def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[st
                                        workdir.keep_checkpoints, workdir.allow_config_change,
                                        flag=workdir.flag, defaults_json=workdir.defaults_json)
   try:
-    engine.attach(directory)
+    engine.attach(directory, *directory.restore(engine))
   except BaseException:
     directory.close()
     raise

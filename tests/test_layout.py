@@ -59,8 +59,16 @@ def test_tests_mirror_the_packages():
   assert packages == folders
 
 
+def _type_only(tree: ast.AST) -> set[ast.AST]:
+  """The imports under ``if TYPE_CHECKING:``: read by type checkers, never run."""
+  return {child for node in ast.walk(tree) if isinstance(node, ast.If)
+          and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+          for statement in node.body for child in ast.walk(statement)}
+
+
 def _import_graph() -> dict[str, set[str]]:
-  """Module -> the package modules it imports (module level and inside functions alike)."""
+  """Module -> the package modules it imports (module level and inside functions alike;
+  an annotation's import under ``TYPE_CHECKING`` runs never, so it is no edge)."""
   modules = {}
   for path in PACKAGE.rglob("*.py"):
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -68,7 +76,11 @@ def _import_graph() -> dict[str, set[str]]:
   graph = {name: set() for name in modules}
   for name, path in modules.items():
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    type_only = _type_only(tree)
+    for node in ast.walk(tree):
+      if node in type_only:
+        continue
       if isinstance(node, ast.Import):
         targets = [alias.name for alias in node.names]
       elif isinstance(node, ast.ImportFrom):

@@ -116,3 +116,15 @@ def update_gap(mean_gap: Optional[float], last: Optional[float], arrivals: Seque
       mean_gap = gap if mean_gap is None else GAP_DECAY * mean_gap + (1 - GAP_DECAY) * gap
     last = at
   return mean_gap, last
+
+
+@dataclasses.dataclass
+class SyncerState:
+  """The adaptive grace window's memory (a checkpoint's "syncer" entry): ḡ, the mean gap
+  between arrivals, and the last arrival's time."""
+  mean_gap: Optional[float] = None
+  last_arrival: Optional[float] = None
+
+  def arrived(self, times: Sequence[float]) -> None:
+    """A group's arrivals at ``times`` (in order): ``update_gap``."""
+    self.mean_gap, self.last_arrival = update_gap(self.mean_gap, self.last_arrival, times)

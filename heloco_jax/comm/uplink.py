@@ -3,6 +3,7 @@ each way (docs/ALGORITHMS.md, "Compression in a run" and "Fragments")."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -12,6 +13,14 @@ import numpy as np
 
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import fragments as fragments_lib
+
+
+@dataclasses.dataclass
+class CompressionState:
+  """The workers' compressor states (error feedback's residuals), per fragment: what
+  ``Uplink.init`` returns; saved as the checkpoint's "compression" arrays. None without a
+  compressor."""
+  states: Any = dataclasses.field(default=None, metadata={"array": "compression"})
 
 
 class Uplink:

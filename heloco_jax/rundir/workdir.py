@@ -39,7 +39,7 @@ import os
 import socket
 import uuid
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import jax
 import numpy as np
@@ -57,6 +57,26 @@ RUN_DIRS = ("checkpoints", "tensorboard", "plots")
 # Config keys that say where a run's processes meet, not what they compute: a resumed
 # jax.distributed run may take another coordinator address (docs/DESIGN.md, "Scaling out").
 MAY_CHANGE_ON_RESUME = ("distributed.coordinator",)
+
+
+class Checkpointable(Protocol):
+  """What a run directory needs of a run (``hj.make_engine``'s engine is one): the run
+  directory calls these from its checkpoint hook and when it resumes, and nothing else
+  (docs/DESIGN.md, "Checkpoints")."""
+
+  version: int  # the checkpoint's step: outer updates so far
+
+  def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole run state at a loop boundary: (arrays, JSON meta)."""
+    ...
+
+  def template(self, meta: dict[str, Any]) -> dict[str, Any]:
+    """The abstract arrays of a snapshot with this ``meta``."""
+    ...
+
+  def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Continues from a snapshot."""
+    ...
 
 
 class WorkdirError(ValueError):
@@ -352,8 +372,8 @@ class RunDirectory:
                          f"the checkpoints' config is unknown; use a new {flag}{instead}"
                          ) from None
 
-  def restore(self, engine: Any) -> tuple[Optional[int], list[str]]:
-    """Loads the newest readable checkpoint into ``engine`` and opens metrics.jsonl.
+  def restore(self, run: Checkpointable) -> tuple[Optional[int], list[str]]:
+    """Loads the newest readable checkpoint into ``run`` and opens metrics.jsonl.
 
     Returns:
       (the restored step or None, warnings to show: checkpoints skipped,
@@ -378,11 +398,11 @@ class RunDirectory:
     if self.checkpointer is not None:
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", checkpoint.CheckpointFallbackWarning)
-        restored = self.checkpointer.restore(engine.state_template, accept=self._covered)
+        restored = self.checkpointer.restore(run.template, accept=self._covered)
       notes += [f"warning: {warning.message}" for warning in caught]
     rows_before = os.path.exists(path) and os.path.getsize(path) > 0
     if restored is not None:
-      engine.load_state(restored[1], restored[2])
+      run.restore(restored[1], restored[2])
       newer = [step for step in self.checkpointer.steps() if step > restored[0]]
       if newer:
         rows = self._position(restored[2])[1]
@@ -466,21 +486,21 @@ class RunDirectory:
     self._metrics.flush()
     self.rows_written += 1
 
-  def save_checkpoint(self, engine: Any) -> None:
-    """The engine's whole state, after the rows so far are on disk."""
+  def save_checkpoint(self, run: Checkpointable) -> None:
+    """The run's whole state, after the rows so far are on disk."""
     self.lock.check()
     os.fsync(self._metrics.fileno())
-    arrays, meta = engine.checkpoint_state()
+    arrays, meta = run.snapshot()
     positions = _every_process([self._metrics.tell(), self.rows_written]).tolist()
     meta["metrics"] = {"bytes": positions[0][0], "rows": positions[0][1]}
     if len(positions) > 1:  # process 0 writes the metadata: where each process's rows end
       meta["metrics"]["processes"] = positions
     meta["run_id"] = self.run_id
-    self.checkpointer.save(engine.version, arrays, meta)
+    self.checkpointer.save(run.version, arrays, meta)
 
   @property
-  def on_checkpoint(self) -> Optional[Callable[[Any], None]]:
-    """The engine's checkpoint hook (None when checkpoints are off)."""
+  def on_checkpoint(self) -> Optional[Callable[[Checkpointable], None]]:
+    """The run's checkpoint hook (None when checkpoints are off)."""
     return self.save_checkpoint if self.checkpointer is not None else None
 
   def finish(self, summary: dict[str, Any]) -> None:

@@ -40,6 +40,24 @@ class Events(NamedTuple):
   handle: Callable[[int, float], None]
 
 
+@dataclasses.dataclass
+class Job:
+  """A dispatched worker's result, waiting for its finish time.
+
+  ``delta`` is None while the work is deferred: ``work`` then computes
+  (end state, Δ, mean training loss) from the inputs fixed at dispatch
+  (simulated clock). With fragments, Δ is that of ``fragment`` and ``version``
+  the fragment's version when the worker last received it.
+  """
+  delta: Any
+  version: int
+  units: int
+  finish: float
+  work: Optional[Callable[[], tuple[Any, Any, Any]]] = None
+  train_loss: Any = None
+  fragment: int = 0
+
+
 class Arrivals(Protocol):
   """Jobs in flight, taken in arrival order, in the groups of the syncer's rule
   (``heloco_jax.comm.syncer``): ``pop`` returns (when the group closes, its workers, their arrival

@@ -43,6 +43,7 @@ from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import uplink as uplink_lib
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
+from heloco_jax.runtime.base import Job
 from heloco_jax.runtime.state import Recorder, Run, RunSpec, RunState, WorkerStream
 from heloco_jax.training import checks, rejection
 from heloco_jax.training import model_state as model_state_lib
@@ -142,7 +143,7 @@ class Engine:
         fragments=fragments,
         arrivals=lambda: runtime.arrivals(clock, executor, recorder.emit),
         streams=streams, recorder=recorder,
-        state=RunState(next_checkpoint=spec.checkpoint_every),
+        state=RunState(next_checkpoint=spec.checkpoint_every), features=state_lib.Features(),
         streak=rejection.RejectionStreak(spec.num_workers, spec.rejection_limit),
         key=jax.random.key(spec.seed),
         model_states=model_state_lib.ModelStates(
@@ -156,14 +157,15 @@ class Engine:
     self.resumed_from: Optional[int] = None
     self.workdir_notes: list[str] = []
 
-  def attach(self, directory: Any) -> None:
-    """Writes the run to ``directory`` (a ``workdir.RunDirectory``) and resumes its run.
+  def attach(self, directory: Any, resumed_from: Optional[int], notes: list[str]) -> None:
+    """Writes the run's rows, checkpoints and summary to ``directory`` (a
+    ``workdir.RunDirectory`` that has restored the run: ``resumed_from`` its step, None for a
+    new run; ``notes`` its warnings).
 
     ``rows`` then holds the rows of the earlier parts too (``metrics.jsonl``
     up to the restored checkpoint), so that they are the whole run's.
     """
-    self.directory = directory
-    self.resumed_from, self.workdir_notes = directory.restore(self)
+    self.directory, self.resumed_from, self.workdir_notes = directory, resumed_from, notes
     self._run.recorder.rows[:0] = directory.rows_so_far()
 
   # θ and the outer state live on the server (``heloco_jax.training.server``).
@@ -216,7 +218,7 @@ class Engine:
 
   # ------------------------------------------------------------ checkpoints
 
-  def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+  def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole run state at a loop boundary: (arrays, JSON-serialisable meta)."""
     run, s = self._run, self.state
     for worker in s.jobs:
@@ -227,13 +229,13 @@ class Engine:
               "key": jax.random.key_data(run.key),
               "workers": fetch(s.workers, "state"),
               "pending": [fetch(s.jobs[w].delta, "delta") for w in sorted(s.jobs)]}
-    if s.compression is not None:  # the keys only then: earlier checkpoints stay readable
-      arrays["compression"] = s.compression
-    if s.anchors is not None:
-      arrays["anchors"] = s.anchors
-    if run.model_states.merged is not None:  # the key only then, as for compression
+    for _, feature in run.features.items():  # a feature's arrays only when it has them:
+      arrays.update(state_lib.arrays_of(feature))  # earlier checkpoints stay readable
+    if run.model_states.merged is not None:  # the key only then, as for the features'
       arrays["model_state"] = run.model_states.merged
-    meta = s.meta()
+    meta = state_lib.entry_of(s)
+    meta["jobs"] = [[w, job.version, job.units, job.finish] for w, job in sorted(s.jobs.items())]
+    meta.update({name: state_lib.entry_of(feature) for name, feature in run.features.items()})
     if s.phase == "async":  # workers not dispatched yet (joining later) have no state
       meta["unstarted"] = [w for w, x in enumerate(s.workers) if x is None]
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
@@ -245,8 +247,8 @@ class Engine:
     meta["streams"] = [stream.get_state() for stream in run.streams]
     return arrays, meta
 
-  def state_template(self, meta: dict[str, Any]) -> dict[str, Any]:
-    """The abstract arrays of a ``checkpoint_state()`` with this ``meta`` (for restoring)."""
+  def template(self, meta: dict[str, Any]) -> dict[str, Any]:
+    """The abstract arrays of a ``snapshot()`` with this ``meta`` (for restoring)."""
     worker = jax.eval_shape(self._run.executor.inner.start, self.params,
                             self._run.model_states.seed_state(0)
                             if self._run.model_states.active else None)
@@ -259,8 +261,9 @@ class Engine:
                 "key": jax.random.key_data(self._run.key), "workers": workers,
                 "pending": [self.params] * len(meta["jobs"])}
     if self.spec.streaming and meta["phase"] == "async":  # each job's Δ: one fragment's
-      template["pending"] = [self._run.fragments.take(self.params, meta["syncs"][entry[0]]
-                                                      % self.spec.fragments)
+      syncs = meta.get("streaming", meta)["syncs"]  # (a flat meta: written before entries)
+      template["pending"] = [self._run.fragments.take(self.params,
+                                                      syncs[entry[0]] % self.spec.fragments)
                              for entry in meta["jobs"]]
     run = self._run
     if run.uplink.compressor is not None and meta["phase"] in ("rounds", "async"):
@@ -279,19 +282,25 @@ class Engine:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         template, self.layout.shardings(template))
 
-  def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Continues from a ``checkpoint_state()`` of a run with the same spec."""
+  def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Continues from a ``snapshot()`` of a run with the same spec."""
     run = self._run
     run.server.set(arrays["params"], arrays["outer_state"])
     run.key = jax.random.wrap_key_data(arrays["key"])
-    pending, workers = arrays["pending"], arrays["workers"]
-    compression, anchors = arrays.get("compression"), arrays.get("anchors")
+    arrays = dict(arrays)
     if self.layout is not None:  # back where an uninterrupted run holds them
-      pending, workers, compression = self.layout.put((pending, workers, compression))
-    run.state.load(meta, pending, workers, compression, anchors)
+      for name in ("pending", "workers", "compression"):
+        if name in arrays:
+          arrays[name] = self.layout.put(arrays[name])
+    state_lib.load_entry(run.state, meta, arrays)
+    # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
+    run.state.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])
+                      for entry, delta in zip(meta["jobs"], arrays["pending"])}
+    for name, feature in run.features.items():  # a flat meta: written before entries
+      state_lib.load_entry(feature, meta.get(name, meta), arrays)
     if "model_state" in arrays:
       run.model_states.merged = run.executor.to_server(arrays["model_state"])
-    run.streak.set_state(run.state.rejected_in_a_row)
+    run.streak.set_state(run.features.rejection.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):
       stream.set_state(position)
@@ -316,18 +325,18 @@ class Engine:
       s.next_checkpoint = (s.version // every + 1) * every
     self._run.recorder.flush()  # the checkpoint's rows are all written before it
     if self._on_checkpoint is not None:
-      s.rejected_in_a_row = self._run.streak.get_state()
+      self._run.features.rejection.rejected_in_a_row = self._run.streak.get_state()
       self._on_checkpoint(self)
     if self.stop_requested:
       raise Stopped(self.stop_requested, checkpointed=self._on_checkpoint is not None)
 
   def _evaluate(self, force: bool = False) -> None:
     """An eval row when the unit count has passed the next eval point (or forced)."""
-    s = self.state
-    if self.eval_fn is None or (not force and s.units < s.next_eval):
+    s, evaluation = self.state, self._run.features.evaluation
+    if self.eval_fn is None or (not force and s.units < evaluation.next_eval):
       return
     every = self.spec.eval_every
-    s.next_eval = (s.units // every + 1) * every if every > 0 else math.inf
+    evaluation.next_eval = (s.units // every + 1) * every if every > 0 else math.inf
     metrics = checks.eval_metrics(self._call_eval())
     bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
     if bad:
@@ -339,7 +348,7 @@ class Engine:
                                   "the vocabulary)" if s.version == 0 else ""))
     row = {"event": "eval", self.spec.unit: s.units, "sim_time": s.sim_time,
            "outer_updates": s.version, **metrics}
-    s.last_eval = row
+    evaluation.last_eval = row
     self._run.recorder.emit(row)
 
   def _call_eval(self) -> Any:
@@ -355,7 +364,7 @@ class Engine:
 
   async def run(self, on_row: Optional[Callable[[Row], None]] = None,
                 on_checkpoint: Optional[Callable[["Engine"], None]] = None) -> dict[str, Any]:
-    """Runs (or, after ``load_state``, continues) until a budget ends.
+    """Runs (or, after ``restore``, continues) until a budget ends.
 
     With ``handle_signals`` (``make_engine``'s), SIGTERM and Ctrl-C stop it at the next
     outer update (``stop_on_signals``).
@@ -364,7 +373,7 @@ class Engine:
       on_row: called with every metrics row as it is emitted; None: ``self.on_row``
         (``make_engine``'s).
       on_checkpoint: called with the engine every ``checkpoint_every`` outer
-        updates, at a point where ``checkpoint_state()`` is the whole run state.
+        updates, at a point where ``snapshot()`` is the whole run state.
 
     Returns:
       The summary (docs/DESIGN.md, summary.json); ``wall_seconds`` adds up
@@ -383,6 +392,7 @@ class Engine:
                             on_checkpoint: Optional[Callable[["Engine"], None]]
                             ) -> dict[str, Any]:
     run, s, directory = self._run, self.state, self.directory
+    evaluation = run.features.evaluation
     if directory is not None:
       def record(row: Row, on_row=on_row) -> None:
         directory.write_row(row)
@@ -396,7 +406,7 @@ class Engine:
     run.clock.start(s.sim_time)
     if s.phase is None:
       self._evaluate(force=True)
-      s.initial_eval = s.last_eval
+      evaluation.initial_eval = evaluation.last_eval
     try:
       async for _ in loops.LOOPS[self.method.synchrony](run):  # after each outer update
         self._evaluate()
@@ -415,8 +425,8 @@ class Engine:
         self.stopped = f"every worker left at {gone:g} s"
     finally:
       run.recorder.flush()  # the rows up to a DivergenceError are kept too
-    if self.eval_fn is not None and (s.last_eval[self.spec.unit] != s.units
-                                     or s.last_eval["sim_time"] != s.sim_time):
+    if self.eval_fn is not None and (evaluation.last_eval[self.spec.unit] != s.units
+                                     or evaluation.last_eval["sim_time"] != s.sim_time):
       self._evaluate(force=True)
     summary = self._summary()
     if directory is not None:
@@ -424,25 +434,27 @@ class Engine:
     return summary
 
   def _summary(self) -> dict[str, Any]:
-    s, unit = self.state, self.spec.unit
+    s, unit, f = self.state, self.spec.unit, self._run.features
+    rejected, membership, traffic = f.rejection, f.membership, f.traffic
     wall = s.wall_before + time.perf_counter() - self._wall_start
     summary = {"method": self.method.name, "seed": self.spec.seed, unit: s.units,
                **({"stopped": self.stopped} if self.stopped else {}),
-               f"applied_{unit}": s.units - s.rejected_units,
-               f"rejected_{unit}": s.rejected_units, "rejected": s.rejected,
+               f"applied_{unit}": s.units - rejected.rejected_units,
+               f"rejected_{unit}": rejected.rejected_units, "rejected": rejected.rejected,
                "sim_time": s.sim_time, "outer_updates": s.version}
     if self.spec.membership.absences:  # every dispatched unit, accounted for (FAILURES.md)
-      summary.update({f"dispatched_{unit}": s.dispatched_units, f"dropped_{unit}": s.dropped_units,
-                      f"in_flight_{unit}": s.dispatched_units - s.units - s.dropped_units,
-                      "goodput": (s.units - s.rejected_units) / max(
-                          1, s.units + s.dropped_units)})
+      dispatched, dropped = membership.dispatched_units, membership.dropped_units
+      summary.update({f"dispatched_{unit}": dispatched, f"dropped_{unit}": dropped,
+                      f"in_flight_{unit}": dispatched - s.units - dropped,
+                      "goodput": (s.units - rejected.rejected_units) / max(
+                          1, s.units + dropped)})
     if self.eval_fn is not None:
-      summary["initial_val_loss"] = s.initial_eval["val_loss"]
-      summary["final_val_loss"] = s.last_eval["val_loss"]
+      summary["initial_val_loss"] = f.evaluation.initial_eval["val_loss"]
+      summary["final_val_loss"] = f.evaluation.last_eval["val_loss"]
     summary.update({
         "mean_staleness": float(np.mean(s.staleness)) if s.staleness else 0.0,
-        "bytes_sent": s.bytes_sent, "peak_bytes_per_sync": s.peak_bytes_per_sync,
-        **({"network_seconds": s.network_seconds} if self.clock.simulated else {}),
+        "bytes_sent": traffic.bytes_sent, "peak_bytes_per_sync": traffic.peak_bytes_per_sync,
+        **({"network_seconds": traffic.network_seconds} if self.clock.simulated else {}),
         "wall_seconds": wall, f"{unit}_per_second": s.units / wall,
         "num_params": self.num_params})
     return summary

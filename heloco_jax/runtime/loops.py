@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from heloco_jax.comm import fragments as fragments_lib
-from heloco_jax.comm import syncer as syncer_lib
-from heloco_jax.runtime import base, clocks
-from heloco_jax.runtime.state import Job, Run
+from heloco_jax.runtime import base, clocks, streaming
+from heloco_jax.runtime.base import Job
+from heloco_jax.runtime.state import Run
 from heloco_jax.training import inner as inner_lib
 from heloco_jax.training import rejection
 
@@ -65,6 +65,7 @@ def steps_per_dispatch(spec) -> np.ndarray:
 async def run_async(run: Run) -> AsyncIterator[None]:
   """Asynchronous arrivals until the queue is empty or a budget ends."""
   s, spec, clock = run.state, run.spec, run.clock
+  f = run.features
   steps = steps_per_dispatch(spec)
   queue = run.arrivals()
 
@@ -76,7 +77,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       expect(worker, back, "join")
       return
     if spec.streaming:
-      s.jobs[worker] = _dispatch_fragment(run, worker, now)
+      s.jobs[worker] = streaming.dispatch_fragment(run, worker, now)
     else:
       work = functools.partial(
           run.executor.run_worker, worker, run.model_states.for_dispatch(worker, s.workers[worker]),
@@ -84,12 +85,12 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       finish = clock.finish(worker, int(steps[worker]), now)
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
-    s.dispatched_units += s.jobs[worker].units
+    f.membership.dispatched_units += s.jobs[worker].units
     leave = membership.next_leave(worker, now)
     if leave < s.jobs[worker].finish:  # it leaves first: the dispatch is lost, never computed
       expect(worker, leave, "leave", s.jobs.pop(worker).units)
       if spec.streaming:  # it comes back to θ as a whole (FAILURES.md)
-        s.syncs[worker] = 0
+        f.streaming.restart(worker)
       return
     if clock.eager:
       run.compute(worker)
@@ -99,13 +100,13 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     """A membership event of ``worker`` at ``at`` in the arrival queue ("leave": with the
     units its lost dispatch held; "join"); none for a worker that never comes back."""
     if math.isfinite(at):
-      s.away[worker] = [at, kind, dropped]
+      away[worker] = [at, kind, dropped]
       queue.push(worker, Job(None, 0, 0, at))
 
   def membership_event(worker: int, now: float) -> None:
-    _, kind, dropped = s.away.pop(worker)
+    _, kind, dropped = away.pop(worker)
     if kind == "leave":
-      s.dropped_units += dropped
+      f.membership.dropped_units += dropped
       run.emit(_membership_row(run, "left", worker, now, dropped))
       expect(worker, membership.away(worker, now), "join")
     else:
@@ -117,33 +118,32 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     membership_event(worker, at)
 
   membership = spec.membership
-  events = base.Events(lambda w: w in s.away, lambda w: w not in s.away or s.away[w][1] == "join",
+  away = f.membership.away  # per worker away or about to leave (restored before the loop)
+  events = base.Events(lambda w: w in away, lambda w: w not in away or away[w][1] == "join",
                        event_in_a_group) if membership.absences else None
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if spec.streaming:
-      s.jobs[worker].fragment = s.syncs[worker] % spec.fragments
+      s.jobs[worker].fragment = f.streaming.syncs[worker] % spec.fragments
     queue.push(worker, s.jobs[worker])
-  for worker, (at, _, _) in sorted(s.away.items()):  # restored membership events
+  for worker, (at, _, _) in sorted(away.items()):  # restored membership events
     queue.push(worker, Job(None, 0, 0, at))
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
-    s.compression = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
+    f.compression.states = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
     if spec.streaming:
-      s.fragment_versions = [0] * spec.fragments
-      s.syncs, s.received = [0] * spec.num_workers, [None] * spec.num_workers
-      s.anchors = [None] * spec.num_workers
+      f.streaming.start(spec.fragments, spec.num_workers)
     for worker in range(spec.num_workers):
       dispatch(worker, 0.0)
   try:
     while len(queue):
-      now, group, times = await queue.pop(spec.syncer.rule(s.mean_gap), events)
-      if group[0] in s.away:  # a membership event at the head of the queue
+      now, group, times = await queue.pop(spec.syncer.rule(f.syncer.mean_gap), events)
+      if group[0] in away:  # a membership event at the head of the queue
         if spec.budget.over(s.units, now):
           break
         s.sim_time = now
         membership_event(group[0], now)
         continue
-      s.mean_gap, s.last_arrival = syncer_lib.update_gap(s.mean_gap, s.last_arrival, times)
+      f.syncer.arrived(times)
       units = s.units + sum(s.jobs[w].units for w in group)
       if spec.budget.over(units, now):
         break  # this group and everything still in flight are discarded, never computed
@@ -161,15 +161,16 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
   """One arrival group: at most one outer update, its rows, rejected workers reset. With
   fragments a group is one arrival, of one fragment, applied by its server."""
   s, spec = run.state, run.spec
+  f = run.features
   for w in group:
     run.compute(w)
   arrived = [s.jobs.pop(w) for w in group]
   s.units, s.sim_time = units, now
   p = arrived[0].fragment
-  server, version = ((run.server.fragment(p), s.fragment_versions[p]) if spec.streaming
-                     else (run.server, s.version))
+  server, version = ((run.server.fragment(p), f.streaming.fragment_versions[p])
+                     if spec.streaming else (run.server, s.version))
   taus = [version - job.version for job in arrived]
-  received = [_received(run, w) for w in group]  # before a rejection restarts the worker
+  received = [streaming.received(run, w) for w in group]  # before a rejection restarts it
   downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
   if spec.streaming and run.clock.simulated:
     network = run.clock.fragment_wait(group[0], received[0], p)
@@ -185,13 +186,13 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
       run.reject(w, reason, tau, job.units)
       s.workers[w] = run.executor.fresh_moments(s.workers[w])
       if spec.streaming:  # it starts again from θ as a whole
-        s.syncs[w] = 0
+        f.streaming.restart(w)
   if any(reason is None for reason in reasons):
     s.version += 1
     if spec.streaming:
-      s.fragment_versions[p] += 1
+      f.streaming.fragment_versions[p] += 1
   up = run.uplink.bytes_up[p]
-  s.sync(len(group) * up + sum(downs), network)
+  f.traffic.sync(len(group) * up + sum(downs), network)
   for w, tau, reason, result, job, down in zip(group, taus, reasons, results, arrived, downs):
     if reason is None:
       s.staleness.append(tau)
@@ -201,85 +202,10 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
   run.streak.update(reasons, group)
 
 
-def _received(run: Run, worker: int) -> Optional[int]:
-  """What the worker whose work arrives received when it was dispatched: None for θ as a
-  whole, or with fragments the fragment it had sent before."""
-  syncs = run.state.syncs[worker] if run.spec.streaming else 0
-  return None if syncs <= 1 else (syncs - 1) % run.spec.fragments
 
 
-def _dispatch_fragment(run: Run, worker: int, now: float) -> Job:
-  """A worker's next H/P steps, which end in its next fragment's Δ (ALGORITHMS.md,
-  "Fragments"). It first receives the fragment it sent last (its server's dispatch point;
-  all of θ at a first dispatch), which replaces (α = 1) or blends into its own after τ
-  steps; the Δ of fragment p is its anchor (p as last received) − the end's p."""
-  s, spec, fragments = run.state, run.spec, run.fragments
-  steps = spec.inner_steps // spec.fragments
-  last = s.syncs[worker]
-  if last == 0:  # θ as a whole: a first dispatch, or after a rejection
-    start = run.server.dispatch_point()
-    s.anchors[worker], s.received[worker] = start, list(s.fragment_versions)
-    received, arrived = None, None
-  else:
-    received = last % spec.fragments
-    arrived = run.server.fragment(received).dispatch_point()
-    s.anchors[worker] = fragments.put(s.anchors[worker], arrived, received)
-    s.received[worker][received] = s.fragment_versions[received]
-    start = None
-  s.syncs[worker] = last + 1
-  sent = s.syncs[worker] % spec.fragments
-  work = functools.partial(_fragment_work, run, worker, s.workers[worker], start, arrived,
-                           received, fragments.take(s.anchors[worker], sent), sent,
-                           run.batches(worker, steps), run.next_key())
-  finish = run.clock.fragment_arrival(worker, steps, now, received, sent)
-  return Job(None, s.received[worker][sent], steps * spec.units_per_step, finish, work,
-             fragment=sent)
 
 
-def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: Any,
-                   received: Optional[int], anchor: Any, sent: int, batches: Any,
-                   key: jax.Array) -> tuple[Any, Any, Any]:
-  """``_dispatch_fragment``'s steps: (end state, Δ of fragment ``sent``, mean training
-  loss)."""
-  executor, fragments = run.executor, run.fragments
-  alpha, tau = run.spec.fragment_alpha, run.spec.overlap_steps
-  steps = jax.tree.leaves(batches)[0].shape[0]
-
-  def merged(params):  # the arrived fragment in the worker's params
-    local = fragments.take(params, received)
-    return fragments.put(params, fragments_lib.merge_arrived(alpha, _on(arrived, local), local),
-                         received)
-
-  if start is not None:
-    state, _, loss = executor.run_worker(worker, previous, start, batches, key)
-  elif tau == 0:
-    state, _, loss = executor.run_worker(worker, previous, merged(previous.params), batches, key)
-  else:  # τ steps while the fragment is in flight, then the rest
-    head, tail = _split_steps(batches, tau, axis=0)
-    first, second = jax.random.split(key)
-    state, _, head_loss = executor.run_worker(worker, previous, previous.params, head, first)
-    state, _, tail_loss = executor.run_worker(worker, state, merged(state.params), tail, second)
-    loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps, head_loss, tail_loss)
-  return state, _subtract(anchor, _on(fragments.take(state.params, sent), anchor)), loss
-
-
-def _split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
-  """``batches`` cut after ``tau`` steps along ``axis``."""
-  head = jax.tree.map(lambda x: np.take(x, np.arange(tau), axis=axis), batches)
-  tail = jax.tree.map(lambda x: np.take(x, np.arange(tau, x.shape[axis]), axis=axis), batches)
-  return head, tail
-
-
-def _on(tree: Any, like: Any) -> Any:
-  """``tree`` on the device of ``like``'s first leaf (workers may compute on other devices
-  than the server's)."""
-  device = next(iter(jax.tree.leaves(like)[0].devices()))
-  return jax.device_put(tree, device)
-
-
-@jax.jit
-def _subtract(a: Any, b: Any) -> Any:
-  return jax.tree.map(jnp.subtract, a, b)
 
 
 def _dispatch_seconds(clock: base.Clock, count: int) -> Optional[float]:
@@ -292,9 +218,10 @@ def _launch_ahead(run: Run, queue: base.Arrivals) -> None:
   """Starts the work of the next D arrivals (D = the executor's concurrency), in arrival
   order, unless the budget will discard it as things stand; JAX runs it asynchronously."""
   s, budget = run.state, run.spec.budget
+  f = run.features
   units = s.units
   for worker in queue.heads(run.executor.concurrency):
-    if worker in s.away:  # a membership event: no work
+    if worker in f.membership.away:  # a membership event: no work
       continue
     job = s.jobs[worker]
     units += job.units
@@ -306,6 +233,7 @@ def _launch_ahead(run: Run, queue: base.Arrivals) -> None:
 async def run_rounds(run: Run) -> AsyncIterator[None]:
   """Synchronous rounds until a budget ends (PALSGD: after its DDP warm-up)."""
   s, spec, k, h = run.state, run.spec, run.spec.num_workers, run.spec.inner_steps
+  f = run.features
   executor, inner = run.executor, run.executor.inner
   palsgd = spec.method.inner == "palsgd"
   if palsgd and s.phase in (None, "ddp"):
@@ -318,7 +246,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       # The first round continues the warm-up's step count and optimizer state.
       s.workers = run.model_states.keyed(_stack_copies(s.workers, k))
   if s.phase != "rounds":
-    s.compression = run.uplink.init(executor.to_rounds(run.server.params), k, stacked=True)
+    f.compression.states = run.uplink.init(executor.to_rounds(run.server.params), k, stacked=True)
   if spec.streaming:
     async for _ in _streaming_rounds(run):
       yield
@@ -360,11 +288,11 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
                                 run.model_states.for_round(s.workers), k)
       states, metrics = _where_part(run, part, states, before), _only_part(metrics, part)
     s.workers = states
-    if s.compression is not None:  # every worker sends, and keeps its residual
+    if f.compression.states is not None:  # every worker sends, and keeps its residual
       delta, residuals = run.uplink.round_delta(run.server.params, states.params, accepted,
-                                                s.compression[0])
-      s.compression[0] = (residuals if part.all() else
-                          _where_part(run, part, residuals, s.compression[0]))
+                                                f.compression.states[0])
+      f.compression.states[0] = (residuals if part.all() else
+                          _where_part(run, part, residuals, f.compression.states[0]))
     elif accepted.any():
       delta = executor.round_delta(run.server.params, states.params, accepted)
     if accepted.any():
@@ -395,9 +323,9 @@ def _membership_rows(run: Run, start: float, end: float, real_steps: np.ndarray,
                      present: np.ndarray, lost: np.ndarray) -> None:
   """The ``left`` and ``joined`` rows between a synchronous loop's barriers at ``start`` and
   ``end``; a worker ``lost`` from the round or step counts its ``real_steps`` as dropped."""
-  s, spec = run.state, run.spec
-  s.dispatched_units += int(real_steps[present].sum()) * spec.units_per_step
-  s.dropped_units += int(real_steps[lost].sum()) * spec.units_per_step
+  spec, membership = run.spec, run.features.membership
+  membership.dispatched_units += int(real_steps[present].sum()) * spec.units_per_step
+  membership.dropped_units += int(real_steps[lost].sum()) * spec.units_per_step
   dropped = set()
   for at, worker, kind in spec.membership.events(start, end):
     units = None
@@ -450,10 +378,10 @@ def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray
 def _count_round(run: Run, fragment: int, loss: Any, workers: Optional[int] = None) -> None:
   """The bytes and network seconds of a round's all-reduce of ``fragment`` among ``workers``
   (default all), and its row."""
-  s, up = run.state, run.uplink.bytes_up[fragment]
+  up = run.uplink.bytes_up[fragment]
   k = run.spec.num_workers if workers is None else workers
   network = k * run.clock.exposed_allreduce(fragment) if run.clock.simulated else None
-  s.sync(2 * k * up, network)  # all-reduce: each worker's Δ out, the mean back
+  run.features.traffic.sync(2 * k * up, network)  # all-reduce: each worker's Δ out, the mean back
   _emit_train(run, loss, fragment=fragment, bytes_up=k * up, bytes_down=k * up)
 
 
@@ -463,12 +391,13 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
   it; the new θ_p replaces (α = 1) or blends into each worker's fragment, τ steps later.
   Workers never restart as a whole: their steps and optimizer states carry on."""
   s, spec, k = run.state, run.spec, run.spec.num_workers
+  f = run.features
   executor, inner, fragments = run.executor, run.executor.inner, run.fragments
   steps, tau, alpha = spec.inner_steps // spec.fragments, spec.overlap_steps, spec.fragment_alpha
   if s.phase != "rounds":
     s.phase = "rounds"
     s.workers = inner.start_many(executor.to_rounds(run.server.params), None, k)
-    s.fragment_versions, s.syncs = [0] * spec.fragments, [0]
+    f.streaming.fragment_versions, f.streaming.syncs = [0] * spec.fragments, [0]
 
   def merged(states, p):  # fragment p's new θ_p in every worker's params
     local = fragments.take(states.params, p)
@@ -478,7 +407,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
         states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
 
   while True:
-    j = s.syncs[0] + 1
+    j = f.streaming.syncs[0] + 1
     p = j % spec.fragments
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, steps) for i in range(k)])
     keys = jnp.stack([run.next_key()] * k)
@@ -486,7 +415,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       states, metrics = executor.run_round(s.workers, batches, keys, None)
       loss = inner_lib.train_loss(metrics)
     else:  # τ steps while fragment j − 1's sync is in flight, then it lands
-      head, tail = _split_steps(batches, tau, axis=1)
+      head, tail = streaming.split_steps(batches, tau, axis=1)
       states, first = executor.run_round(s.workers, head, keys, None)
       states, second = executor.run_round(merged(states, (j - 1) % spec.fragments), tail,
                                           keys, None)
@@ -507,17 +436,17 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
           states.params, theta))
     server = run.server.fragment(p)
     ends = fragments.take(states.params, p)
-    if s.compression is not None:
-      delta, s.compression[p] = run.uplink.round_delta(server.params, ends, accepted,
-                                                       s.compression[p])
+    if f.compression.states is not None:
+      delta, f.compression.states[p] = run.uplink.round_delta(server.params, ends, accepted,
+                                                       f.compression.states[p])
     elif accepted.any():
       delta = executor.round_delta(server.params, ends, accepted)
     if accepted.any():
       server.apply(delta, 0)
       s.version += 1
-      s.fragment_versions[p] += 1
+      f.streaming.fragment_versions[p] += 1
     s.workers = merged(states, p) if tau == 0 else states
-    s.syncs[0] = j
+    f.streaming.syncs[0] = j
     _count_round(run, p, loss)
     yield
 
@@ -526,6 +455,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
   """DDP steps in chunks of H (all of the budget when ``steps`` is None); the final
   state is ``run.state.workers``."""
   s, spec, k = run.state, run.spec, run.spec.num_workers
+  f = run.features
   membership = spec.membership
   if s.phase != "ddp":
     s.phase, s.workers = "ddp", run.executor.inner.start_jit(
@@ -565,7 +495,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
     # Every step all-reduces the gradient: each worker's out, the mean back.
     gradient = run.uplink.model_bytes
     for step in range(chunk):
-      s.sync(2 * workers * gradient, None if planned is None else workers * planned[step][1])
+      f.traffic.sync(2 * workers * gradient, None if planned is None else workers * planned[step][1])
     s.version += chunk if workers else 0
     s.units += chunk * workers * spec.units_per_step
     s.sim_time += seconds

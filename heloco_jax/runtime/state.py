@@ -1,7 +1,8 @@
 """A run's parts: its spec and budget, state, streams, rows, and the ``Run`` the loops take.
 
-``RunSpec`` (with its ``Budget``) says what a run is; ``RunState`` is the host
-side of where it stands (what a checkpoint's meta holds); ``WorkerStream``
+``RunSpec`` (with its ``Budget``) says what a run is; ``RunState`` holds the
+engine's counters and ``Features`` each feature's own state (each a checkpoint
+entry: ``entry_of``, ``arrays_of``, ``load_entry``); ``WorkerStream``
 reads a worker's batches and can save and restore its position;
 ``Recorder`` keeps the metrics rows, fetching their device scalars in
 batches. ``Run`` holds all of them with the runtime's parts (executor, clock)
@@ -21,9 +22,11 @@ from heloco_jax.comm import cost
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.comm import uplink as uplink_lib
+from heloco_jax.runtime import streaming as streaming_lib
 from heloco_jax.training import checks
 from heloco_jax.training import membership as membership_lib
 from heloco_jax.training import methods as methods_lib
+from heloco_jax.training import rejection as rejection_lib
 from heloco_jax.training import server as server_lib
 
 Row = dict[str, Any]
@@ -241,102 +244,84 @@ class Recorder:
 
 
 @dataclasses.dataclass
-class Job:
-  """A dispatched worker's result, waiting for its finish time.
-
-  ``delta`` is None while the work is deferred: ``work`` then computes
-  (end state, Δ, mean training loss) from the inputs fixed at dispatch
-  (simulated clock). With fragments, Δ is that of ``fragment`` and ``version``
-  the fragment's version when the worker last received it.
-  """
-  delta: Any
-  version: int
-  units: int
-  finish: float
-  work: Optional[Callable[[], tuple[Any, Any, Any]]] = None
-  train_loss: Any = None
-  fragment: int = 0
-
-
-@dataclasses.dataclass
 class RunState:
-  """The host side of a run's state: counters, cadences and the loop's position.
+  """The engine's own counters: where the run stands and the loop's position.
 
   ``phase`` says which loop runs (None before the first, "ddp", "rounds",
-  "async"); ``workers`` holds the workers' inner states, ``compression`` their
-  compressor states (``Uplink``; None without a compressor) and ``jobs`` the
-  work in flight. ``bytes_sent``, ``peak_bytes_per_sync`` and ``network_seconds``
-  add up the transfers of the work that reached the server (docs/DESIGN.md,
-  summary.json).
+  "async"); ``workers`` holds the workers' inner states (the checkpoint's
+  "workers" arrays) and ``jobs`` the work in flight. Each feature keeps its own
+  state (``Features``).
   """
   units: int = 0
   sim_time: float = 0.0
   version: int = 0
   staleness: list = dataclasses.field(default_factory=list)
   phase: Optional[str] = None
-  workers: Any = None
-  compression: Any = None
-  jobs: dict = dataclasses.field(default_factory=dict)
   ddp_remaining: Optional[int] = None
-  rejected: int = 0
-  rejected_units: int = 0
-  rejected_in_a_row: Any = 0
+  next_checkpoint: int = 0
+  wall_before: float = 0.0
+  workers: Any = dataclasses.field(default=None, metadata={"array": "workers"})
+  jobs: dict = dataclasses.field(default_factory=dict, metadata={"jobs": True})
+
+  def restored(self) -> None:
+    self.staleness = list(self.staleness)
+
+
+@dataclasses.dataclass
+class EvaluationState:
+  """The evaluations so far (a checkpoint's "evaluation" entry): the first and the last
+  row, and the units at which the next one is due (inf: none before the end)."""
   initial_eval: Row = dataclasses.field(default_factory=dict)
   last_eval: Row = dataclasses.field(default_factory=dict)
   next_eval: float = 0
-  next_checkpoint: int = 0
-  wall_before: float = 0.0
-  bytes_sent: int = 0
-  peak_bytes_per_sync: int = 0
-  network_seconds: float = 0.0
-  # Fragments: each fragment's version; per worker, its syncs so far and the version of each
-  # fragment when it last received it; the round loop's syncs so far; the anchors (per worker,
-  # θ as it last received each fragment: the start of the fragment's Δ).
-  fragment_versions: list = dataclasses.field(default_factory=list)
-  syncs: list = dataclasses.field(default_factory=list)
-  received: list = dataclasses.field(default_factory=list)
-  anchors: Any = None
-  # The syncer's adaptive grace window: ḡ, the mean gap between arrivals, and the last
-  # arrival's time (``heloco_jax.comm.syncer.update_gap``).
-  mean_gap: Optional[float] = None
-  last_arrival: Optional[float] = None
-  # Elastic membership: per worker away or about to leave, [time, "leave" | "join", the units
-  # of the dispatch it loses]; the units every dispatch held, and those lost to departures.
-  away: dict = dataclasses.field(default_factory=dict)
-  dispatched_units: int = 0
-  dropped_units: int = 0
 
-  META = ("units", "sim_time", "version", "staleness", "phase", "ddp_remaining",
-          "rejected", "rejected_units", "rejected_in_a_row", "initial_eval", "last_eval",
-          "next_eval", "next_checkpoint", "wall_before", "bytes_sent", "peak_bytes_per_sync",
-          "network_seconds", "fragment_versions", "syncs", "received", "mean_gap",
-          "last_arrival", "away", "dispatched_units", "dropped_units")
+  def restored(self) -> None:
+    self.next_eval = math.inf if self.next_eval is None else self.next_eval  # JSON has no inf
 
-  def meta(self) -> dict[str, Any]:
-    """The JSON-serialisable fields (a checkpoint's meta)."""
-    meta = {name: getattr(self, name) for name in self.META}
-    meta["next_eval"] = None if self.next_eval == math.inf else self.next_eval
-    meta["jobs"] = [[w, job.version, job.units, job.finish]
-                    for w, job in sorted(self.jobs.items())]
-    return meta
 
-  def sync(self, bytes_moved: int, network_seconds: Optional[float]) -> None:
-    """Counts one outer update's transfers (``network_seconds`` None: not known)."""
-    self.bytes_sent += bytes_moved
-    self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, bytes_moved)
-    self.network_seconds += network_seconds or 0.0
+@dataclasses.dataclass
+class Features:
+  """Each feature's own state, restored from the checkpoint entry of its field's name
+  (docs/DESIGN.md, "Checkpoints"); its arrays go under their field's ``metadata["array"]``."""
+  rejection: rejection_lib.RejectionState = dataclasses.field(
+      default_factory=rejection_lib.RejectionState)
+  traffic: cost.Traffic = dataclasses.field(default_factory=cost.Traffic)
+  streaming: streaming_lib.StreamingState = dataclasses.field(
+      default_factory=streaming_lib.StreamingState)
+  syncer: syncer_lib.SyncerState = dataclasses.field(default_factory=syncer_lib.SyncerState)
+  membership: membership_lib.MembershipState = dataclasses.field(
+      default_factory=membership_lib.MembershipState)
+  compression: uplink_lib.CompressionState = dataclasses.field(
+      default_factory=uplink_lib.CompressionState)
+  evaluation: EvaluationState = dataclasses.field(default_factory=EvaluationState)
 
-  def load(self, meta: dict[str, Any], pending: list[Any], workers: Any,
-           compression: Any = None, anchors: Any = None) -> None:
-    for name in self.META:  # keys added since a checkpoint was written keep their defaults
-      setattr(self, name, meta.get(name, getattr(self, name)))
-    self.staleness = list(self.staleness)
-    self.away = {int(w): event for w, event in self.away.items()}  # JSON keys are strings
-    self.next_eval = math.inf if meta["next_eval"] is None else meta["next_eval"]
-    # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
-    self.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])
-                 for entry, delta in zip(meta["jobs"], pending)}
-    self.workers, self.compression, self.anchors = workers, compression, anchors
+  def items(self) -> list[tuple[str, Any]]:
+    return [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]
+
+
+def entry_of(state: Any) -> dict[str, Any]:
+  """A state's JSON fields (its checkpoint entry): every field but its arrays and jobs;
+  inf as None (JSON has no inf)."""
+  return {f.name: None if getattr(state, f.name) == math.inf else getattr(state, f.name)
+          for f in dataclasses.fields(state) if not f.metadata}
+
+
+def arrays_of(state: Any) -> dict[str, Any]:
+  """A state's arrays by their checkpoint name (None: not saved)."""
+  return {f.metadata["array"]: getattr(state, f.name) for f in dataclasses.fields(state)
+          if "array" in f.metadata and getattr(state, f.name) is not None}
+
+
+def load_entry(state: Any, entry: dict[str, Any], arrays: dict[str, Any]) -> None:
+  """Sets ``state`` from its checkpoint entry and arrays (fields added since the checkpoint
+  was written keep their defaults), then calls its ``restored`` hook if it has one."""
+  for f in dataclasses.fields(state):
+    if "array" in f.metadata:
+      setattr(state, f.name, arrays.get(f.metadata["array"]))
+    elif not f.metadata and f.name in entry:
+      setattr(state, f.name, entry[f.name])
+  if hasattr(state, "restored"):
+    state.restored()
 
 
 @dataclasses.dataclass
@@ -353,7 +338,8 @@ class Run:
     fragments: θ's split (``heloco_jax.comm.fragments.Fragments``; one fragment: θ).
     streams: the K workers' ``WorkerStream``s.
     recorder: the metrics rows.
-    state: the host side of where the run stands.
+    state: the engine's counters (``RunState``).
+    features: each feature's own state (``Features``).
     streak: non-finite pseudo-gradients in a row (``rejection.RejectionStreak``).
     key: the run's PRNG key stream.
     model_states: the server's copy of the model state and the workers' keys
@@ -369,6 +355,7 @@ class Run:
   streams: list[WorkerStream]
   recorder: Recorder
   state: RunState
+  features: Features
   streak: Any
   key: jax.Array
   model_states: Any = None
@@ -393,8 +380,8 @@ class Run:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "
                           f"{job.version}) failed in loss_fn or inner_tx: {first}") from error
-      if self.state.compression is not None:
-        states = self.state.compression[worker]
+      if self.features.compression.states is not None:
+        states = self.features.compression.states[worker]
         job.delta, states[job.fragment] = self.uplink.send(job.delta, states[job.fragment])
       job.work = None
     return job.delta
@@ -413,8 +400,7 @@ class Run:
 
   def reject(self, worker: int, reason: str, staleness: int, units: int) -> None:
     """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient of ``units`` units."""
-    self.state.rejected += 1
-    self.state.rejected_units += units
+    self.features.rejection.reject(units)
     self.emit({"event": "rejected", "worker": worker, "reason": reason,
                "staleness": staleness, "sim_time": self.state.sim_time,
                "outer_updates": self.state.version})

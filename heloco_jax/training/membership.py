@@ -146,3 +146,16 @@ def refusal(membership: Membership, *, num_workers: int, simulated: bool, fragme
     if cannot:
       return f"not with {what} yet"
   return None
+
+
+@dataclasses.dataclass
+class MembershipState:
+  """Where membership stands in a run (a checkpoint's "membership" entry): per worker away
+  or about to leave, [time, "leave" | "join", the units of the dispatch it loses]; the units
+  every dispatch held, and those lost to departures."""
+  away: dict = dataclasses.field(default_factory=dict)
+  dispatched_units: int = 0
+  dropped_units: int = 0
+
+  def restored(self) -> None:
+    self.away = {int(w): event for w, event in self.away.items()}  # JSON keys are strings

@@ -8,6 +8,7 @@ a pseudo-gradient for the fault tests (``tests/faults.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional
 
@@ -52,6 +53,19 @@ def screen(deltas: list[Any]) -> list[Optional[str]]:
 def default_limit(num_workers: int) -> int:
   """The rejection limit when none is set: K rejections in a row, at least 2."""
   return max(2, num_workers)
+
+
+@dataclasses.dataclass
+class RejectionState:
+  """What the rejection policy counted (a checkpoint's "rejection" entry): pseudo-gradients
+  rejected, the units they held, and ``RejectionStreak``'s state at the checkpoint."""
+  rejected: int = 0
+  rejected_units: int = 0
+  rejected_in_a_row: Any = 0
+
+  def reject(self, units: int) -> None:
+    self.rejected += 1
+    self.rejected_units += units
 
 
 class RejectionStreak:

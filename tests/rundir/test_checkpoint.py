@@ -189,10 +189,10 @@ def _resume(config, workdir, step):
   engine = _engine(config)
   ckpt = _checkpoints(workdir)
   try:
-    _, arrays, meta = ckpt.restore(engine.state_template, step=step)
+    _, arrays, meta = ckpt.restore(engine.template, step=step)
   finally:
     ckpt.close()
-  engine.load_state(arrays, meta)
+  engine.restore(arrays, meta)
   return (*_finish(engine), meta)
 
 
@@ -233,7 +233,7 @@ def test_a_checkpoint_from_another_model_is_refused(tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     with pytest.raises(checkpoint.CheckpointError, match="other shapes than this run's"):
-      ckpt.restore(bigger.state_template)
+      ckpt.restore(bigger.template)
   ckpt.close()
 
 
@@ -243,11 +243,11 @@ def test_a_checkpoint_from_before_train_losses_were_kept_still_resumes(tmp_path)
   ckpt = _checkpoints(tmp_path)
   step = ckpt.steps()[len(ckpt.steps()) // 2]
   resumed = _engine(config)
-  _, arrays, meta = ckpt.restore(resumed.state_template, step=step)
+  _, arrays, meta = ckpt.restore(resumed.template, step=step)
   ckpt.close()
   assert all(isinstance(entry[4], float) for entry in meta["jobs"])
   meta["jobs"] = [entry[:4] for entry in meta["jobs"]]  # the layout before train losses
-  resumed.load_state(arrays, meta)
+  resumed.restore(arrays, meta)
   _, resumed_rows = _finish(resumed)
   without_loss = lambda rs: [{k: v for k, v in r.items() if k != "train_loss"} for r in rs]
   assert without_loss(resumed_rows) == without_loss(rows[meta["metrics"]["rows"]:])

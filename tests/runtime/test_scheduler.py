@@ -195,13 +195,13 @@ def test_work_in_flight_is_computed_lazily_with_the_same_numbers(monkeypatch):
   # which the budget discards (the next arrival runs ahead only within the budget).
   assert len(runs) == arrivals < 8 + arrivals
 
-  # Eager: checkpoint_state() at every row computes all work in flight, as computing at
+  # Eager: snapshot() at every row computes all work in flight, as computing at
   # dispatch does.
   runs.clear()
   engine, _ = harness.engine_of_config(config, _dataset(config.num_workers))
   def force(row):
     if engine.state.workers is not None:
-      engine.checkpoint_state()
+      engine.snapshot()
   asyncio.run(engine.run(force))
   assert len(runs) == 8 + arrivals
   assert engine.rows == lazy_rows

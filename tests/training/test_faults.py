@@ -90,7 +90,7 @@ class _Traced:
       sim = self.sim
       # state() runs the steps of work still deferred (lazy in-flight work), so a
       # worker's state is the one after its last dispatch.
-      workers = None if sim.state.workers is None else sim.checkpoint_state()[0]["workers"]
+      workers = None if sim.state.workers is None else sim.snapshot()[0]["workers"]
       self.snapshots.append({"params": _copy(sim.params), "outer_state": _copy(sim.outer_state),
                              "workers": _copy(workers)})
 

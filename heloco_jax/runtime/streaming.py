@@ -1,0 +1,126 @@
+"""Streaming DiLoCo's fragments in a run (docs/ALGORITHMS.md, "Fragments"): the state a
+streaming run keeps per fragment and per worker, and the asynchronous loop's hooks, the
+dispatch of a fragment's H/P steps and what a worker received.
+
+The round loop's streaming (``loops.run_rounds``) shares ``split_steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from heloco_jax.comm import fragments as fragments_lib
+from heloco_jax.runtime.base import Job
+
+if TYPE_CHECKING:
+  from heloco_jax.runtime.state import Run
+
+
+@dataclasses.dataclass
+class StreamingState:
+  """A streaming run's fragments (a checkpoint's "streaming" entry): each fragment's version;
+  per worker, its syncs so far (the round loop: one count) and the version of each fragment
+  when it last received it; the anchors (per worker, θ as it last received each fragment:
+  the start of the fragment's Δ; saved as the "anchors" arrays)."""
+  fragment_versions: list = dataclasses.field(default_factory=list)
+  syncs: list = dataclasses.field(default_factory=list)
+  received: list = dataclasses.field(default_factory=list)
+  anchors: Any = dataclasses.field(default=None, metadata={"array": "anchors"})
+
+  def start(self, fragments: int, num_workers: int) -> None:
+    """The asynchronous loop's first state: every worker receives θ as a whole first."""
+    self.fragment_versions = [0] * fragments
+    self.syncs, self.received = [0] * num_workers, [None] * num_workers
+    self.anchors = [None] * num_workers
+
+  def restart(self, worker: int) -> None:
+    """``worker`` comes back to θ as a whole (a rejection, a departure; FAILURES.md)."""
+    self.syncs[worker] = 0
+
+
+def received(run: Run, worker: int) -> Optional[int]:
+  """What the worker whose work arrives received when it was dispatched: None for θ as a
+  whole, or with fragments the fragment it had sent before."""
+  syncs = run.features.streaming.syncs[worker] if run.spec.streaming else 0
+  return None if syncs <= 1 else (syncs - 1) % run.spec.fragments
+
+
+def dispatch_fragment(run: Run, worker: int, now: float) -> Job:
+  """A worker's next H/P steps, which end in its next fragment's Δ (ALGORITHMS.md,
+  "Fragments"). It first receives the fragment it sent last (its server's dispatch point;
+  all of θ at a first dispatch), which replaces (α = 1) or blends into its own after τ
+  steps; the Δ of fragment p is its anchor (p as last received) − the end's p."""
+  f, spec, fragments = run.features.streaming, run.spec, run.fragments
+  steps = spec.inner_steps // spec.fragments
+  last = f.syncs[worker]
+  if last == 0:  # θ as a whole: a first dispatch, or after a rejection
+    start = run.server.dispatch_point()
+    f.anchors[worker], f.received[worker] = start, list(f.fragment_versions)
+    received, arrived = None, None
+  else:
+    received = last % spec.fragments
+    arrived = run.server.fragment(received).dispatch_point()
+    f.anchors[worker] = fragments.put(f.anchors[worker], arrived, received)
+    f.received[worker][received] = f.fragment_versions[received]
+    start = None
+  f.syncs[worker] = last + 1
+  sent = f.syncs[worker] % spec.fragments
+  work = functools.partial(_fragment_work, run, worker, run.state.workers[worker], start,
+                           arrived, received, fragments.take(f.anchors[worker], sent), sent,
+                           run.batches(worker, steps), run.next_key())
+  finish = run.clock.fragment_arrival(worker, steps, now, received, sent)
+  return Job(None, f.received[worker][sent], steps * spec.units_per_step, finish, work,
+             fragment=sent)
+
+
+def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: Any,
+                   received: Optional[int], anchor: Any, sent: int, batches: Any,
+                   key: jax.Array) -> tuple[Any, Any, Any]:
+  """``dispatch_fragment``'s steps: (end state, Δ of fragment ``sent``, mean training
+  loss)."""
+  executor, fragments = run.executor, run.fragments
+  alpha, tau = run.spec.fragment_alpha, run.spec.overlap_steps
+  steps = jax.tree.leaves(batches)[0].shape[0]
+
+  def merged(params):  # the arrived fragment in the worker's params
+    local = fragments.take(params, received)
+    return fragments.put(params, fragments_lib.merge_arrived(alpha, _on(arrived, local), local),
+                         received)
+
+  if start is not None:
+    state, _, loss = executor.run_worker(worker, previous, start, batches, key)
+  elif tau == 0:
+    state, _, loss = executor.run_worker(worker, previous, merged(previous.params), batches, key)
+  else:  # τ steps while the fragment is in flight, then the rest
+    head, tail = split_steps(batches, tau, axis=0)
+    first, second = jax.random.split(key)
+    state, _, head_loss = executor.run_worker(worker, previous, previous.params, head, first)
+    state, _, tail_loss = executor.run_worker(worker, state, merged(state.params), tail, second)
+    loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps, head_loss, tail_loss)
+  return state, _subtract(anchor, _on(fragments.take(state.params, sent), anchor)), loss
+
+
+def split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
+  """``batches`` cut after ``tau`` steps along ``axis``."""
+  head = jax.tree.map(lambda x: np.take(x, np.arange(tau), axis=axis), batches)
+  tail = jax.tree.map(lambda x: np.take(x, np.arange(tau, x.shape[axis]), axis=axis), batches)
+  return head, tail
+
+
+def _on(tree: Any, like: Any) -> Any:
+  """``tree`` on the device of ``like``'s first leaf (workers may compute on other devices
+  than the server's)."""
+  device = next(iter(jax.tree.leaves(like)[0].devices()))
+  return jax.device_put(tree, device)
+
+
+@jax.jit
+
+def _subtract(a: Any, b: Any) -> Any:
+  return jax.tree.map(jnp.subtract, a, b)
