@@ -51,6 +51,14 @@ def main(out):
   result["diloco_devices"] = run(tiny.config("diloco", 4, runtime="devices", **budget,
                                              **{"devices.group_sizes": "1,1,1,1"}))
   result["diloco_devices_split"] = run(tiny.config("diloco", 4, runtime="devices", **budget))
+  # Fragments (hj.Streaming; issue 58): async HeLoCo's fragment arrivals on device groups, and
+  # Streaming DiLoCo's rounds with overlap on devices and on the simulated runtime.
+  streaming = {"inner_steps": 4, "streaming.fragments": 2, "streaming.overlap_steps": 1}
+  result["heloco_fragments"] = run(tiny.config("heloco", 4, runtime="devices", **budget,
+                                               **streaming))
+  result["diloco_fragments_simulated"] = run(tiny.config("diloco", 4, **budget, **streaming))
+  result["diloco_fragments_devices"] = run(tiny.config(
+      "diloco", 4, runtime="devices", **budget, **streaming, **{"devices.group_sizes": "1,1,1,1"}))
   with open(out, "w") as f:
     json.dump(result, f)
 

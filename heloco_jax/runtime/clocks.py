@@ -205,8 +205,9 @@ class SimulatedClock:
     (at the slowest worker's speed) do not hide: all of it without overlap."""
     return max(0.0, self.allreduces[fragment] - self.overlap_steps * self._slowest)
 
-  def fragment_round_seconds(self, steps: int, fragment: int) -> float:
+  def fragment_round_seconds(self, steps: int, fragment: int, start: float) -> float:
     """A round of ``steps`` steps that ends in fragment ``fragment``'s exposed all-reduce."""
+    del start  # the round's seconds are simulated
     compute = max(self.steps.duration(i, steps) for i in range(self.num_workers))
     return compute + self.exposed_allreduce(fragment)
 
@@ -261,6 +262,15 @@ class RealClock:
 
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float:
     del real_steps
+    return self.now() - start
+
+  def fragment_arrival(self, worker: int, steps: int, now: float, received: Optional[int],
+                       sent: int) -> float:
+    del worker, steps, received, sent
+    return now  # the arrivals queue reads the time when the devices finish
+
+  def fragment_round_seconds(self, steps: int, fragment: int, start: float) -> float:
+    del steps, fragment
     return self.now() - start
 
   def plan_ddp(self, chunk: int, start: float, limit: float,

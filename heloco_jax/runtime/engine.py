@@ -116,6 +116,10 @@ class Engine:
     if compressor is not None and not getattr(executor, "compresses", False):
       raise ValueError(f"compression is not allowed on {executor.describe()}; allowed: the "
                        "simulated runtime (runtime=None or hj.simulated_runtime())")
+    if spec.streaming and getattr(executor, "multiprocess", False):
+      raise ValueError(f"streaming.fragments={spec.fragments} is not allowed across "
+                       f"{jax.process_count()} processes; allowed: 1 (fragments run in one "
+                       "process)")
     self.spec = spec
     self.method = spec.method
     self.on_row = on_row

@@ -422,7 +422,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps,
                           inner_lib.train_loss(first), inner_lib.train_loss(second))
     units = s.units + k * steps * spec.units_per_step
-    duration = run.clock.fragment_round_seconds(steps, p)
+    duration = run.clock.fragment_round_seconds(steps, p, s.sim_time)
     if spec.budget.over(units, s.sim_time + duration):
       return
     s.units, s.sim_time = units, s.sim_time + duration

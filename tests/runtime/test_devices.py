@@ -152,3 +152,18 @@ def test_sync_diloco_on_the_workers_mesh_equals_the_simulated_runtime(probe):
     assert _relative_difference(probe[name]["params"], simulated["params"]) < 0.02
     np.testing.assert_allclose(_eval_losses(probe[name]), _eval_losses(simulated), rtol=2e-3)
   assert _relative_difference(probe["heloco"]["params"], simulated["params"]) > 0.2
+
+
+def test_fragments_run_on_device_groups(probe):
+  """Issue 58: the devices runtime carries hj.Streaming: asynchronous fragment arrivals learn,
+  and Streaming DiLoCo's rounds (τ = 1) equal the simulated runtime's."""
+  run = probe["heloco_fragments"]
+  assert run["summary"]["final_val_loss"] < run["summary"]["initial_val_loss"] - 1.0
+  arrivals = _arrivals(run)
+  assert {a["fragment"] for a in arrivals} == {0, 1}
+  simulated, devices = probe["diloco_fragments_simulated"], probe["diloco_fragments_devices"]
+  assert devices["summary"]["bytes_sent"] == simulated["summary"]["bytes_sent"]
+  assert devices["summary"]["outer_updates"] == simulated["summary"]["outer_updates"]
+  assert _relative_difference(devices["params"], simulated["params"]) < 0.02
+  np.testing.assert_allclose(_eval_losses(devices), _eval_losses(simulated), rtol=2e-3)
+
