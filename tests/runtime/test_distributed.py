@@ -228,6 +228,7 @@ def test_a_second_process_0_is_refused_in_one_line(tmp_path):
   assert "each process_id once" in second.stderr
 
 
+@pytest.mark.slow  # 170–210 s on 2 cores: -m slow keeps the default suite nearer 15 minutes
 def test_a_killed_peer_stops_the_other_process_in_one_line_and_the_run_resumes(tmp_path):
   """Issue 61: kill -9 of process 1 mid-run. Before: about 100 s later process 0 aborted
   (rc 134, a C++ stack dump, no message). Now it stops within processes.PEER_TIMEOUT_S (30 s)
