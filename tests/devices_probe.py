@@ -1,6 +1,7 @@
 """Runs the devices runtime on 8 host CPU devices and prints what tests/runtime/test_devices.py checks.
 
-Run as ``python tests/devices_probe.py OUT.json`` (a subprocess: the device
+Run as ``python tests/devices_probe.py OUT.json [--slow]`` (the default suite's runs, or
+those of ``-m slow``; a subprocess: the device
 count is fixed when JAX starts, so the test process itself cannot have 8).
 """
 
@@ -36,32 +37,45 @@ def run(config):
           "param_devices": devices}
 
 
-def main(out):
+def main(out, slow=False):
   budget = {"budget.tokens": 6_000, "eval_every_tokens": 3_000}
-  result = {"num_devices": jax.device_count()}
-  # Async HeLoCo, 4 workers × 2 devices; worker 3 waits twice its compute.
-  result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget,
-                                     **{"devices.slowdown": "1,1,1,3", "devices.server": 7}))
-  # Unequal groups (1, 1, 2, 4 devices) for an async method.
-  result["mla_unequal"] = run(tiny.config("mla", 4, runtime="devices", **budget,
-                                          **{"devices.group_sizes": "1,1,2,4"}))
-  # Sync DiLoCo on a workers mesh (one device each, then two: the batch split over them),
-  # and on the simulated runtime.
-  result["diloco_simulated"] = run(tiny.config("diloco", 4, **budget))
-  result["diloco_devices"] = run(tiny.config("diloco", 4, runtime="devices", **budget,
-                                             **{"devices.group_sizes": "1,1,1,1"}))
-  result["diloco_devices_split"] = run(tiny.config("diloco", 4, runtime="devices", **budget))
-  # Fragments (hj.Streaming; issue 58): async HeLoCo's fragment arrivals on device groups, and
-  # Streaming DiLoCo's rounds with overlap on devices and on the simulated runtime.
   streaming = {"inner_steps": 4, "streaming.fragments": 2, "streaming.overlap_steps": 1}
-  result["heloco_fragments"] = run(tiny.config("heloco", 4, runtime="devices", **budget,
-                                               **streaming))
-  result["diloco_fragments_simulated"] = run(tiny.config("diloco", 4, **budget, **streaming))
-  result["diloco_fragments_devices"] = run(tiny.config(
-      "diloco", 4, runtime="devices", **budget, **streaming, **{"devices.group_sizes": "1,1,1,1"}))
+  int8 = {"compression.kind": "int8", "compression.error_feedback": True}
+  result = {"num_devices": jax.device_count()}
+  if not slow:
+    # Async HeLoCo, 4 workers × 2 devices; worker 3 waits twice its compute.
+    result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget,
+                                       **{"devices.slowdown": "1,1,1,3", "devices.server": 7}))
+    # Fragments (hj.Streaming) and compressed Δ with error feedback (issue 58): async HeLoCo's
+    # fragment arrivals on 4 one-device groups.
+    result["heloco_fragments"] = run(tiny.config(
+        "heloco", 4, runtime="devices", **budget, **streaming, **int8,
+        **{"devices.group_sizes": "1,1,1,1"}))
+    # One worker on one device: its arrivals come in one order on either clock, so the split
+    # compression (payload across devices) must equal the simulated runtime's bit for bit.
+    one = {"budget.tokens": 2_000, "eval_every_tokens": 1_000, **streaming, **int8}
+    result["heloco_one_simulated"] = run(tiny.config("heloco", 1, **one))
+    result["heloco_one_devices"] = run(tiny.config("heloco", 1, runtime="devices", **one,
+                                                   **{"devices.group_sizes": "1"}))
+  else:  # -m slow: the default suite stays under 15 minutes
+    # Unequal groups (1, 1, 2, 4 devices) for an async method.
+    result["mla_unequal"] = run(tiny.config("mla", 4, runtime="devices", **budget,
+                                            **{"devices.group_sizes": "1,1,2,4"}))
+    # Sync DiLoCo on a workers mesh (one device each, then two: the batch split over them),
+    # and on the simulated runtime.
+    result["diloco_simulated"] = run(tiny.config("diloco", 4, **budget))
+    result["diloco_devices"] = run(tiny.config("diloco", 4, runtime="devices", **budget,
+                                               **{"devices.group_sizes": "1,1,1,1"}))
+    result["diloco_devices_split"] = run(tiny.config("diloco", 4, runtime="devices", **budget))
+    # Compressed Streaming DiLoCo's rounds with overlap, on devices and on the simulated runtime.
+    result["diloco_fragments_simulated"] = run(tiny.config("diloco", 4, **budget, **streaming,
+                                                           **int8))
+    result["diloco_fragments_devices"] = run(tiny.config(
+        "diloco", 4, runtime="devices", **budget, **streaming, **int8,
+        **{"devices.group_sizes": "1,1,1,1"}))
   with open(out, "w") as f:
     json.dump(result, f)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(sys.argv[1], slow="--slow" in sys.argv[2:])

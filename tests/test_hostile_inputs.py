@@ -96,8 +96,6 @@ def test_the_cli_prints_the_stop_reason_instead_of_done(tmp_path, capsys):
 @pytest.mark.parametrize("overrides, key", [
     (["--config.method=ddp", "--config.compression.error_feedback=true"],
      "config.compression.error_feedback=True is not allowed; allowed: False with method='ddp'"),
-    (["--config.runtime=devices", "--config.compression.error_feedback=true"],
-     "config.compression.error_feedback=True is not allowed; allowed: False with runtime="),
     (["--config.compression.kind=int8", "--config.compression.block=1000000000"],
      "config.compression.block=1000000000 is not allowed"),
     (["--config.chaos.rate=1", "--config.chaos.downtime=1e-300"],

@@ -606,12 +606,44 @@ def by_name(
 # --------------------------------------------------------------------------------------------
 # in a run: how a worker's Δ reaches the server
 # --------------------------------------------------------------------------------------------
+class Message(NamedTuple):
+  """What a worker sends of its Δ (``send``): the compressor's payload, and whether Δ held
+  NaN or ±Inf (two flags beside the payload; a Δ that held either is rejected)."""
+  payload: Any
+  has_nan: jax.Array
+  has_inf: jax.Array
+
+
+def send(compressor: Compressor, delta: Any, state: Any) -> tuple[Message, Any]:
+  """The worker's side of ``transmit``: (its ``Message``, its next compressor state).
+
+  Runs where Δ is (a worker's devices); only the message crosses to the server
+  (``receive``). The state is left as it was when Δ or its compression is not finite.
+  """
+  payload, new_state = compressor.compress(delta, state)
+  received = _decompressed(compressor, payload, delta)
+  has_nan, has_inf = _nonfinite(delta)
+  ok = ~(has_nan | has_inf) & _all_finite(received)
+  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+  return Message(payload, has_nan, has_inf), new_state
+
+
+def receive(compressor: Compressor, message: Message, like: Any) -> Any:
+  """The server's side of ``transmit``: D(payload) in the dtypes of ``like`` (Δ's shapes
+  and dtypes: arrays or ``jax.ShapeDtypeStruct``s). A Δ that held NaN (±Inf) is received as
+  NaN (+Inf) everywhere: rejected for the same reason as the Δ it stands for."""
+  received = _decompressed(compressor, message.payload, like)
+  fill = jnp.where(message.has_nan, jnp.nan, jnp.inf)
+  sent_finite = ~(message.has_nan | message.has_inf)
+  return jax.tree.map(lambda r: jnp.where(sent_finite, r, fill.astype(r.dtype)), received)
+
+
 def transmit(compressor: Compressor, delta: Any, state: Any) -> tuple[Any, Any]:
   """What the server receives of a worker's Δ, and the worker's next compressor state.
 
-  D(C(Δ)) in Δ's dtypes (ALGORITHMS.md, "Compression in a run"). A Δ that is
-  not finite is received as it is, and one whose compression is not finite
-  (e.g. bf16 overflow) as compressed: the server rejects both
+  D(C(Δ)) in Δ's dtypes (ALGORITHMS.md, "Compression in a run"): ``send`` then
+  ``receive`` in one program. A Δ that is not finite is received as it is, and one whose
+  compression is not finite (e.g. bf16 overflow) as compressed: the server rejects both
   (``heloco_jax.training.rejection``); the worker's state is then left as it was, so
   that an error-feedback residual never holds NaN. Pure: ``jax.jit`` and
   ``jax.vmap`` (over stacked workers) take it.
@@ -624,14 +656,21 @@ def transmit(compressor: Compressor, delta: Any, state: Any) -> tuple[Any, Any]:
   Returns:
     (received, state): a tree like Δ, and the state for the worker's next Δ.
   """
-  payload, new_state = compressor.compress(delta, state)
-  received = jax.tree.map(lambda r, d: jnp.asarray(r, d.dtype),
-                          compressor.decompress(payload), delta)
-  sent_finite = _all_finite(delta)
+  message, new_state = send(compressor, delta, state)
+  sent_finite = ~(message.has_nan | message.has_inf)
+  received = _decompressed(compressor, message.payload, delta)
   received = jax.tree.map(lambda r, d: jnp.where(sent_finite, r, d), received, delta)
-  ok = sent_finite & _all_finite(received)
-  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
   return received, new_state
+
+
+def _decompressed(compressor: Compressor, payload: Any, like: Any) -> Any:
+  return jax.tree.map(lambda r, d: jnp.asarray(r, d.dtype), compressor.decompress(payload), like)
+
+
+def _nonfinite(tree: Any) -> tuple[jax.Array, jax.Array]:
+  leaves = jax.tree.leaves(tree)
+  return (jnp.any(jnp.stack([jnp.any(jnp.isnan(x)) for x in leaves])),
+          jnp.any(jnp.stack([jnp.any(jnp.isinf(x)) for x in leaves])))
 
 
 def _all_finite(tree: Any) -> jax.Array:

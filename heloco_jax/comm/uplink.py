@@ -47,25 +47,42 @@ class Uplink:
     self.bytes_down = [compress_lib.payload_nbytes(None, part) for part in parts]
     self.model_bytes = compress_lib.payload_nbytes(None, params)
     if compressor is not None:
-      self._send = jax.jit(functools.partial(compress_lib.transmit, compressor))
+      self._transmit = jax.jit(functools.partial(compress_lib.transmit, compressor))
+      self._send = jax.jit(functools.partial(compress_lib.send, compressor))
+      self._receive = [jax.jit(functools.partial(compress_lib.receive, compressor,
+                                                 like=jax.eval_shape(lambda x: x, part)))
+                       for part in parts]
       self._init = jax.jit(compressor.init)
       self._round = jax.jit(functools.partial(_compressed_round_delta, compressor))
 
   def init(self, params: Any, num_workers: int, stacked: bool) -> Any:
     """The K workers' first compressor states, per fragment (None without a compressor):
-    ``[worker][fragment]``, or for rounds ``[fragment]`` stacked over workers on axis 0."""
+    ``[worker][fragment]``, or for rounds ``[fragment]`` stacked over workers on axis 0; host
+    arrays."""
     if self.compressor is None:
       return None
-    states = [self._init(self.fragments.take(params, p)) for p in range(self.fragments.num)]
+    # On the host: the first compression places them where the worker's Δ is.
+    states = [jax.device_get(self._init(self.fragments.take(params, p)))
+              for p in range(self.fragments.num)]
     if stacked:
-      return [jax.tree.map(lambda x: jnp.stack([x] * num_workers), state) for state in states]
+      return [jax.tree.map(lambda x: np.stack([x] * num_workers), state) for state in states]
     return [list(states) for _ in range(num_workers)]  # never changed in place
 
-  def send(self, delta: Any, state: Any) -> tuple[Any, Any]:
-    """(what the server receives of Δ, the worker's next state): ``compress.transmit``."""
+  def transmit(self, delta: Any, state: Any) -> tuple[Any, Any]:
+    """(what the server receives of Δ, the worker's next state): ``compress.transmit``, in
+    one program where Δ is (the simulated runtime)."""
     if self.compressor is None:
       return delta, state
+    return self._transmit(delta, state)
+
+  def send(self, delta: Any, state: Any) -> tuple[compress_lib.Message, Any]:
+    """The worker's half, where Δ and ``state`` are: (its message, its next state)."""
+    assert self.compressor is not None
     return self._send(delta, state)
+
+  def receive(self, message: compress_lib.Message, fragment: int) -> Any:
+    """The server's half, where ``message`` is: fragment ``fragment``'s Δ as received."""
+    return self._receive[fragment](message)
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray,
                   states: Any) -> tuple[Any, Any]:

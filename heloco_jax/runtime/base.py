@@ -113,6 +113,10 @@ class Executor(Protocol):
   def to_server(self, tree: Any) -> Any: ...
   def to_host(self, x: Any) -> np.ndarray: ...
 
+  def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
+    """A worker's Δ of fragment ``fragment`` as the server receives it, and the worker's next
+    compressor state (``state``; None without a compressor): ``uplink`` (``comm.uplink``)."""
+
   def agree(self, value: float) -> float:
     """``value`` as every process sees it (process 0's)."""
 
@@ -136,6 +140,11 @@ class RoundExecutor(Executor, Protocol):
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     """θ − the mean end parameters of the accepted workers, on the server."""
+
+  def compressed_round_delta(self, uplink: Any, params: Any, ends: Any, accepted: np.ndarray,
+                             states: Any) -> tuple[Any, Any]:
+    """``round_delta`` with every worker's Δ compressed (``Uplink.round_delta``): (the mean
+    received Δ on the server, the workers' next compressor states, stacked)."""
 
   def to_rounds(self, tree: Any) -> Any: ...
 
@@ -162,6 +171,14 @@ class OneProcess:
   def fetch(self, tree: Any, what: str) -> Any:
     del what
     return tree
+
+  def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
+    del fragment  # Δ is where θ is: compressed and received in one program
+    return uplink.transmit(delta, state)
+
+  def compressed_round_delta(self, uplink: Any, params: Any, ends: Any, accepted: np.ndarray,
+                             states: Any) -> tuple[Any, Any]:
+    return uplink.round_delta(params, ends, accepted, states)
 
 
 class Clock(Protocol):

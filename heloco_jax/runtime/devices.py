@@ -199,6 +199,7 @@ class DeviceExecutor(base.OneProcess):
     self.synchronies = base.SYNCHRONIES if self._round_mesh is not None else frozenset({"async"})
     self.process_count = jax.process_count()
     self.multiprocess = self.process_count > 1
+    self.compresses = not self.multiprocess  # across processes Δ is all-reduced SPMD
     self._round_delta = jax.jit(simulated.round_delta)
     if self.multiprocess:
       # jax.distributed (synchronous methods): everything lives on the one workers × data
@@ -235,6 +236,7 @@ class DeviceExecutor(base.OneProcess):
     self.synchronies = base.SYNCHRONIES
     self.process_count = jax.process_count()
     self.multiprocess = self.process_count > 1
+    self.compresses = not self.multiprocess  # across processes Δ is all-reduced SPMD
     # Across processes (synchronous methods, SPMD) θ lives on the round mesh, θ's specs
     # replicated over ``workers``, so that every process takes part in every program.
     self._server_layout = self._rounds if self.multiprocess else self.layout
@@ -322,14 +324,29 @@ class DeviceExecutor(base.OneProcess):
   def run_worker(self, worker, previous, start, batches, key):
     if self.layout is not None:
       put = self._workers[worker].put
-      state, delta, loss = simulated.compute_worker(
+      return simulated.compute_worker(
           self._inners[worker], put(previous), put(start), put(batches), put(key))
-      return state, self.to_server(delta), loss
     replicated = self._replicated[worker]
-    state, delta, loss = simulated.compute_worker(
+    return simulated.compute_worker(
         self.inner, self._put(previous, replicated), self._put(start, replicated),
         self._put(batches, self._split[worker]), self._put(key, replicated))
-    return state, self.to_server(delta), loss
+
+  def transmit(self, uplink, fragment, delta, state):
+    """Δ leaves the worker's devices as it is, or compressed there (its compressor state stays
+    on them) and decompressed on the server: only the compressor's payload crosses."""
+    if uplink.compressor is None:
+      return self.to_server(delta), state
+    on_worker = jax.tree.leaves(delta)[0].sharding
+    if any(not isinstance(x, jax.Array) or x.sharding.device_set != on_worker.device_set
+           for x in jax.tree.leaves(state)):  # a first state, or one restored elsewhere
+      state = (jax.device_put(state, on_worker) if self.layout is None  # replicated there
+               else jax.device_get(state))  # placed with Δ by the next program
+    message, state = uplink.send(delta, state)
+    if self.layout is not None:  # the payload as a whole on θ's mesh, Δ back in θ's layout
+      received = uplink.receive(jax.device_put(message, NamedSharding(self.layout.mesh, P())),
+                                fragment)
+      return self.to_server(received), state
+    return uplink.receive(self.to_server(message), fragment), state
 
   def run_round(self, states, batches, keys, anchor):
     self.require_round_mesh()
@@ -357,6 +374,14 @@ class DeviceExecutor(base.OneProcess):
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     return self.to_server(
         self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
+
+  def compressed_round_delta(self, uplink, params, ends, accepted, states):
+    """Each worker's compressor state on its own group (the round mesh's ``workers``)."""
+    self.require_round_mesh()
+    states = self._put(states, NamedSharding(self._round_mesh, P("workers")))
+    delta, states = uplink.round_delta(self.to_rounds(params), ends, self.to_rounds(accepted),
+                                       states)
+    return self.to_server(delta), states
 
 
 def device_arrivals(clock: clocks.RealClock, executor: DeviceExecutor,

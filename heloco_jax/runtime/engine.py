@@ -115,7 +115,7 @@ class Engine:
                        "allowed: methods that send pseudo-gradients (all but ddp)")
     if compressor is not None and not getattr(executor, "compresses", False):
       raise ValueError(f"compression is not allowed on {executor.describe()}; allowed: the "
-                       "simulated runtime (runtime=None or hj.simulated_runtime())")
+                       "simulated runtime, runtime=devices in one process, and Ray")
     if spec.streaming and getattr(executor, "multiprocess", False):
       raise ValueError(f"streaming.fragments={spec.fragments} is not allowed across "
                        f"{jax.process_count()} processes; allowed: 1 (fragments run in one "
@@ -235,6 +235,8 @@ class Engine:
               "pending": [fetch(s.jobs[w].delta, "delta") for w in sorted(s.jobs)]}
     for _, feature in run.features.items():  # a feature's arrays only when it has them:
       arrays.update(state_lib.arrays_of(feature))  # earlier checkpoints stay readable
+    if "compression" in arrays:  # Ray: a worker's state may be a handle, in flight
+      arrays["compression"] = [fetch(states, "compression") for states in arrays["compression"]]
     if run.model_states.merged is not None:  # the key only then, as for the features'
       arrays["model_state"] = run.model_states.merged
     meta = state_lib.entry_of(s)
@@ -296,6 +298,8 @@ class Engine:
       for name in ("pending", "workers", "compression"):
         if name in arrays:
           arrays[name] = self.layout.put(arrays[name])
+    elif "compression" in arrays:  # on the host, as ``Uplink.init`` makes them
+      arrays["compression"] = jax.device_get(arrays["compression"])
     state_lib.load_entry(run.state, meta, arrays)
     # A job's entry: [worker, version, units, finish, train loss (absent before it was kept)].
     run.state.jobs = {entry[0]: Job(delta, *entry[1:4], train_loss=(entry + [None])[4])

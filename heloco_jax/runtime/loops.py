@@ -289,8 +289,8 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       states, metrics = _where_part(run, part, states, before), _only_part(metrics, part)
     s.workers = states
     if f.compression.states is not None:  # every worker sends, and keeps its residual
-      delta, residuals = run.uplink.round_delta(run.server.params, states.params, accepted,
-                                                f.compression.states[0])
+      delta, residuals = executor.compressed_round_delta(
+          run.uplink, run.server.params, states.params, accepted, f.compression.states[0])
       f.compression.states[0] = (residuals if part.all() else
                           _where_part(run, part, residuals, f.compression.states[0]))
     elif accepted.any():
@@ -437,8 +437,8 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
     server = run.server.fragment(p)
     ends = fragments.take(states.params, p)
     if f.compression.states is not None:
-      delta, f.compression.states[p] = run.uplink.round_delta(server.params, ends, accepted,
-                                                       f.compression.states[p])
+      delta, f.compression.states[p] = executor.compressed_round_delta(
+          run.uplink, server.params, ends, accepted, f.compression.states[p])
     elif accepted.any():
       delta = executor.round_delta(server.params, ends, accepted)
     if accepted.any():

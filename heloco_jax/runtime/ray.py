@@ -15,6 +15,11 @@ things live changes:
     ``loss_fn`` and ``inner_tx`` (sent with cloudpickle): a dispatch sends the
     start point (an object ref of the server's dispatch point), the worker's
     previous inner state, its batches and a PRNG key;
+  * compressed pseudo-gradients (``compress=``): the worker actor compresses its
+    Δ with its compressor state (error feedback's residual) and returns the
+    message (``compress.send``): the compressor's payload is what goes to the
+    server actor, which decompresses it (``compress.receive``); the state stays
+    an object ref on the worker's node until its next dispatch or a checkpoint;
   * the engine's asyncio loop awaits the actors' object refs and takes arrivals
     in the order they finish, on the real clock;
   * sharded θ (docs/DESIGN.md, "Scaling out"): every actor rebuilds θ's mesh
@@ -54,6 +59,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from heloco_jax.comm import compress
 from heloco_jax.rundir import safe_files
 from heloco_jax.runtime import base, clocks, simulated
 from heloco_jax.runtime import devices as devices_lib
@@ -87,6 +93,7 @@ class ServerActor(server_lib.OuterServer):
 
   def __init__(self, outer_tx: Any, params: Any, options: dict[str, Any],
                recipe: Optional[tuple] = None):
+    self._receiving: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted receive)
     if recipe is None:
       super().__init__(outer_tx, params, place=jax.device_put, **options)
       return
@@ -103,11 +110,31 @@ class ServerActor(server_lib.OuterServer):
   def get(self) -> tuple[Any, Any]:
     return sharding.to_host(super().get())
 
+  def _receive(self, pickled: bytes) -> Callable[[compress.Message], Any]:
+    if self._receiving[0] != pickled:
+      like = jax.eval_shape(lambda tree: tree, self.params)
+      self._receiving = (pickled, jax.jit(functools.partial(
+          compress.receive, _unpickled(pickled), like=like)))
+    return self._receiving[1]
+
   def update(self, taus: list[int], *deltas: Any, fetch: bool = True,
-             weights: Optional[list[float]] = None) -> list[dict]:
+             weights: Optional[list[float]] = None,
+             compressors: Optional[list[Optional[bytes]]] = None) -> list[dict]:
+    """``OuterServer.update``; a Δ whose ``compressors`` entry is a pickled compressor
+    arrived as its ``compress.Message`` and is decompressed here first."""
+    if compressors is not None:
+      deltas = tuple(delta if pickled is None else self._receive(pickled)(delta)
+                     for delta, pickled in zip(deltas, compressors))
     if self.layout is not None:  # the workers' shards, onto this actor's mesh
       deltas = tuple(self._place(delta) for delta in deltas)
     return super().update(taus, *deltas, fetch=fetch, weights=weights)
+
+
+@functools.lru_cache(maxsize=8)
+def _unpickled(pickled: bytes) -> compress.Compressor:
+  """The compressor a dispatch carries (cloudpickle's bytes), unpickled once per actor."""
+  from ray import cloudpickle  # pylint: disable=g-import-not-at-top
+  return cloudpickle.loads(pickled)
 
 
 class WorkerActor:
@@ -122,6 +149,7 @@ class WorkerActor:
                recipe: Optional[tuple] = None):
     inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
     devices = jax.devices()
+    self._sending: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted send)
     self._layout = None
     if recipe is not None:
       self._layout = sharding.layout_on(*recipe, devices)
@@ -139,23 +167,33 @@ class WorkerActor:
     return os.getpid()
 
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
-          batches: Any, key_data: np.ndarray,
-          fresh: bool) -> tuple[inner_lib.InnerState, Any, Any, int]:
+          batches: Any, key_data: np.ndarray, fresh: bool, compressor: Optional[bytes] = None,
+          compression: Any = None) -> tuple[inner_lib.InnerState, Any, Any, int, Any]:
     """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
-    process's id)."""
+    process's id, None). With a ``compressor`` (pickled) and the worker's state for it
+    (``compression``): Δ is sent as its ``compress.Message``, and the last is the next
+    state."""
+    key = jax.random.wrap_key_data(key_data)
     if self._layout is not None:
       put = self._layout.from_host
       previous = put(previous)
       if fresh and previous is not None:
         previous = self._inner.fresh_moments(previous)
       state, delta, loss = simulated.compute_worker(
-          self._inner, previous, put(start), put(batches), put(jax.random.wrap_key_data(key_data)))
-      return sharding.to_host(state), sharding.to_host(delta), jax.device_get(loss), os.getpid()
-    if fresh and previous is not None:
-      previous = self._executor.fresh_moments(previous)
-    state, delta, loss = self._executor.run_worker(worker, previous, start, batches,
-                                                  jax.random.wrap_key_data(key_data))
-    return jax.device_get(state), jax.device_get(delta), jax.device_get(loss), os.getpid()
+          self._inner, previous, put(start), put(batches), put(key))
+      to_host = sharding.to_host
+    else:
+      if fresh and previous is not None:
+        previous = self._executor.fresh_moments(previous)
+      state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+      to_host = jax.device_get
+    if compressor is not None:  # ALGORITHMS.md, "Compression in a run"
+      if self._sending[0] != compressor:
+        self._sending = (compressor, jax.jit(functools.partial(compress.send,
+                                                               _unpickled(compressor))))
+      delta, compression = jax.device_get(self._sending[1](delta, compression))
+      return to_host(state), delta, jax.device_get(loss), os.getpid(), compression
+    return to_host(state), to_host(delta), jax.device_get(loss), os.getpid(), None
 
 
 class RayServer:
@@ -197,7 +235,10 @@ class RayServer:
              weights: Optional[list[float]] = None) -> list[dict]:
     del fetch  # the actor returns Python numbers: its rows come over Ray anyway
     refs = [d.delta if isinstance(d, Dispatch) else sharding.to_host(d) for d in deltas]
-    return self._ray.get(self.actor.update.remote(taus, *refs, weights=weights))
+    compressors = [d.compressor if isinstance(d, Dispatch) else None for d in deltas]
+    return self._ray.get(self.actor.update.remote(
+        taus, *refs, weights=weights,
+        compressors=compressors if any(c is not None for c in compressors) else None))
 
 
 @dataclasses.dataclass
@@ -207,7 +248,9 @@ class Dispatch:
   ``state``, ``delta`` and ``train_loss`` are the end state, Δ and the mean
   training loss (object refs, or values restored from a checkpoint); ``done``
   a small ref that resolves to the computing process's id, or raises if the
-  actor is gone for good, when they are ready.
+  actor is gone for good, when they are ready. Compressed (``compressor``: the
+  compressor, pickled), ``delta`` is the worker's ``compress.Message``, ``receive``
+  decompresses it here, and ``compression`` is the worker's next compressor state.
   """
   args: tuple = ()
   actor: int = -1
@@ -216,6 +259,9 @@ class Dispatch:
   train_loss: Any = None
   done: Any = None
   fresh: bool = False
+  compression: Any = None
+  compressor: Optional[bytes] = None
+  receive: Optional[Callable[[Any], Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,6 +412,7 @@ class RayExecutor(base.OneProcess):
     self._assigned = list(range(num_workers))  # worker -> actor
     self._emit: Callable[[dict], None] = lambda row: None
     self._clock: Callable[[], float] = lambda: 0.0
+    self._compressor: Optional[tuple[compress.Compressor, bytes]] = None
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
     actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
@@ -374,6 +421,7 @@ class RayExecutor(base.OneProcess):
     return RayServer(actor, self.layout)
 
   synchronies = frozenset({"async"})
+  compresses = True
 
   def watch(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> None:
     """Where restart and re-send rows go, with the run's clock (set by the arrival queue)."""
@@ -386,8 +434,8 @@ class RayExecutor(base.OneProcess):
             f"{self.actor_devices[0][0].split(':')[0]} devices each{sharded})")
 
   def run_worker(self, worker, previous, start, batches, key):
-    """Sends the dispatch to worker ``worker``'s actor; returns its Dispatch three times (the
-    handles of the end state, Δ and the training loss)."""
+    """Worker ``worker``'s dispatch, returned three times (the handles of the end state, Δ
+    and the training loss); ``transmit`` sends it to the worker's actor."""
     fresh = isinstance(previous, Dispatch) and previous.fresh
     if isinstance(previous, Dispatch):
       previous = previous.state
@@ -395,13 +443,37 @@ class RayExecutor(base.OneProcess):
       previous = sharding.to_host(previous)
     dispatch = Dispatch(args=(worker, start, previous, batches,
                               np.asarray(jax.random.key_data(key)), fresh))
-    self._submit(dispatch, self._assigned[worker])
     return dispatch, dispatch, dispatch
+
+  def transmit(self, uplink, fragment, delta, state):
+    """Sends ``delta``'s dispatch to its worker's actor, with the compressor and the worker's
+    state for it when Δ is compressed (the actor sends its message; ``ServerActor.update``
+    decompresses it). The worker's next state: the same dispatch (``fetch``'s
+    "compression")."""
+    dispatch = delta
+    if uplink.compressor is not None:
+      dispatch.compressor = self._pickled(uplink.compressor)
+      dispatch.receive = functools.partial(uplink.receive, fragment=fragment)
+      if isinstance(state, Dispatch):
+        state = state.compression
+      dispatch.args += (dispatch.compressor, state)
+      state = dispatch
+    self._submit(dispatch, self._assigned[dispatch.args[0]])
+    return dispatch, state
+
+  def _pickled(self, compressor: compress.Compressor) -> bytes:
+    if self._compressor is None or self._compressor[0] is not compressor:
+      from ray import cloudpickle  # pylint: disable=g-import-not-at-top
+      for fn in compressor:  # a user's compressor: its module need not be installed
+        _send_by_value(fn)
+      self._compressor = (compressor, cloudpickle.dumps(compressor))
+    return self._compressor[1]
 
   def _submit(self, dispatch: Dispatch, actor: int) -> None:
     dispatch.actor = actor
-    dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done = self.actors[
-        actor].run.options(num_returns=4).remote(*dispatch.args)
+    (dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done,
+     dispatch.compression) = self.actors[actor].run.options(num_returns=5).remote(
+         *dispatch.args)
 
   def actor_of(self, worker: int) -> Any:
     """The actor that runs worker ``worker``'s dispatches now."""
@@ -459,9 +531,10 @@ class RayExecutor(base.OneProcess):
       return
 
   def fetch(self, tree: Any, what: str) -> Any:
-    """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
-    (``"train_loss"``) as values, waiting for them."""
-    here = (self.layout.from_host if self.layout is not None and what != "train_loss"
+    """Worker states (``what="state"``), a pending Δ (``"delta"``), a training loss
+    (``"train_loss"``) or a worker's compressor state (``"compression"``) as values, waiting
+    for them."""
+    here = (self.layout.from_host if self.layout is not None and what in ("state", "delta")
             else lambda tree: tree)
     def value(dispatch):
       if not isinstance(dispatch, Dispatch):
@@ -469,9 +542,13 @@ class RayExecutor(base.OneProcess):
       while True:
         done = dispatch.done
         try:
-          return here(self._ray.get(getattr(dispatch, what)))
+          value = self._ray.get(getattr(dispatch, what))
         except self._ray.exceptions.RayActorError:
           self.redispatch(dispatch, done)
+          continue
+        if what == "delta" and dispatch.receive is not None:  # Δ as the server receives it
+          value = dispatch.receive(value)
+        return here(value)
     return [value(d) for d in tree] if isinstance(tree, list) else value(tree)
 
   def fresh_moments(self, state: Any) -> Any:

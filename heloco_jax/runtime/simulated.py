@@ -190,12 +190,15 @@ class LocalExecutor(base.OneProcess):
                  batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any, jax.Array]:
     """Worker ``worker``'s H steps from ``start`` on its device (``compute_worker``)."""
     device = self.devices[worker % len(self.devices)]
-    if device != self.devices[0]:  # inputs follow the worker; Δ goes back to θ's device
+    if device != self.devices[0]:  # inputs follow the worker (Δ goes back: ``transmit``)
       start, previous, batches, key = jax.device_put((start, previous, batches, key), device)
-    state, delta, loss = compute_worker(self.inner, previous, start, batches, key)
-    if device != self.devices[0]:
+    return compute_worker(self.inner, previous, start, batches, key)
+
+  def transmit(self, uplink, fragment, delta, state):
+    """Δ back on θ's device, then compressed and received there in one program."""
+    if self.layout is None and len(self.devices) > 1:
       delta = jax.device_put(delta, self.devices[0])
-    return state, delta, loss
+    return super().transmit(uplink, fragment, delta, state)
 
   def run_round(self, states, batches, keys, anchor):
     if self.batching == "vmap":

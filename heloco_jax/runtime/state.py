@@ -380,9 +380,11 @@ class Run:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "
                           f"{job.version}) failed in loss_fn or inner_tx: {first}") from error
-      if self.features.compression.states is not None:
-        states = self.features.compression.states[worker]
-        job.delta, states[job.fragment] = self.uplink.send(job.delta, states[job.fragment])
+      states = self.features.compression.states
+      state = None if states is None else states[worker][job.fragment]
+      job.delta, state = self.executor.transmit(self.uplink, job.fragment, job.delta, state)
+      if states is not None:
+        states[worker][job.fragment] = state
       job.work = None
     return job.delta
 

@@ -90,7 +90,8 @@ def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: An
 
   def merged(params):  # the arrived fragment in the worker's params
     local = fragments.take(params, received)
-    return fragments.put(params, fragments_lib.merge_arrived(alpha, _on(arrived, local), local),
+    arrived_here = _beside(arrived, local)
+    return fragments.put(params, fragments_lib.merge_arrived(alpha, arrived_here, local),
                          received)
 
   if start is not None:
@@ -103,7 +104,8 @@ def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: An
     state, _, head_loss = executor.run_worker(worker, previous, previous.params, head, first)
     state, _, tail_loss = executor.run_worker(worker, state, merged(state.params), tail, second)
     loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps, head_loss, tail_loss)
-  return state, _subtract(anchor, _on(fragments.take(state.params, sent), anchor)), loss
+  end = fragments.take(state.params, sent)
+  return state, _subtract(_beside(anchor, end), end), loss  # where the worker is
 
 
 def split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
@@ -113,14 +115,12 @@ def split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
   return head, tail
 
 
-def _on(tree: Any, like: Any) -> Any:
-  """``tree`` on the device of ``like``'s first leaf (workers may compute on other devices
-  than the server's)."""
-  device = next(iter(jax.tree.leaves(like)[0].devices()))
-  return jax.device_put(tree, device)
+def _beside(tree: Any, like: Any) -> Any:
+  """``tree`` placed as ``like`` is, leaf by leaf (a worker may compute on other devices than
+  the server's)."""
+  return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)
 
 
 @jax.jit
-
 def _subtract(a: Any, b: Any) -> Any:
   return jax.tree.map(jnp.subtract, a, b)

@@ -16,19 +16,33 @@ SYNC = ("ddp", "local_sgd", "diloco", "palsgd")
 ARRIVAL_FIGURES = ("staleness_per_worker.png", "alignment.png", "arrivals_timeline.png")
 
 
-@pytest.fixture(scope="module")
-def run_dirs(tmp_path_factory):
-  root = tmp_path_factory.mktemp("plot_runs")
-  dirs = {}
-  for method in methods.METHODS:
-    dirs[method] = str(root / method)
-    assert cli.main(["train", f"--workdir={dirs[method]}", *TINY, f"--config.method={method}",
+class _Runs(dict):
+  """Each method's run directory, trained on first use (``-m slow`` uses them all)."""
+
+  def __init__(self, root):
+    super().__init__()
+    self.root = root
+
+  def __missing__(self, method):
+    self[method] = str(self.root / method)
+    assert cli.main(["train", f"--workdir={self[method]}", *TINY, f"--config.method={method}",
                      "--config.budget.tokens=2048", "--config.speeds=[1.0,2.0,3.0]",
                      "--config.writers=jsonl", "--config.palsgd_warmup_steps=0"]) == 0
-  return dirs
+    return self[method]
 
 
-@pytest.mark.parametrize("method", list(methods.METHODS))
+@pytest.fixture(scope="module")
+def run_dirs(tmp_path_factory):
+  return _Runs(tmp_path_factory.mktemp("plot_runs"))
+
+
+# Every kind of run in the default suite (steps, rounds, arrivals); the other methods' runs
+# draw the same figures from the same rows: -m slow (the default suite stays under 15 min).
+DEFAULT = ("ddp", "diloco", "mla", "heloco")
+
+
+@pytest.mark.parametrize("method", [m if m in DEFAULT else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in methods.METHODS])
 def test_every_method_gets_its_figures(run_dirs, method, capsys):
   assert cli.main(["plot", run_dirs[method]]) == 0
   out = os.path.join(run_dirs[method], "plots")

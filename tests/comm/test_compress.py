@@ -21,6 +21,7 @@ import pytest
 
 from heloco_jax.comm import compress
 from heloco_jax.comm import uplink as uplink_lib
+from heloco_jax.training import rejection
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy_reference as ref  # noqa: E402
@@ -483,6 +484,38 @@ def test_a_non_finite_delta_reaches_the_server_and_keeps_the_residual(compressor
   state = compressor.compress({"w": jnp.full(40, 0.3)}, state)[1]
   received, kept = compress.transmit(compressor, delta, state)
   assert np.isnan(received["w"][3])
+  np.testing.assert_array_equal(kept.residual["w"], state.residual["w"])
+
+
+@pytest.mark.parametrize("kind, kw", EF_CASES, ids=EF_IDS)
+def test_send_then_receive_in_two_programs_is_transmit_bit_for_bit(kind, kw):
+  """runtime=devices compresses on the worker's devices and decompresses on the server's
+  (``send``, then ``receive`` of the message alone): the same bits as ``transmit``'s one
+  program, the received Δ and the worker's next state alike, three steps running."""
+  compressor = compress.by_name(kind, error_feedback=True, **kw)
+  like = jax.eval_shape(lambda t: t, TREE)
+  send = jax.jit(functools.partial(compress.send, compressor))
+  receive = jax.jit(functools.partial(compress.receive, compressor, like=like))
+  transmit = jax.jit(functools.partial(compress.transmit, compressor))
+  fused = split = compressor.init(TREE)
+  for step in range(3):
+    delta = jax.tree.map(lambda x, step=step: x * (step + 1.5), TREE)
+    received, fused = transmit(delta, fused)
+    message, split = send(delta, split)
+    jax.tree.map(assert_same_bits, receive(message), received)
+    jax.tree.map(assert_same_bits, split, fused)
+
+
+@pytest.mark.parametrize("bad, reason", [(jnp.nan, "nan"), (jnp.inf, "inf")])
+def test_a_non_finite_delta_sent_apart_is_rejected_for_the_same_reason(bad, reason):
+  """Sent apart, a Δ holding NaN (Inf) is received as NaN (Inf) everywhere: the server's
+  rejection gives the reason the Δ itself would (``rejection.screen``); the state is kept."""
+  compressor = compress.error_feedback(compress.top_k(0.1))
+  delta = {"w": jnp.arange(1.0, 41.0).at[3].set(bad)}
+  state = compressor.compress({"w": jnp.full(40, 0.3)}, compressor.init(delta))[1]
+  message, kept = compress.send(compressor, delta, state)
+  received = compress.receive(compressor, message, delta)
+  assert rejection.screen([received]) == rejection.screen([delta]) == [reason]
   np.testing.assert_array_equal(kept.residual["w"], state.residual["w"])
 
 

@@ -206,6 +206,11 @@ def _resume(config, workdir, step):
     ("local_sgd", {}),
     ("palsgd", {"palsgd_warmup_steps": 6}),  # checkpoints inside the DDP warm-up too
     ("ddp", {}),
+    # Fragments in flight with their error-feedback residuals, anchors and overlapped syncs
+    # (test_resume.py's SIGKILL case of the same runs under -m slow).
+    ("heloco", {"inner_steps": 4, "streaming.fragments": 2, "streaming.overlap_steps": 1,
+                "streaming.alpha": 0.5, "compression.kind": "int4",
+                "compression.error_feedback": True, "budget.tokens": 2_500}),
 ])
 def test_resuming_any_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(
     tmp_path, method, overrides):

@@ -123,7 +123,6 @@ def test_fragments_lose_a_dispatch_whole_and_come_back_to_theta_as_a_whole():
   assert first["fragment"] == 1  # syncs restart at 0: the first sends fragment 1 of θ whole
   assert first["bytes_down"] == arrivals[0]["bytes_down"]  # θ as a whole, as at the start
   assert summary["final_val_loss"] < 0.8 * summary["initial_val_loss"]
-  assert _run(**{"streaming.fragments": 2})[1] == rows
 
 
 @pytest.mark.slow  # Membership() takes the default path; the default suite stays < 15 min

@@ -89,7 +89,7 @@ def _without_wall_clock(rows):
           for row in rows]
 
 
-@pytest.mark.parametrize("method", ["heloco", "diloco"])
+@pytest.mark.parametrize("method", ["heloco", pytest.param("diloco", marks=pytest.mark.slow)])
 def test_a_sharded_run_killed_mid_run_resumes_exactly(tmp_path, method):
   reference = tmp_path / "reference.json"
   _probe(str(reference), method, str(tmp_path / "uninterrupted"))

@@ -217,9 +217,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if compressing and method.synchrony == "step":
     _fail(key, value, f"{off} with method='ddp' (it sends gradients every step, not "
           "pseudo-gradients)")
-  if compressing and not _runtime_factory(config).simulated_clock:
-    _fail(key, value, f"{off} with runtime={config.runtime!r}; compression runs on "
-          "runtime='simulated'")
+  if compressing and config.distributed.coordinator:
+    _fail(key, value, f"{off} across processes (distributed.coordinator="
+          f"{config.distributed.coordinator!r}); compression runs in one process")
   refused = fragments.refusal(
       method=method, fragments=config.streaming.fragments,
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
