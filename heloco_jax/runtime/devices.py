@@ -199,7 +199,6 @@ class DeviceExecutor(base.OneProcess):
     self.synchronies = base.SYNCHRONIES if self._round_mesh is not None else frozenset({"async"})
     self.process_count = jax.process_count()
     self.multiprocess = self.process_count > 1
-    self.compresses = not self.multiprocess  # across processes Δ is all-reduced SPMD
     self._round_delta = jax.jit(simulated.round_delta)
     if self.multiprocess:
       # jax.distributed (synchronous methods): everything lives on the one workers × data
@@ -236,13 +235,17 @@ class DeviceExecutor(base.OneProcess):
     self.synchronies = base.SYNCHRONIES
     self.process_count = jax.process_count()
     self.multiprocess = self.process_count > 1
-    self.compresses = not self.multiprocess  # across processes Δ is all-reduced SPMD
     # Across processes (synchronous methods, SPMD) θ lives on the round mesh, θ's specs
     # replicated over ``workers``, so that every process takes part in every program.
     self._server_layout = self._rounds if self.multiprocess else self.layout
     self._round_delta = jax.jit(simulated.round_delta)
     self._by_worker = NamedSharding(self._round_mesh, P("workers"))
     self._ddp_batches = NamedSharding(self._round_mesh, P(None, "workers"))  # (H, K·B, ...)
+
+  @property
+  def compresses(self) -> bool:
+    """Workers compress their Δ in one process; across processes Δ is all-reduced SPMD."""
+    return not self.multiprocess
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
     layout = self._server_layout if self.layout is not None else None
