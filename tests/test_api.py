@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tiny
 
 import heloco_jax as hj
 from heloco_jax.runtime import base, clocks, simulated
@@ -292,7 +293,7 @@ def _script(script, env=None):
 
 
 def test_the_same_user_code_runs_on_real_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=tiny.xla_flags(2),
              JAX_PLATFORMS="cpu")  # two host devices, also on a machine with one GPU
   lines = _script(DEVICES_SCRIPT, env)
   assert lines[0].startswith("diloco True") and lines[1].startswith("mla True"), lines

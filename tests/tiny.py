@@ -4,6 +4,7 @@ CLI's engine, ``harness.engine_of_config``), and a warning filter two checkpoint
 
 import asyncio
 import functools
+import os
 from typing import Optional
 
 import ml_collections
@@ -13,6 +14,12 @@ from heloco_jax.cli.configs import default
 from heloco_jax.lm import data, harness
 
 H, BATCH, CONTEXT = 2, 4, 16
+
+
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a subprocess on ``devices`` host CPU devices, with the suite's own
+  (tests/conftest.py: LLVM -O0 for the tiny programs, deterministic GPU ops)."""
+  return os.environ["XLA_FLAGS"] + f" --xla_force_host_platform_device_count={devices}"
 
 # Reading a truncated checkpoint fails in one of orbax's concurrent tensorstore reads; orbax
 # then closes its event loop while the others are in flight, and when one of them finishes,

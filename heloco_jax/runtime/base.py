@@ -103,6 +103,11 @@ class Executor(Protocol):
     """Worker ``worker``'s inner steps from ``start``: (end state, Δ = start − end, the mean
     training loss of its steps)."""
 
+  def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
+                   key: jax.Array) -> tuple[Any, Any, Any]:
+    """A fragment dispatch's work (``runtime.streaming.FragmentSteps``): (end state, Δ of its
+    fragment, the mean training loss)."""
+
   def fresh_moments(self, state: Any) -> Any:
     """``state`` with a fresh inner optimizer state (its step count kept)."""
 
@@ -171,6 +176,10 @@ class OneProcess:
   def fetch(self, tree: Any, what: str) -> Any:
     del what
     return tree
+
+  def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
+                   key: jax.Array) -> tuple[Any, Any, Any]:
+    return steps.run(self.run_worker, worker, previous, batches, key)  # pyright: ignore
 
   def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
     del fragment  # Δ is where θ is: compressed and received in one program

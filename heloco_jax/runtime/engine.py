@@ -134,7 +134,8 @@ class Engine:
     fragments = fragments_lib.split(params, spec.fragments, spec.fragment_layout)
     if spec.streaming:
       server = server_lib.FragmentServers(executor.make_server, outer_tx, params, fragments,
-                                          lookahead=lookahead)
+                                          lookahead=lookahead,
+                                          fetch=lambda point: executor.fetch(point, "point"))
     else:
       server = executor.make_server(outer_tx, params, lookahead=lookahead)
     uplink = uplink_lib.Uplink(compressor, params, fragments)

@@ -37,7 +37,6 @@ class RuntimeFactory:
       sharded for this runtime is split over: ``sharding.put_fsdp``).
     model_state: it carries a model state and the workers' keys
       (``heloco_jax.training.model_state``).
-    streams: it runs θ's fragments (``hj.Streaming``: Streaming DiLoCo, fragment arrivals).
   """
   build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
   simulated_clock: bool
@@ -45,7 +44,6 @@ class RuntimeFactory:
   multiprocess: bool = False
   worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
   model_state: bool = True
-  streams: bool = True
 
   def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return self.build(inner, spec)
@@ -115,4 +113,4 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
   return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
-                        model_state=False, streams=False)
+                        model_state=False)

@@ -61,7 +61,7 @@ import numpy as np
 
 from heloco_jax.comm import compress
 from heloco_jax.rundir import safe_files
-from heloco_jax.runtime import base, clocks, simulated
+from heloco_jax.runtime import base, clocks, simulated, streaming
 from heloco_jax.runtime import devices as devices_lib
 from heloco_jax.training import inner as inner_lib
 from heloco_jax.training import server as server_lib
@@ -168,13 +168,21 @@ class WorkerActor:
 
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
           batches: Any, key_data: np.ndarray, fresh: bool, compressor: Optional[bytes] = None,
-          compression: Any = None) -> tuple[inner_lib.InnerState, Any, Any, int, Any]:
+          compression: Any = None, fragment: Optional[streaming.FragmentSteps] = None
+          ) -> tuple[inner_lib.InnerState, Any, Any, int, Any]:
     """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
     process's id, None). With a ``compressor`` (pickled) and the worker's state for it
     (``compression``): Δ is sent as its ``compress.Message``, and the last is the next
-    state."""
+    state. With ``fragment`` (a fragment dispatch; ``start`` is then None): its steps, and
+    Δ is that of its fragment."""
     key = jax.random.wrap_key_data(key_data)
-    if self._layout is not None:
+    if fragment is not None:  # fragments run with θ on one device (no layout)
+      if fresh and previous is not None:
+        previous = self._executor.fresh_moments(previous)
+      state, delta, loss = fragment.run(self._executor.run_worker, worker, previous, batches,
+                                        key)
+      to_host = jax.device_get
+    elif self._layout is not None:
       put = self._layout.from_host
       previous = put(previous)
       if fresh and previous is not None:
@@ -248,11 +256,14 @@ class Dispatch:
   ``state``, ``delta`` and ``train_loss`` are the end state, Δ and the mean
   training loss (object refs, or values restored from a checkpoint); ``done``
   a small ref that resolves to the computing process's id, or raises if the
-  actor is gone for good, when they are ready. Compressed (``compressor``: the
-  compressor, pickled), ``delta`` is the worker's ``compress.Message``, ``receive``
-  decompresses it here, and ``compression`` is the worker's next compressor state.
+  actor is gone for good, when they are ready. ``options``: ``WorkerActor.run``'s keywords
+  (a fragment dispatch's steps, the compressor and the worker's state for it). Compressed
+  (``compressor``: the compressor, pickled), ``delta`` is the worker's
+  ``compress.Message``, ``receive`` decompresses it here, and ``compression`` is the
+  worker's next compressor state.
   """
   args: tuple = ()
+  options: dict = dataclasses.field(default_factory=dict)
   actor: int = -1
   state: Any = None
   delta: Any = None
@@ -445,6 +456,13 @@ class RayExecutor(base.OneProcess):
                               np.asarray(jax.random.key_data(key)), fresh))
     return dispatch, dispatch, dispatch
 
+  def run_fragment(self, worker, previous, steps, batches, key):
+    """A fragment dispatch (``streaming.FragmentSteps``, its arrays on the host): the worker's
+    actor runs all of it, the arrived fragment's merge included."""
+    dispatch, _, _ = self.run_worker(worker, previous, None, batches, key)
+    dispatch.options["fragment"] = jax.device_get(steps)
+    return dispatch, dispatch, dispatch
+
   def transmit(self, uplink, fragment, delta, state):
     """Sends ``delta``'s dispatch to its worker's actor, with the compressor and the worker's
     state for it when Δ is compressed (the actor sends its message; ``ServerActor.update``
@@ -456,7 +474,7 @@ class RayExecutor(base.OneProcess):
       dispatch.receive = functools.partial(uplink.receive, fragment=fragment)
       if isinstance(state, Dispatch):
         state = state.compression
-      dispatch.args += (dispatch.compressor, state)
+      dispatch.options.update(compressor=dispatch.compressor, compression=state)
       state = dispatch
     self._submit(dispatch, self._assigned[dispatch.args[0]])
     return dispatch, state
@@ -473,7 +491,7 @@ class RayExecutor(base.OneProcess):
     dispatch.actor = actor
     (dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done,
      dispatch.compression) = self.actors[actor].run.options(num_returns=5).remote(
-         *dispatch.args)
+         *dispatch.args, **dispatch.options)
 
   def actor_of(self, worker: int) -> Any:
     """The actor that runs worker ``worker``'s dispatches now."""
@@ -532,11 +550,13 @@ class RayExecutor(base.OneProcess):
 
   def fetch(self, tree: Any, what: str) -> Any:
     """Worker states (``what="state"``), a pending Δ (``"delta"``), a training loss
-    (``"train_loss"``) or a worker's compressor state (``"compression"``) as values, waiting
-    for them."""
+    (``"train_loss"``), a worker's compressor state (``"compression"``) or a server actor's
+    dispatch point (``"point"``, an object ref) as values, waiting for them."""
     here = (self.layout.from_host if self.layout is not None and what in ("state", "delta")
             else lambda tree: tree)
     def value(dispatch):
+      if isinstance(dispatch, self._ray.ObjectRef):
+        return self._ray.get(dispatch)
       if not isinstance(dispatch, Dispatch):
         return dispatch
       while True:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,47 +65,64 @@ def dispatch_fragment(run: Run, worker: int, now: float) -> Job:
     received, arrived = None, None
   else:
     received = last % spec.fragments
-    arrived = run.server.fragment(received).dispatch_point()
+    arrived = run.server.fragment_point(received)
     f.anchors[worker] = fragments.put(f.anchors[worker], arrived, received)
     f.received[worker][received] = f.fragment_versions[received]
     start = None
   f.syncs[worker] = last + 1
   sent = f.syncs[worker] % spec.fragments
-  work = functools.partial(_fragment_work, run, worker, run.state.workers[worker], start,
-                           arrived, received, fragments.take(f.anchors[worker], sent), sent,
+  work = FragmentSteps(fragments, spec.fragment_alpha, spec.overlap_steps, start, arrived,
+                       received, fragments.take(f.anchors[worker], sent), sent)
+  work = functools.partial(run.executor.run_fragment, worker, run.state.workers[worker], work,
                            run.batches(worker, steps), run.next_key())
   finish = run.clock.fragment_arrival(worker, steps, now, received, sent)
   return Job(None, f.received[worker][sent], steps * spec.units_per_step, finish, work,
              fragment=sent)
 
 
-def _fragment_work(run: Run, worker: int, previous: Any, start: Any, arrived: Any,
-                   received: Optional[int], anchor: Any, sent: int, batches: Any,
-                   key: jax.Array) -> tuple[Any, Any, Any]:
-  """``dispatch_fragment``'s steps: (end state, Δ of fragment ``sent``, mean training
-  loss)."""
-  executor, fragments = run.executor, run.fragments
-  alpha, tau = run.spec.fragment_alpha, run.spec.overlap_steps
-  steps = jax.tree.leaves(batches)[0].shape[0]
+@dataclasses.dataclass(frozen=True)
+class FragmentSteps:
+  """What a worker's fragment dispatch computes (``dispatch_fragment``): its steps from
+  ``start`` (θ as a whole) or from its own params with fragment ``received`` merged in
+  (``arrived``: that fragment's θ) after ``tau`` steps, and the Δ of fragment ``sent``
+  against ``anchor`` (that fragment as the worker last received it). Values only: an
+  executor may run it in another process (Ray's worker actors)."""
+  fragments: fragments_lib.Fragments
+  alpha: float
+  tau: int
+  start: Any
+  arrived: Any
+  received: Optional[int]
+  anchor: Any
+  sent: int
 
-  def merged(params):  # the arrived fragment in the worker's params
-    local = fragments.take(params, received)
-    arrived_here = _beside(arrived, local)
-    return fragments.put(params, fragments_lib.merge_arrived(alpha, arrived_here, local),
-                         received)
+  def run(self, run_worker: Callable[..., tuple[Any, Any, Any]], worker: int, previous: Any,
+          batches: Any, key: jax.Array) -> tuple[Any, Any, Any]:
+    """(end state, Δ of fragment ``sent``, mean training loss), the inner steps by
+    ``run_worker`` (an executor's)."""
+    fragments, received, tau = self.fragments, self.received, self.tau
+    steps = jax.tree.leaves(batches)[0].shape[0]
 
-  if start is not None:
-    state, _, loss = executor.run_worker(worker, previous, start, batches, key)
-  elif tau == 0:
-    state, _, loss = executor.run_worker(worker, previous, merged(previous.params), batches, key)
-  else:  # τ steps while the fragment is in flight, then the rest
-    head, tail = split_steps(batches, tau, axis=0)
-    first, second = jax.random.split(key)
-    state, _, head_loss = executor.run_worker(worker, previous, previous.params, head, first)
-    state, _, tail_loss = executor.run_worker(worker, state, merged(state.params), tail, second)
-    loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps, head_loss, tail_loss)
-  end = fragments.take(state.params, sent)
-  return state, _subtract(_beside(anchor, end), end), loss  # where the worker is
+    def merged(params):  # the arrived fragment in the worker's params
+      assert received is not None  # not a first dispatch
+      local = fragments.take(params, received)
+      arrived_here = _beside(self.arrived, local)
+      return fragments.put(params, fragments_lib.merge_arrived(self.alpha, arrived_here, local),
+                           received)
+
+    if self.start is not None:
+      state, _, loss = run_worker(worker, previous, self.start, batches, key)
+    elif tau == 0:
+      state, _, loss = run_worker(worker, previous, merged(previous.params), batches, key)
+    else:  # τ steps while the fragment is in flight, then the rest
+      head, tail = split_steps(batches, tau, axis=0)
+      first, second = jax.random.split(key)
+      state, _, head_loss = run_worker(worker, previous, previous.params, head, first)
+      state, _, tail_loss = run_worker(worker, state, merged(state.params), tail, second)
+      loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps, head_loss,
+                          tail_loss)
+    end = fragments.take(state.params, self.sent)
+    return state, _subtract(_beside(self.anchor, end), end), loss  # where the worker is
 
 
 def split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
@@ -117,8 +134,9 @@ def split_steps(batches: Any, tau: int, axis: int) -> tuple[Any, Any]:
 
 def _beside(tree: Any, like: Any) -> Any:
   """``tree`` placed as ``like`` is, leaf by leaf (a worker may compute on other devices than
-  the server's)."""
-  return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding), tree, like)
+  the server's); as it is where ``like`` is on the host."""
+  return jax.tree.map(lambda x, y: jax.device_put(x, y.sharding) if isinstance(y, jax.Array)
+                      else x, tree, like)
 
 
 @jax.jit

@@ -280,13 +280,17 @@ class FragmentServers:
     params: the initial θ.
     fragments: the split (``heloco_jax.comm.fragments.Fragments``).
     lookahead: each fragment dispatches from its own θ_p − η·μ·m_p.
+    fetch: a fragment server's dispatch point as values (the executor's ``fetch``; on Ray
+      the servers are actors that return handles).
   """
 
   layout = None  # fragments run with θ on one device
 
   def __init__(self, make_server: Callable[..., OuterServer], outer_tx: Any, params: Any,
-               fragments: Any, *, lookahead: bool = False):
+               fragments: Any, *, lookahead: bool = False,
+               fetch: Callable[[Any], Any] = lambda point: point):
     self.fragments = fragments
+    self._fetch = fetch
     self.servers = [make_server(outer_tx, fragments.take(params, p), lookahead=lookahead)
                     for p in range(fragments.num)]
 
@@ -309,7 +313,11 @@ class FragmentServers:
 
   def dispatch_point(self) -> Any:
     """θ's dispatch point, fragment by fragment."""
-    return self.fragments.merge([server.dispatch_point() for server in self.servers])
+    return self.fragments.merge([self.fragment_point(p) for p in range(self.fragments.num)])
+
+  def fragment_point(self, p: int) -> Any:
+    """Fragment ``p``'s dispatch point (a ``fragments.take`` of θ's)."""
+    return self._fetch(self.servers[p].dispatch_point())
 
   def fragment(self, p: int) -> OuterServer:
     return self.servers[p]

@@ -271,11 +271,6 @@ def test_fragments_with_error_feedback_compress_each_fragment():
     ({"syncer": hj.Syncer(grace_window=1.0)}, r"^syncer\.grace_window=1.0 is not allowed"),
     ({"method": "palsgd", "inner_tx": None},
      r"^streaming\.fragments=3 is not allowed; allowed: 1 with method='palsgd'"),
-    # Ray's actors run θ whole (checked before Ray starts); runtime=devices carries fragments
-    # (tests/runtime/test_devices.py).
-    ({"runtime": hj.ray_runtime()},
-     r"^streaming\.fragments=3 is not allowed; allowed: 1 on this runtime \(fragments run on "
-     r"the simulated and the devices runtimes\)"),
 ])
 def test_fragment_settings_a_run_cannot_take_are_refused_in_one_line(options, message):
   options = dict(options)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import tiny
 
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.context=16",
         "--config.batch_size=4", "--config.inner_steps=2", "--config.speeds=homogeneous",
@@ -67,7 +68,7 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
   dist = tmp_path / "dist"
   # Pinned to the CPU: two processes cannot share one GPU (NCCL), and the reference
   # below runs there too, so that both sides compute on the same platform.
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(2),
          "JAX_PLATFORMS": "cpu"}
   codes, outputs = run_processes(_commands(dist, args), env)
   assert codes == [0, 0], outputs
@@ -121,7 +122,7 @@ def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, dev
   process 1's copy."""
   args = [f"--config.method={method}", "--config.num_workers=2", "--config.budget.tokens=3072",
           *TINY[:-1], "--config.checkpoint_every=4", *extra]
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(devices),
          "JAX_PLATFORMS": "cpu"}
   codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
   assert codes == [0, 0], outputs
@@ -150,7 +151,7 @@ def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
   and end with the uninterrupted run's evaluations."""
   args = ["--config.method=diloco", "--config.num_workers=2", "--config.budget.tokens=3072",
           *TINY[:-1], "--config.checkpoint_every=4"]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(2),
          "JAX_PLATFORMS": "cpu"}
   codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
   assert codes == [0, 0], outputs
@@ -168,7 +169,7 @@ def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
       r["val_loss"] for r in _rows(tmp_path / "whole")]
 
 
-_CPU2 = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+_CPU2 = {"XLA_FLAGS": tiny.xla_flags(2), "JAX_PLATFORMS": "cpu"}
 _DILOCO = ["--config.method=diloco", "--config.num_workers=2", "--config.budget.tokens=3072",
            *TINY]
 

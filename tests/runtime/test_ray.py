@@ -325,9 +325,11 @@ def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_pa
   assert abs(losses[0] - losses[1]) < 0.15, losses
 
 
-# Issue 58: compressed pseudo-gradients on Ray. One worker, HeLoCo with int8 + error feedback,
-# on Ray and on the simulated runtime (one arrival order on either clock); every message the
-# server actor takes is recorded (this script's wrapper of RayServer.update).
+# Issue 58: compressed pseudo-gradients on Ray, θ whole or in 2 fragments (sys.argv[1]). One
+# worker, HeLoCo with int8 + error feedback, on Ray and on the simulated runtime (one arrival
+# order on either clock); every message the server actors take is recorded (this script's
+# wrapper of RayServer.update). With fragments, the Ray run stopped and resumed from a checkpoint
+# equals it too, and 4 workers on Ray then train to an evaluation.
 COMPRESSED_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax, ray
@@ -338,8 +340,8 @@ def loss(params, batch):
   x, y = batch
   return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
 
-def stream():
-  rng = np.random.default_rng(0)
+def stream(seed=0):
+  rng = np.random.default_rng(seed)
   while True:
     x = rng.normal(0, 1, (16, 512)).astype(np.float32)
     yield x, x[:, :1] - x[:, 1:2]
@@ -350,6 +352,8 @@ messages = []
 update = ray_runtime.RayServer.update
 def recording(self, taus, *deltas, **kw):
   for d in deltas:
+    if not isinstance(d, ray_runtime.Dispatch):  # a Δ restored from a checkpoint
+      continue
     message = ray.get(d.delta)
     location = ray.experimental.get_object_locations([d.delta])[d.delta]
     messages.append({"payload": int(sum(np.asarray(x).nbytes
@@ -357,36 +361,72 @@ def recording(self, taus, *deltas, **kw):
                      "object_size": location.get("object_size")})
   return update(self, taus, *deltas, **kw)
 ray_runtime.RayServer.update = recording
+fragments = int(sys.argv[1])
 options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
                budget=hj.Budget(steps=40),
+               streaming=hj.Streaming(fragments=fragments, overlap_steps=fragments - 1),
                compress=hj.compress.error_feedback(hj.compress.int8()))
 on_ray = hj.simulate(loss, params, [stream()], runtime=hj.ray_runtime(num_cpus=2), **options)
 simulated = hj.simulate(loss, params, [stream()], **options)
-print("RESULT", json.dumps({
+result = {
     "equal": all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(on_ray.params),
                                                       jax.tree.leaves(simulated.params))),
     "updates": [on_ray.summary["outer_updates"], simulated.summary["outer_updates"]],
     "bytes_up": [r["bytes_up"] for r in on_ray.history if r["event"] == "arrival"],
-    "float32": 4 * (512 * 256 + 256), "messages": messages}))
+    "float32": 4 * (512 * 256 + 256), "messages": list(messages)}
+if fragments > 1:  # stopped after 9 arrivals (checkpoints every 4), then the same call resumes
+  import itertools, tempfile
+  batches, workdir = list(itertools.islice(stream(), 100)), tempfile.mkdtemp()
+  def stop(row):
+    if row["event"] == "arrival" and row["outer_updates"] == 9:
+      raise KeyboardInterrupt
+  resume = dict(options, runtime=hj.ray_runtime(num_cpus=2),
+                workdir=hj.Workdir(workdir, checkpoint_every=4))
+  try:
+    hj.simulate(loss, params, [batches], on_row=stop, **resume)
+  except KeyboardInterrupt:
+    pass
+  resumed = hj.simulate(loss, params, [batches], **resume)
+  result["resumed_equal"] = all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(resumed.params), jax.tree.leaves(simulated.params)))
+  held_out = next(stream(99))
+  four = hj.simulate(loss, params, [stream(i) for i in range(4)],
+                     runtime=hj.ray_runtime(num_cpus=2),
+                     eval_fn=jax.jit(lambda p: loss(p, held_out)),
+                     **{**options, "budget": hj.Budget(steps=160, eval_every_steps=160)})
+  result["four"] = {**four.summary, "fragments": sorted({r["fragment"] for r in four.history
+                                                          if r["event"] == "arrival"})}
+print("RESULT", json.dumps(result))
 """
 
 
 @needs_ray
-@pytest.mark.slow  # a Ray run, ~40 s: the default suite stays under 15 minutes
-def test_compressed_deltas_cross_rays_object_store_as_their_payload_and_equal_the_simulation():
+@pytest.mark.slow  # Ray runs, 40–90 s: the default suite stays under 15 minutes
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_compressed_deltas_cross_rays_object_store_as_their_payload_and_equal_the_simulation(
+    fragments):
   """Issue 58: with one worker, int8 + error feedback on Ray equals the simulated runtime bit
-  for bit; each Δ reaches the server actor as its compressed payload: the message's arrays
-  hold the arrival row's ``bytes_up`` (+ 2 flag bytes), a quarter of float32's; Ray stores it
-  as one object of about that size."""
-  out = subprocess.run([sys.executable, "-c", COMPRESSED_SCRIPT], capture_output=True,
-                       text=True, timeout=900, check=False)
+  for bit, θ whole or in 2 fragments (their merges in the worker actor); each Δ reaches the
+  server actor as its compressed payload: the message's arrays hold the arrival row's
+  ``bytes_up`` (+ 2 flag bytes), a quarter of float32's; Ray stores it as one object of about
+  that size. With fragments, a Ray run resumed from a checkpoint equals it too, and 4 workers
+  on Ray learn."""
+  out = subprocess.run([sys.executable, "-c", COMPRESSED_SCRIPT, str(fragments)],
+                       capture_output=True, text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(next(line for line in out.stdout.splitlines()
                            if line.startswith("RESULT "))[7:])
-  assert result["updates"][0] == result["updates"][1] == 10
+  arrivals = 10 * fragments  # 40 steps of H/P each
+  assert result["updates"][0] == result["updates"][1] == arrivals
   assert result["equal"]
-  assert len(result["messages"]) == len(result["bytes_up"]) == 10
+  assert len(result["messages"]) == len(result["bytes_up"]) == arrivals
+  assert len(set(result["bytes_up"])) == fragments  # each fragment its own payload
   for message, up in zip(result["messages"], result["bytes_up"]):
     assert message["payload"] == up < result["float32"] / 3.9
     if message["object_size"]:  # Ray's serialized object: the payload plus a header
       assert up <= message["object_size"] < up + 4096, message
+  if fragments > 1:
+    assert result["resumed_equal"]  # a checkpoint's anchors, residuals and pending Δ
+    four = result["four"]
+    assert four["fragments"] == [0, 1]
+    assert four["final_val_loss"] < 0.5 * four["initial_val_loss"], four

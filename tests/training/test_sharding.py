@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tiny
 import test_distributed
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -168,7 +169,7 @@ CLI_TINY = ["--config.model.d_model=32", "--config.model.num_layers=1",
 
 
 def _cli(workdir, *args):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4),
          "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}",
                          *CLI_TINY, *args], env=env, capture_output=True, text=True,
@@ -229,7 +230,7 @@ def test_a_sharded_ray_run_stopped_after_a_checkpoint_resumes_to_the_same_end(tm
   pytest.importorskip("ray")
   whole = _cli(tmp_path / "whole", *RAY_SHARDED)
   assert whole.returncode == 0, whole.stderr[-3000:]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4),
          "JAX_PLATFORMS": "cpu"}
   stopped = tmp_path / "stopped"
   proc = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={stopped}",
