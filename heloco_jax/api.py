@@ -244,20 +244,6 @@ def _membership(membership: Optional[membership_lib.Membership], num_workers: in
   return membership
 
 
-def _check_carried(contract: inner_lib.LossContract, factory: factories.RuntimeFactory,
-                   fragments: int) -> None:
-  """A ``loss_fn`` that takes ``state`` or ``rng`` runs where they are carried."""
-  if not (contract.state or contract.rng):
-    return
-  takes = "state" if contract.state else "rng"
-  if not factory.model_state:
-    raise ValueError(f"a loss_fn that takes {takes} is not allowed on this runtime (Ray); "
-                     "allowed: the simulated or the devices runtime")
-  if fragments != 1:
-    raise ValueError(f"streaming.fragments={fragments!r} is not allowed with a loss_fn that "
-                     f"takes {takes}; allowed: 1")
-
-
 def make_engine(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -438,7 +424,6 @@ def make_engine(
   contract = inner_lib.LossContract.of(loss_fn)
   model_state_lib.check_model_state(model_state, contract)
   model_state_lib.check_merge(model_state_merge)
-  _check_carried(contract, factory, streaming.fragments)
   streams = [state_lib.WorkerStream(source, worker=i) for i, source in enumerate(data)]
   checks.check_loss_fn(loss_fn, params, streams[0].peek(), model_state)
   seconds = clocks.seconds_per_step(speeds, num_workers)

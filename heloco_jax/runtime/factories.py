@@ -35,15 +35,12 @@ class RuntimeFactory:
     multiprocess: it can span processes (``jax.distributed``).
     worker_devices: ``K -> the devices one worker's θ spans`` (what a model
       sharded for this runtime is split over: ``sharding.put_fsdp``).
-    model_state: it carries a model state and the workers' keys
-      (``heloco_jax.training.model_state``).
   """
   build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
   simulated_clock: bool
   synchronies: frozenset[str] = base.SYNCHRONIES
   multiprocess: bool = False
   worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
-  model_state: bool = True
 
   def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return self.build(inner, spec)
@@ -112,5 +109,4 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
     return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), clocks.RealClock,
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
-  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
-                        model_state=False)
+  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies)

@@ -396,13 +396,15 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
   steps, tau, alpha = spec.inner_steps // spec.fragments, spec.overlap_steps, spec.fragment_alpha
   if s.phase != "rounds":
     s.phase = "rounds"
-    s.workers = inner.start_many(executor.to_rounds(run.server.params), None, k)
+    s.workers = inner.start_many(executor.to_rounds(run.server.params),
+                                 run.model_states.for_round(None), k)
     f.streaming.fragment_versions, f.streaming.syncs = [0] * spec.fragments, [0]
 
-  def merged(states, p):  # fragment p's new θ_p in every worker's params
+  def merged(states, p):  # fragment p's new θ_p (and the merged model state) in every worker's
     local = fragments.take(states.params, p)
     arrived = jax.tree.map(lambda x, y: jnp.broadcast_to(x, y.shape),
                            executor.to_rounds(run.server.fragment(p).params), local)
+    states = run.model_states.for_round(states)
     return states._replace(params=fragments.put(
         states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
 
@@ -445,6 +447,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       server.apply(delta, 0)
       s.version += 1
       f.streaming.fragment_versions[p] += 1
+    run.model_states.round(states, accepted)
     s.workers = merged(states, p) if tau == 0 else states
     f.streaming.syncs[0] = j
     _count_round(run, p, loss)

@@ -20,6 +20,12 @@ things live changes:
     message (``compress.send``): the compressor's payload is what goes to the
     server actor, which decompresses it (``compress.receive``); the state stays
     an object ref on the worker's node until its next dispatch or a checkpoint;
+  * fragments (``hj.Streaming``): one server actor per fragment; a worker actor
+    runs a fragment dispatch whole (``streaming.FragmentSteps``: the arrived
+    fragment's merge included); the engine keeps each worker's anchors;
+  * a model state (``loss_fn`` with ``state``/``rng``): a dispatch carries the
+    server's copy and the worker actor steps it and the worker's keys; only the
+    end state's model state comes back to the engine, which merges it;
   * the engine's asyncio loop awaits the actors' object refs and takes arrivals
     in the order they finish, on the real clock;
   * sharded θ (docs/DESIGN.md, "Scaling out"): every actor rebuilds θ's mesh
@@ -168,14 +174,17 @@ class WorkerActor:
 
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
           batches: Any, key_data: np.ndarray, fresh: bool, compressor: Optional[bytes] = None,
-          compression: Any = None, fragment: Optional[streaming.FragmentSteps] = None
-          ) -> tuple[inner_lib.InnerState, Any, Any, int, Any]:
+          compression: Any = None, fragment: Optional[streaming.FragmentSteps] = None,
+          model_state: Any = None) -> tuple[inner_lib.InnerState, Any, Any, int, Any, Any]:
     """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
-    process's id, None). With a ``compressor`` (pickled) and the worker's state for it
-    (``compression``): Δ is sent as its ``compress.Message``, and the last is the next
-    state. With ``fragment`` (a fragment dispatch; ``start`` is then None): its steps, and
-    Δ is that of its fragment."""
+    process's id, None, the end state's model state). With a ``compressor`` (pickled) and
+    the worker's state for it (``compression``): Δ is sent as its ``compress.Message``, and
+    the fifth is the next state. With ``fragment`` (a fragment dispatch; ``start`` is then
+    None): its steps, and Δ is that of its fragment. ``model_state``: the server's copy the
+    worker starts from (``training.model_state``; None: its own, or none)."""
     key = jax.random.wrap_key_data(key_data)
+    if model_state is not None and previous is not None:
+      previous = previous._replace(model_state=model_state)
     if fragment is not None:  # fragments run with θ on one device (no layout)
       if fresh and previous is not None:
         previous = self._executor.fresh_moments(previous)
@@ -200,8 +209,10 @@ class WorkerActor:
         self._sending = (compressor, jax.jit(functools.partial(compress.send,
                                                                _unpickled(compressor))))
       delta, compression = jax.device_get(self._sending[1](delta, compression))
-      return to_host(state), delta, jax.device_get(loss), os.getpid(), compression
-    return to_host(state), to_host(delta), jax.device_get(loss), os.getpid(), None
+    else:
+      delta, compression = to_host(delta), None
+    return (to_host(state), delta, jax.device_get(loss), os.getpid(), compression,
+            to_host(state.model_state))
 
 
 class RayServer:
@@ -260,7 +271,9 @@ class Dispatch:
   (a fragment dispatch's steps, the compressor and the worker's state for it). Compressed
   (``compressor``: the compressor, pickled), ``delta`` is the worker's
   ``compress.Message``, ``receive`` decompresses it here, and ``compression`` is the
-  worker's next compressor state.
+  worker's next compressor state. ``end_model_state``: the end state's model state (a ref;
+  read by ``model_state``); ``receives``: the server's copy of it that the next dispatch
+  from this state starts from (``training.model_state.ModelStates.for_dispatch``).
   """
   args: tuple = ()
   options: dict = dataclasses.field(default_factory=dict)
@@ -273,6 +286,17 @@ class Dispatch:
   compression: Any = None
   compressor: Optional[bytes] = None
   receive: Optional[Callable[[Any], Any]] = None
+  end_model_state: Any = None
+  receives: Any = None
+
+  # The end state's handle stands for an ``inner.InnerState`` where ``ModelStates`` reads and
+  # replaces its model state, the one part of it the server merges.
+  def _replace(self, *, model_state: Any) -> "Dispatch":
+    return dataclasses.replace(self, receives=model_state)
+
+  @property
+  def model_state(self) -> Any:
+    return import_ray().get(self.end_model_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,12 +472,15 @@ class RayExecutor(base.OneProcess):
     """Worker ``worker``'s dispatch, returned three times (the handles of the end state, Δ
     and the training loss); ``transmit`` sends it to the worker's actor."""
     fresh = isinstance(previous, Dispatch) and previous.fresh
+    options = {}
     if isinstance(previous, Dispatch):
+      if previous.receives is not None:
+        options["model_state"] = sharding.to_host(previous.receives)
       previous = previous.state
     else:  # a restored state, on this process's devices
       previous = sharding.to_host(previous)
     dispatch = Dispatch(args=(worker, start, previous, batches,
-                              np.asarray(jax.random.key_data(key)), fresh))
+                              np.asarray(jax.random.key_data(key)), fresh), options=options)
     return dispatch, dispatch, dispatch
 
   def run_fragment(self, worker, previous, steps, batches, key):
@@ -489,8 +516,8 @@ class RayExecutor(base.OneProcess):
 
   def _submit(self, dispatch: Dispatch, actor: int) -> None:
     dispatch.actor = actor
-    (dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done,
-     dispatch.compression) = self.actors[actor].run.options(num_returns=5).remote(
+    (dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done, dispatch.compression,
+     dispatch.end_model_state) = self.actors[actor].run.options(num_returns=6).remote(
          *dispatch.args, **dispatch.options)
 
   def actor_of(self, worker: int) -> Any:

@@ -16,7 +16,8 @@ workers' copies into one (``ModelStates``), which evaluations see and the result
 
 Leaves that are not floating point (counters) are never averaged: they take the arriving
 (or first accepted) worker's value. Every dispatch starts its worker from the server's copy,
-as it starts from θ.
+as it starts from θ. With fragments the state is not split: it travels with every
+fragment's sync.
 
 A ``loss_fn`` that takes the keyword ``rng`` gets a new key every inner step:
 ``fold_in(k_w, s)`` for worker w at its own step count s, where

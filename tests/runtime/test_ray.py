@@ -430,3 +430,50 @@ def test_compressed_deltas_cross_rays_object_store_as_their_payload_and_equal_th
     four = result["four"]
     assert four["fragments"] == [0, 1]
     assert four["final_val_loss"] < 0.5 * four["initial_val_loss"], four
+
+
+# A flax.nnx CNN with BatchNorm and Dropout (tests/training/test_model_state.py's) on Ray: one
+# worker, θ in 2 fragments, its statistics and keys carried by the worker actor.
+MODEL_STATE_SCRIPT = """
+import json, sys
+import jax, numpy as np, optax
+import heloco_jax as hj
+sys.path.insert(0, sys.argv[1])
+import test_model_state as cnn
+
+options = dict(method="heloco", inner_steps=4, budget=hj.Budget(steps=32, eval_every_steps=16),
+               inner_tx=optax.adam(1e-2), eval_fn=cnn.cnn_eval, model_state=cnn.STATS,
+               streaming=hj.Streaming(fragments=2))
+data = [cnn._cnn_data()[0]]
+on_ray = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data, runtime=hj.ray_runtime(num_cpus=2),
+                     **options)
+simulated = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data, **options)
+def equal(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+def rows(result):
+  return [{k: row[k] for k in ("train_loss", "train_accuracy", "outer_updates")}
+          for row in result.history if row["event"] == "arrival"]
+print("RESULT", json.dumps({
+    "params": equal(on_ray.params, simulated.params),
+    "model_state": equal(on_ray.model_state, simulated.model_state),
+    "moved": float(np.abs(jax.tree.leaves(on_ray.model_state)[0]).max()),
+    "rows": [rows(on_ray), rows(simulated)]}))
+"""
+
+
+@needs_ray
+@pytest.mark.slow  # a Ray run, ~40 s: the default suite stays under 15 minutes
+def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation():
+  """A loss_fn with ``state`` and ``rng`` on Ray (the worker actor steps them, the driver merges
+  the state): one worker equals the simulated runtime bit for bit, params, BatchNorm's
+  statistics and the rows' metrics, with θ in 2 fragments."""
+  tests = os.path.join(os.path.dirname(os.path.dirname(__file__)), "training")
+  out = subprocess.run([sys.executable, "-c", MODEL_STATE_SCRIPT, tests], capture_output=True,
+                       text=True, timeout=900, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(next(line for line in out.stdout.splitlines()
+                           if line.startswith("RESULT "))[7:])
+  assert result["params"] and result["model_state"]
+  assert result["moved"] > 0.01  # the statistics left BatchNorm's initial mean 0
+  on_ray, simulated = result["rows"]
+  assert on_ray == simulated and len(on_ray) == 16  # 32 steps, a sync every 2

@@ -42,10 +42,19 @@ def _toy_loss(params, batch, *, state):
 STATE0 = {"mean": np.zeros(2, np.float32), "count": np.zeros((), np.int32)}
 
 
-def _simulate(method, **more):
-  return hj.simulate(_toy_loss, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
-                     method=method, inner_tx=optax.sgd(0.05), inner_steps=H,
-                     speeds=[1.0, 2.5], budget=hj.Budget(steps=30), model_state=STATE0, **more)
+# Steps between two syncs: H, or with 2 fragments (θ gets a second, unused leaf) H = 4 in 2 syncs.
+SYNC_STEPS = {1: H, 2: 2}
+
+
+def _simulate(method, fragments=1, **more):
+  params = {"w": jnp.zeros((2, 1))}
+  if fragments > 1:
+    params["unused"] = jnp.zeros(3)
+  return hj.simulate(_toy_loss, params, [_batches(0), _batches(1)],
+                     method=method, inner_tx=optax.sgd(0.05),
+                     inner_steps=SYNC_STEPS[fragments] * fragments, speeds=[1.0, 2.5],
+                     budget=hj.Budget(steps=30), model_state=STATE0,
+                     streaming=hj.Streaming(fragments=fragments), **more)
 
 
 def _steps(state, batches):
@@ -57,35 +66,51 @@ def _steps(state, batches):
   return mean, count
 
 
-@pytest.mark.parametrize("merge", ["mean", "latest"])
-def test_asynchronous_arrivals_merge_the_state_as_documented(merge):
-  result = _simulate("heloco", model_state_merge=merge)
+@pytest.mark.parametrize("merge, fragments", [("mean", 1), ("latest", 1), ("mean", 2)])
+def test_asynchronous_arrivals_merge_the_state_as_documented(merge, fragments):
+  """With fragments the model state travels with every fragment: a dispatch receives the
+  server's copy, an arrival is merged into it (docs/DESIGN.md, "Model state and randomness")."""
+  result = _simulate("heloco", fragments, model_state_merge=merge)
   arrivals = [row["worker"] for row in result.history if row["event"] == "arrival"]
   assert len(arrivals) >= 5 and set(arrivals) == {0, 1}
-  data = [_batches(0), _batches(1)]
+  if fragments > 1:
+    assert {row["fragment"] for row in result.history if row["event"] == "arrival"} == {0, 1}
+  data, steps = [_batches(0), _batches(1)], SYNC_STEPS[fragments]
   server = (np.zeros(2), 0)
   start, used = [server, server], [0, 0]
-  for w in arrivals:  # each arrival: the worker's H steps from the state it was sent
-    end = _steps(start[w], data[w][used[w]:used[w] + H])
-    used[w] += H
+  for w in arrivals:  # each arrival: the worker's steps from the state it was sent
+    end = _steps(start[w], data[w][used[w]:used[w] + steps])
+    used[w] += steps
     server = (server[0] + (end[0] - server[0]) / K, end[1]) if merge == "mean" else end
     start[w] = server
   np.testing.assert_allclose(result.model_state["mean"], server[0], rtol=1e-5, atol=1e-6)
   assert int(result.model_state["count"]) == server[1]  # an integer leaf: the arriving one's
 
 
-def test_rounds_average_the_workers_states_and_ddp_carries_its_one_state():
-  result = _simulate("diloco")
+def _rounds_reference(result, steps):
+  """The server's mean after the run's rounds (syncs) of ``steps`` steps each (NumPy)."""
   rounds = sum(row["event"] == "train" for row in result.history)
   data, server = [_batches(0), _batches(1)], (np.zeros(2), 0)
   for r in range(rounds):
-    ends = [_steps(server, data[w][r * H:(r + 1) * H]) for w in range(K)]
+    ends = [_steps(server, data[w][r * steps:(r + 1) * steps]) for w in range(K)]
     server = (np.mean([end[0] for end in ends], axis=0), ends[0][1])
-  np.testing.assert_allclose(result.model_state["mean"], server[0], rtol=1e-5, atol=1e-6)
+  return server[0]
+
+
+def test_streaming_rounds_average_the_workers_states_at_every_fragments_sync():
+  result = _simulate("diloco", fragments=2)
+  np.testing.assert_allclose(result.model_state["mean"], _rounds_reference(result, 2),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_rounds_average_the_workers_states_and_ddp_carries_its_one_state():
+  result = _simulate("diloco")
+  np.testing.assert_allclose(result.model_state["mean"], _rounds_reference(result, H),
+                             rtol=1e-5, atol=1e-6)
 
   ddp = _simulate("ddp")
   steps = [row for row in ddp.history if row["event"] == "train"][-1]["steps"] // K
-  state = (np.zeros(2), 0)
+  data, state = [_batches(0), _batches(1)], (np.zeros(2), 0)
   for i in range(steps):  # one state over the workers' batches together
     x = np.concatenate([data[0][i][0], data[1][i][0]])
     state = _steps(state, [(x, None)])
@@ -178,12 +203,14 @@ def _cnn_data():
   return [[_images(16, 100 * w + i) for i in range(80)] for w in range(K)]
 
 
-@pytest.mark.parametrize("method", ["heloco", "diloco", "ddp"])
-def test_a_flax_cnn_with_batchnorm_and_dropout_trains(method):
+@pytest.mark.parametrize("method, fragments", [("heloco", 1), ("diloco", 1), ("ddp", 1),
+                                               ("heloco", 2)])
+def test_a_flax_cnn_with_batchnorm_and_dropout_trains(method, fragments):
   result = hj.simulate(cnn_loss, PARAMS, _cnn_data(), method=method, inner_steps=4,
                        speeds=[1.0, 2.0], budget=hj.Budget(steps=96, eval_every_steps=48),
                        inner_tx=optax.adam(1e-2), eval_fn=cnn_eval, model_state=STATS,
-                       method_options={"learning_rate": 0.7} if method != "ddp" else None)
+                       method_options={"learning_rate": 0.7} if method != "ddp" else None,
+                       streaming=hj.Streaming(fragments=fragments))
   evals = [row for row in result.history if row["event"] == "eval"]
   assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.2, evals
   assert evals[-1]["val_loss"] < evals[0]["val_loss"]
@@ -261,8 +288,6 @@ def test_a_model_state_holding_the_modules_rngs_is_refused():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model_state=None), "takes the keyword state, but model_state is None"),
     (dict(model_state=STATE0, model_state_merge="median"), "model_state_merge='median'"),
-    (dict(model_state=STATE0, streaming=hj.Streaming(fragments=2)),
-     r"^streaming\.fragments=2 is not allowed with a loss_fn"),
 ])
 def test_bad_model_state_arguments_are_one_line_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
