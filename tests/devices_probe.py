@@ -43,14 +43,11 @@ def main(out, slow=False):
   int8 = {"compression.kind": "int8", "compression.error_feedback": True}
   result = {"num_devices": jax.device_count()}
   if not slow:
-    # Async HeLoCo, 4 workers × 2 devices; worker 3 waits twice its compute.
-    result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget,
-                                       **{"devices.slowdown": "1,1,1,3", "devices.server": 7}))
-    # Fragments (hj.Streaming) and compressed Δ with error feedback (issue 58): async HeLoCo's
-    # fragment arrivals on 4 one-device groups.
-    result["heloco_fragments"] = run(tiny.config(
-        "heloco", 4, runtime="devices", **budget, **streaming, **int8,
-        **{"devices.group_sizes": "1,1,1,1"}))
+    # Async HeLoCo, 4 workers × 2 devices; worker 3 waits twice its compute; θ in 2 fragments
+    # (hj.Streaming) and Δ compressed with error feedback (issue 58).
+    result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget, **streaming,
+                                       **int8, **{"devices.slowdown": "1,1,1,3",
+                                                  "devices.server": 7}))
     # One worker on one device: its arrivals come in one order on either clock, so the split
     # compression (payload across devices) must equal the simulated runtime's bit for bit.
     one = {"budget.tokens": 2_000, "eval_every_tokens": 1_000, **streaming, **int8}

@@ -211,6 +211,10 @@ def _resume(config, workdir, step):
     ("heloco", {"inner_steps": 4, "streaming.fragments": 2, "streaming.overlap_steps": 1,
                 "streaming.alpha": 0.5, "compression.kind": "int4",
                 "compression.error_feedback": True, "budget.tokens": 2_500}),
+    # Workers leaving and joining: a worker away at a checkpoint, a new one joining after it
+    # (worker 3 is away from the start; test_resume.py's SIGKILL case under -m slow).
+    ("mla", {"num_workers": 4, "speeds": [1.0, 1.3, 1.7, 2.0],
+             "chaos.schedule": "1@5-30,2@8,3@0-20,0@40-45"}),
 ])
 def test_resuming_any_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(
     tmp_path, method, overrides):
@@ -227,6 +231,8 @@ def test_resuming_any_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(
     phases.add(meta["phase"])
     assert resumed_summary == summary
     assert resumed_rows == rows[meta["metrics"]["rows"]:]
+    if "chaos.schedule" in overrides:  # membership events after the checkpoint too
+      assert {"left", "joined"} <= {row["event"] for row in resumed_rows}
   if method == "palsgd":
     assert phases == {"ddp", "rounds"}
 

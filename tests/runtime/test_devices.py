@@ -113,6 +113,8 @@ def _arrivals(run):
 
 
 def test_async_heloco_on_device_groups_learns(probe):
+  """θ in 2 fragments, int8 + error feedback: ALGORITHMS.md, "Fragments" and "Compression in
+  a run" (a worker sends fragment 1 first, then 0, 1, ...)."""
   assert probe["num_devices"] == 8
   summary = probe["heloco"]["summary"]
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
@@ -125,11 +127,15 @@ def _check_arrival_log(run, expected):
   assert [a["outer_updates"] for a in arrivals] == list(range(1, len(arrivals) + 1))
   times = [a["sim_time"] for a in arrivals]
   assert times == sorted(times) and times[0] > 0  # real completion order, real seconds
-  # A worker re-dispatched at version v arrives with τ = (updates before it) − v.
-  dispatched = {w: 0 for w in range(4)}
+  # A worker's Δ of fragment p arrives with τ = (p's updates before it) − p's version when the
+  # worker last received p: all of θ at its first dispatch, then the fragment it had sent.
+  fragments = 1 + max(a["fragment"] for a in arrivals)
+  versions, received = [0] * fragments, {w: [0] * fragments for w in range(4)}
   for a in arrivals:
-    assert a["staleness"] == a["outer_updates"] - 1 - dispatched[a["worker"]]
-    dispatched[a["worker"]] = a["outer_updates"]
+    p = a["fragment"]
+    assert a["staleness"] == versions[p] - received[a["worker"]][p]
+    versions[p] += 1
+    received[a["worker"]][p] = versions[p]
   assert expected <= {a["worker"] for a in arrivals}
 
 
@@ -176,11 +182,9 @@ def test_sync_diloco_on_the_workers_mesh_equals_the_simulated_runtime(slow_probe
 
 def test_fragments_and_compression_run_on_device_groups(probe):
   """Issue 58: the devices runtime carries hj.Streaming and int8 + error feedback: async
-  HeLoCo's compressed fragment arrivals on 4 devices learn; the two fragments' payloads
-  together are a quarter of θ's float32 bytes plus the scales."""
-  run = probe["heloco_fragments"]
-  assert run["summary"]["final_val_loss"] < run["summary"]["initial_val_loss"] - 1.0
-  arrivals = _arrivals(run)
+  HeLoCo's compressed fragment arrivals on 4 device groups (learning: the test above); the two
+  fragments' payloads together are a quarter of θ's float32 bytes plus the scales."""
+  arrivals = _arrivals(probe["heloco"])
   assert {a["fragment"] for a in arrivals} == {0, 1}
   up = {a["fragment"]: a["bytes_up"] for a in arrivals}
   theta = max(a["bytes_down"] for a in arrivals)  # a first dispatch sends θ whole
