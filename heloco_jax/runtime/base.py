@@ -179,7 +179,8 @@ class OneProcess:
 
   def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
                    key: jax.Array) -> tuple[Any, Any, Any]:
-    return steps.run(self.run_worker, worker, previous, batches, key)  # pyright: ignore
+    run_worker = self.run_worker  # pyright: ignore  (the executor's: this is a mixin)
+    return steps.run(run_worker, worker, previous, batches, key)
 
   def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
     del fragment  # Δ is where θ is: compressed and received in one program

@@ -71,10 +71,11 @@ def dispatch_fragment(run: Run, worker: int, now: float) -> Job:
     start = None
   f.syncs[worker] = last + 1
   sent = f.syncs[worker] % spec.fragments
-  work = FragmentSteps(fragments, spec.fragment_alpha, spec.overlap_steps, start, arrived,
+  plan = FragmentSteps(fragments, spec.fragment_alpha, spec.overlap_steps, start, arrived,
                        received, fragments.take(f.anchors[worker], sent), sent)
-  previous = run.model_states.for_dispatch(worker, run.state.workers[worker])  # with θ's
-  work = functools.partial(run.executor.run_fragment, worker, previous, work,
+  # The server's model state comes with every fragment (DESIGN.md, "Model state and randomness").
+  previous = run.model_states.for_dispatch(worker, run.state.workers[worker])
+  work = functools.partial(run.executor.run_fragment, worker, previous, plan,
                            run.batches(worker, steps), run.next_key())
   finish = run.clock.fragment_arrival(worker, steps, now, received, sent)
   return Job(None, f.received[worker][sent], steps * spec.units_per_step, finish, work,
