@@ -185,13 +185,7 @@ class WorkerActor:
     key = jax.random.wrap_key_data(key_data)
     if model_state is not None and previous is not None:
       previous = previous._replace(model_state=model_state)
-    if fragment is not None:  # fragments run with θ on one device (no layout)
-      if fresh and previous is not None:
-        previous = self._executor.fresh_moments(previous)
-      state, delta, loss = fragment.run(self._executor.run_worker, worker, previous, batches,
-                                        key)
-      to_host = jax.device_get
-    elif self._layout is not None:
+    if self._layout is not None:  # (fragments run with θ unsharded)
       put = self._layout.from_host
       previous = put(previous)
       if fresh and previous is not None:
@@ -202,7 +196,11 @@ class WorkerActor:
     else:
       if fresh and previous is not None:
         previous = self._executor.fresh_moments(previous)
-      state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+      if fragment is None:
+        state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+      else:
+        state, delta, loss = self._executor.run_fragment(worker, previous, fragment, batches,
+                                                         key)
       to_host = jax.device_get
     if compressor is not None:  # ALGORITHMS.md, "Compression in a run"
       if self._sending[0] != compressor:

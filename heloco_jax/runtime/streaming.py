@@ -82,13 +82,16 @@ def dispatch_fragment(run: Run, worker: int, now: float) -> Job:
              fragment=sent)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["start", "arrived", "anchor"],
+                   meta_fields=["fragments", "alpha", "tau", "received", "sent"])
 @dataclasses.dataclass(frozen=True)
 class FragmentSteps:
   """What a worker's fragment dispatch computes (``dispatch_fragment``): its steps from
   ``start`` (θ as a whole) or from its own params with fragment ``received`` merged in
   (``arrived``: that fragment's θ) after ``tau`` steps, and the Δ of fragment ``sent``
-  against ``anchor`` (that fragment as the worker last received it). Values only: an
-  executor may run it in another process (Ray's worker actors)."""
+  against ``anchor`` (that fragment as the worker last received it). Values only, a pytree
+  of its arrays: an executor may run it in another process (Ray's worker actors)."""
   fragments: fragments_lib.Fragments
   alpha: float
   tau: int
