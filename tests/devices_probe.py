@@ -48,13 +48,13 @@ def main(out, slow=False):
     result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget, **streaming,
                                        **int8, **{"devices.slowdown": "1,1,1,3",
                                                   "devices.server": 7}))
+  else:  # -m slow: the default suite stays under 15 minutes
     # One worker on one device: its arrivals come in one order on either clock, so the split
     # compression (payload across devices) must equal the simulated runtime's bit for bit.
     one = {"budget.tokens": 2_000, "eval_every_tokens": 1_000, **streaming, **int8}
     result["heloco_one_simulated"] = run(tiny.config("heloco", 1, **one))
     result["heloco_one_devices"] = run(tiny.config("heloco", 1, runtime="devices", **one,
                                                    **{"devices.group_sizes": "1"}))
-  else:  # -m slow: the default suite stays under 15 minutes
     # Unequal groups (1, 1, 2, 4 devices) for an async method.
     result["mla_unequal"] = run(tiny.config("mla", 4, runtime="devices", **budget,
                                             **{"devices.group_sizes": "1,1,2,4"}))

@@ -184,7 +184,7 @@ class OneProcess:
 
   def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
     del fragment  # Δ is where θ is: compressed and received in one program
-    return uplink.transmit(delta, state)
+    return (delta, state) if uplink.compressor is None else uplink.transmit(delta, state)
 
   def compressed_round_delta(self, uplink: Any, params: Any, ends: Any, accepted: np.ndarray,
                              states: Any) -> tuple[Any, Any]:

@@ -70,26 +70,29 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   queue = run.arrivals()
 
   def dispatch(worker: int, now: float) -> None:
-    back = membership.away(worker, now)
+    back = membership.away(worker, now) if absences else None
     if back is not None:  # away already (ALGORITHMS.md, "Elastic membership")
       if now > 0:  # it left as its work arrived: nothing lost (a new worker: none to leave)
         run.emit(_membership_row(run, "left", worker, now, dropped=0))
       expect(worker, back, "join")
       return
-    if spec.streaming:
+    if fragments:
       s.jobs[worker] = streaming.dispatch_fragment(run, worker, now)
     else:
+      previous = s.workers[worker]
+      if carried:
+        previous = run.model_states.for_dispatch(worker, previous)
       work = functools.partial(
-          run.executor.run_worker, worker, run.model_states.for_dispatch(worker, s.workers[worker]),
-          run.server.dispatch_point(), run.batches(worker, int(steps[worker])), run.next_key())
+          run.executor.run_worker, worker, previous, run.server.dispatch_point(),
+          run.batches(worker, int(steps[worker])), run.next_key())
       finish = clock.finish(worker, int(steps[worker]), now)
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
     f.membership.dispatched_units += s.jobs[worker].units
-    leave = membership.next_leave(worker, now)
+    leave = membership.next_leave(worker, now) if absences else math.inf
     if leave < s.jobs[worker].finish:  # it leaves first: the dispatch is lost, never computed
       expect(worker, leave, "leave", s.jobs.pop(worker).units)
-      if spec.streaming:  # it comes back to θ as a whole (FAILURES.md)
+      if fragments:  # it comes back to θ as a whole (FAILURES.md)
         f.streaming.restart(worker)
       return
     if clock.eager:
@@ -117,12 +120,16 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     s.sim_time = at
     membership_event(worker, at)
 
-  membership = spec.membership
+  # A feature that is off is not called on the arrival path (docs/DESIGN.md, "The engine").
+  membership, absences = spec.membership, bool(spec.membership.absences)
+  fragments, carried = spec.streaming, run.model_states.active
+  adaptive = spec.syncer.adaptive_grace > 0  # else every group has the same rule
+  rule = spec.syncer.rule(None)
   away = f.membership.away  # per worker away or about to leave (restored before the loop)
   events = base.Events(lambda w: w in away, lambda w: w not in away or away[w][1] == "join",
-                       event_in_a_group) if membership.absences else None
+                       event_in_a_group) if absences else None
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
-    if spec.streaming:
+    if fragments:
       s.jobs[worker].fragment = f.streaming.syncs[worker] % spec.fragments
     queue.push(worker, s.jobs[worker])
   for worker, (at, _, _) in sorted(away.items()):  # restored membership events
@@ -130,24 +137,27 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
     f.compression.states = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
-    if spec.streaming:
+    if fragments:
       f.streaming.start(spec.fragments, spec.num_workers)
     for worker in range(spec.num_workers):
       dispatch(worker, 0.0)
   try:
     while len(queue):
-      now, group, times = await queue.pop(spec.syncer.rule(f.syncer.mean_gap), events)
+      if adaptive:
+        rule = spec.syncer.rule(f.syncer.mean_gap)
+      now, group, times = await queue.pop(rule, events)
       if group[0] in away:  # a membership event at the head of the queue
         if spec.budget.over(s.units, now):
           break
         s.sim_time = now
         membership_event(group[0], now)
         continue
-      f.syncer.arrived(times)
+      if adaptive:
+        f.syncer.arrived(times)
       units = s.units + sum(s.jobs[w].units for w in group)
       if spec.budget.over(units, now):
         break  # this group and everything still in flight are discarded, never computed
-      _apply_arrivals(run, group, units, now)
+      _apply_arrivals(run, group, units, now, fragments, carried)
       for w in group:
         dispatch(w, now)
       if not clock.eager:  # the next arrivals compute (on D devices, concurrently)
@@ -157,9 +167,11 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     queue.close()
 
 
-def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
+def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragments: bool,
+                    carried: bool) -> None:
   """One arrival group: at most one outer update, its rows, rejected workers reset. With
-  fragments a group is one arrival, of one fragment, applied by its server."""
+  ``fragments`` a group is one arrival, of one fragment, applied by its server; ``carried``:
+  the workers' model state merges into the server's copy (``run.model_states``)."""
   s, spec = run.state, run.spec
   f = run.features
   for w in group:
@@ -168,28 +180,31 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
   s.units, s.sim_time = units, now
   p = arrived[0].fragment
   server, version = ((run.server.fragment(p), f.streaming.fragment_versions[p])
-                     if spec.streaming else (run.server, s.version))
+                     if fragments else (run.server, s.version))
   taus = [version - job.version for job in arrived]
-  received = [streaming.received(run, w) for w in group]  # before a rejection restarts it
+  # What each received at dispatch (None: θ whole), read before a rejection restarts it.
+  received = [streaming.received(run, w) for w in group] if fragments else [None] * len(group)
   downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
-  if spec.streaming and run.clock.simulated:
+  if fragments and run.clock.simulated:
     network = run.clock.fragment_wait(group[0], received[0], p)
   else:
     network = _dispatch_seconds(run.clock, len(group))
-  weights = spec.syncer.merge_weights([job.units for job in arrived])
+  weights = (spec.syncer.merge_weights([job.units for job in arrived]) if len(group) > 1
+             else None)
   results = server.update(taus, *(job.delta for job in arrived), fetch=False, weights=weights)
   reasons = [result.pop("reason") for result in results]
   for w, tau, reason, job in zip(group, taus, reasons, arrived):
     if reason is None:
-      run.model_states.arrive(s.workers[w])
+      if carried:
+        run.model_states.arrive(s.workers[w])
     else:
       run.reject(w, reason, tau, job.units)
       s.workers[w] = run.executor.fresh_moments(s.workers[w])
-      if spec.streaming:  # it starts again from θ as a whole
+      if fragments:  # it starts again from θ as a whole
         f.streaming.restart(w)
   if any(reason is None for reason in reasons):
     s.version += 1
-    if spec.streaming:
+    if fragments:
       f.streaming.fragment_versions[p] += 1
   up = run.uplink.bytes_up[p]
   f.traffic.sync(len(group) * up + sum(downs), network)
@@ -200,12 +215,6 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float) -> None:
                 "sim_time": now, "outer_updates": s.version, "fragment": p, "bytes_up": up,
                 "bytes_down": down, **run.train_loss(job.train_loss), **result})
   run.streak.update(reasons, group)
-
-
-
-
-
-
 
 
 def _dispatch_seconds(clock: base.Clock, count: int) -> Optional[float]:

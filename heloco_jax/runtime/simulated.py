@@ -52,7 +52,8 @@ class SimulatedArrivals:
     """
     first, worker = heapq.heappop(self._heap)
     group, times, handled = [worker], [first], [first]
-    if events is not None and events.is_event(worker):
+    if (events is not None and events.is_event(worker)) or (
+        rule.quorum == 1 and rule.window == 0):  # alone (the default: one update per arrival)
       return first, group, times
 
     def event_next() -> bool:

@@ -10,9 +10,13 @@ import time
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tiny
+
+import heloco_jax as hj
 
 from heloco_jax.cli.configs import validation
 from heloco_jax.runtime import devices
@@ -202,10 +206,44 @@ def test_compressed_streaming_rounds_on_device_groups_equal_the_simulated_runtim
   np.testing.assert_allclose(_eval_losses(devices), _eval_losses(simulated), rtol=2e-3)
 
 
-def test_compressed_payload_across_devices_equals_the_simulated_runtime_bit_for_bit(probe):
+def _regression_loss(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+
+def _regression_stream():
+  rng = np.random.default_rng(0)
+  while True:
+    x = rng.normal(0, 1, (8, 64)).astype(np.float32)
+    yield x, x[:, :1] - x[:, 1:2]
+
+
+def test_compressed_fragments_on_the_devices_runtime_equal_the_simulated_runtime_bit_for_bit():
+  """One worker in this process (one device): the devices runtime's split compression
+  (``compress.send`` on the worker's devices, ``receive`` of the message alone on the
+  server's) and its fragment dispatches = the simulated runtime's one program (``transmit``),
+  bit for bit; the 8-device TinyGPT twin is ``-m slow`` (``slow_probe``)."""
+  params = {"w": jnp.asarray(np.random.default_rng(1).normal(0, 0.1, (64, 32)), jnp.float32),
+            "v": jnp.zeros((32, 1))}
+  options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
+                 budget=hj.Budget(steps=40), streaming=hj.Streaming(fragments=2, overlap_steps=1),
+                 compress=hj.compress.error_feedback(hj.compress.int8()))
+  on_devices = hj.simulate(_regression_loss, params, [_regression_stream()],
+                           runtime=hj.devices_runtime(batch_size=8), **options)
+  simulated = hj.simulate(_regression_loss, params, [_regression_stream()], **options)
+  assert on_devices.summary["outer_updates"] == simulated.summary["outer_updates"] == 20
+  assert {r["fragment"] for r in on_devices.history if r["event"] == "arrival"} == {0, 1}
+  for a, b in zip(jax.tree.leaves(on_devices.params), jax.tree.leaves(simulated.params)):
+    np.testing.assert_array_equal(a, b)
+  losses = [r["train_loss"] for r in on_devices.history if r["event"] == "arrival"]
+  assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4]), losses
+
+
+@pytest.mark.slow  # the default suite stays under 15 minutes (in-process twin above)
+def test_compressed_payload_across_devices_equals_the_simulated_runtime_bit_for_bit(slow_probe):
   """One worker: compressed on its device, the payload moved, decompressed on the server's
   (``compress.send``/``receive``) = the simulated runtime's one program (``transmit``)."""
-  simulated, devices = probe["heloco_one_simulated"], probe["heloco_one_devices"]
+  simulated, devices = slow_probe["heloco_one_simulated"], slow_probe["heloco_one_devices"]
   assert devices["summary"]["outer_updates"] == simulated["summary"]["outer_updates"] > 2
   assert devices["params"] == simulated["params"]
   assert _eval_losses(devices) == _eval_losses(simulated)
