@@ -262,6 +262,7 @@ def make_engine(
     syncer: Optional[syncer_lib.Syncer] = None,
     streaming: Optional[fragments_lib.Streaming] = None,
     compress: Optional[compress_lib.Compressor] = None,
+    compress_download: Optional[compress_lib.Compressor] = None,
     membership: Optional[membership_lib.Membership] = None,
     comm: cost.CommModel = cost.CommModel(),
     jitter: float = 0.0,
@@ -338,7 +339,12 @@ def make_engine(
       (``hj.compress.int8()``, ``hj.compress.error_feedback(hj.compress.top_k(0.01))``,
       ...; the error-feedback residuals are checkpointed), and the simulated
       clock charges the compressed bytes (docs/ALGORITHMS.md, "Compression in
-      a run"); None: Δ is sent as it is. Not with ddp; simulated runtime only.
+      a run"); None: Δ is sent as it is. Not with ddp.
+    compress_download: θ's downloads compressed too: a worker's later dispatches
+      receive C(θ_d − x̂), x̂ what it last started from, which the server keeps per
+      worker (docs/ALGORITHMS.md, "Compressed downloads"); the clock and the rows
+      charge the message's bytes. Asynchronous methods, θ whole, the simulated and
+      devices runtimes; None: θ is sent as it is.
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
       every worker stays. The simulated clock only; synchronous methods run elastic
@@ -404,9 +410,10 @@ def make_engine(
     raise ValueError(f"seed={seed!r} is not allowed; allowed: an integer in [0, 2**32)")
   _positive_int("inner_steps", inner_steps)
   _positive_int("metrics_fetch_every", metrics_fetch_every)
-  if compress is not None and not isinstance(compress, compress_lib.Compressor):
-    raise ValueError(f"compress={compress!r} is not allowed; allowed: None (Δ sent as it is) "
-                     "or a heloco_jax.comm.compress.Compressor, e.g. hj.compress.int8()")
+  for name, c in (("compress", compress), ("compress_download", compress_download)):
+    if c is not None and not isinstance(c, compress_lib.Compressor):
+      raise ValueError(f"{name}={c!r} is not allowed; allowed: None (sent as it is) or a "
+                       "heloco_jax.comm.compress.Compressor, e.g. hj.compress.int8()")
   if budget is None:
     raise ValueError("budget=None is not allowed; allowed: hj.Budget(steps=...), "
                      "hj.Budget(sim_seconds=...) or hj.Budget(tokens=..., tokens_per_step=...) "
@@ -479,14 +486,15 @@ def make_engine(
     engine = engine_lib.Engine(spec, built, params, streams, outer_tx=outer_tx,
                                eval_fn=eval_fn, lookahead=lookahead, compressor=compress,
                                model_state=model_state, model_state_merge=model_state_merge,
-                               on_row=on_row, handle_signals=handle_signals)
+                               download_compressor=compress_download, on_row=on_row,
+                               handle_signals=handle_signals)
   except BaseException:
     built.close()  # e.g. Ray's actors, started for a run that cannot be built
     raise
   if workdir is not None:
     try:
       run = checks.fingerprint(loss_fn, params, [stream.peek() for stream in streams],
-                                outer_tx, inner_tx, compress)
+                                outer_tx, inner_tx, compress, compress_download)
       # the keys of config.json's "options" as they were: older workdirs resume
       settings = dict(outer_options=outer_options, lookahead_dispatch=lookahead,
                       reset_optimizer=reset, deterministic=deterministic, run=run)

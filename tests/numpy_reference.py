@@ -498,3 +498,19 @@ def error_feedback(leaf_roundtrip, deltas: Sequence[Tree], dtype=np.float64
         sent.append(d_hat)
         residuals.append(e)
     return corrected, sent, residuals
+
+
+def download_starts(leaf_roundtrip, points: Sequence[Tree]) -> List[Tree]:
+    """Compressed downloads (ALGORITHMS.md, "Compressed downloads"): the starts a worker
+    builds from the dispatch points θ_d it is sent, in float32. The first is θ_d itself;
+    then x̂ ← x̂ + D(C(θ_d − x̂)) (``leaf_roundtrip`` is D(C(.)) of one leaf)."""
+    held, starts = None, []
+    for point in points:
+        point = [np.asarray(p, np.float32) for p in point]
+        if held is None:
+            held = point
+        else:
+            held = [h + np.asarray(leaf_roundtrip(p - h), np.float32)
+                    for h, p in zip(held, point)]
+        starts.append(held)
+    return starts

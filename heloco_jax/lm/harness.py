@@ -224,8 +224,18 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       rejection_limit=config.rejection_limit,
       deterministic=config.deterministic,
       compress=compressor(config),
+      compress_download=download_compressor(config),
       streaming=fragments.Streaming(config.streaming.fragments, config.streaming.layout,
                                     config.streaming.overlap_steps, config.streaming.alpha))
+
+
+def download_compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:
+  """θ's downloads' compressor (``compression.download``): Δ's kind, block and fraction,
+  without error feedback (the server's x̂ carries what a message drops)."""
+  c = config.compression
+  if not c.download:
+    return None
+  return compress.by_name(c.kind, block=c.block, fraction=c.fraction)
 
 
 def compressor(config: ml_collections.ConfigDict) -> Optional[compress.Compressor]:

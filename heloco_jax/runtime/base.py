@@ -89,6 +89,8 @@ class Executor(Protocol):
     concurrency: how many workers' steps can run at once.
     compresses: whether workers can compress their Δ (``compress=``); absent:
       they cannot.
+    compresses_downloads: whether θ's downloads can be compressed
+      (``compress_download=``); absent: they cannot.
   """
 
   inner: inner_lib.InnerLoop
@@ -205,7 +207,8 @@ class Clock(Protocol):
   simulated: bool
 
   def start(self, elapsed: float) -> None: ...
-  def finish(self, worker: int, steps: int, now: float) -> float: ...
+  def finish(self, worker: int, steps: int, now: float,
+             download_bytes: Optional[int] = None) -> float: ...
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float: ...
   def fragment_arrival(self, worker: int, steps: int, now: float, received: Optional[int],
                        sent: int) -> float: ...

@@ -164,8 +164,12 @@ class SimulatedClock:
   def start(self, elapsed: float) -> None:
     del elapsed
 
-  def finish(self, worker: int, steps: int, now: float) -> float:
-    return now + self.download + self.steps.duration(worker, steps) + self.upload
+  def finish(self, worker: int, steps: int, now: float,
+             download_bytes: Optional[int] = None) -> float:
+    """When a dispatch's Δ reaches the server: θ's download (or one of ``download_bytes``),
+    its steps and its upload."""
+    down = self.download if download_bytes is None else self.comm.message_seconds(download_bytes)
+    return now + down + self.steps.duration(worker, steps) + self.upload
 
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float:
     del start
@@ -256,8 +260,9 @@ class RealClock:
   def now(self) -> float:
     return self._agree(time.perf_counter() - self._start)
 
-  def finish(self, worker: int, steps: int, now: float) -> float:
-    del worker, steps
+  def finish(self, worker: int, steps: int, now: float,
+             download_bytes: Optional[int] = None) -> float:
+    del worker, steps, download_bytes
     return now  # the arrivals queue reads the time when the devices finish
 
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float:

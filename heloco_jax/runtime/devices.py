@@ -247,6 +247,8 @@ class DeviceExecutor(base.OneProcess):
     """Workers compress their Δ in one process; across processes Δ is all-reduced SPMD."""
     return not self.multiprocess
 
+  compresses_downloads = compresses  # the engine sends θ; the worker's devices receive it
+
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
     layout = self._server_layout if self.layout is not None else None
     return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=layout,

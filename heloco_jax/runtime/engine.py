@@ -40,6 +40,7 @@ import numpy as np
 
 from heloco_jax.comm import compress
 from heloco_jax.comm import fragments as fragments_lib
+from heloco_jax.comm import downlink as downlink_lib
 from heloco_jax.comm import uplink as uplink_lib
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
@@ -83,6 +84,8 @@ class Engine:
       with a model state); None: no evaluations.
     lookahead: dispatch from θ − η·μ·m.
     compressor: workers compress their Δ (``heloco_jax.comm.compress``); None: sent as it is.
+    download_compressor: θ's downloads are compressed (``heloco_jax.comm.downlink``;
+      asynchronous methods, θ whole); None: sent as it is.
     model_state: the initial model state besides θ (``heloco_jax.training.model_state``), for a
       ``loss_fn`` that takes ``state``; None: none.
     model_state_merge: how the server merges the workers' model states ("mean", "latest").
@@ -95,6 +98,7 @@ class Engine:
                eval_fn: Optional[Callable[..., Any]] = None, lookahead: bool = False,
                compressor: Optional[compress.Compressor] = None, model_state: Any = None,
                model_state_merge: str = "mean",
+               download_compressor: Optional[compress.Compressor] = None,
                on_row: Optional[Callable[[Row], None]] = None, handle_signals: bool = False):
     if len(data) != spec.num_workers:
       raise ValueError(f"data holds {len(data)} worker streams; allowed: one per worker "
@@ -116,6 +120,8 @@ class Engine:
     if compressor is not None and not getattr(executor, "compresses", False):
       raise ValueError(f"compression is not allowed on {executor.describe()}; allowed: the "
                        "simulated runtime, runtime=devices in one process, and Ray")
+    if download_compressor is not None:
+      _check_download(spec, executor)
     if spec.streaming and getattr(executor, "multiprocess", False):
       raise ValueError(f"streaming.fragments={spec.fragments} is not allowed across "
                        f"{jax.process_count()} processes; allowed: 1 (fragments run in one "
@@ -139,13 +145,15 @@ class Engine:
     else:
       server = executor.make_server(outer_tx, params, lookahead=lookahead)
     uplink = uplink_lib.Uplink(compressor, params, fragments)
+    downlink = (downlink_lib.Downlink(download_compressor, params)
+                if download_compressor is not None else None)
     clock = runtime.clock(base.ClockSettings(
         np.asarray(spec.seconds_per_step, float), spec.jitter, spec.seed, spec.comm,
         model_bytes, uplink.bytes_up, uplink.bytes_down, spec.overlap_steps), executor)
     recorder = Recorder(spec.metrics_fetch_every)
     self._run = Run(
         spec=spec, executor=executor, clock=clock, server=server, uplink=uplink,
-        fragments=fragments,
+        downlink=downlink, fragments=fragments,
         arrivals=lambda: runtime.arrivals(clock, executor, recorder.emit),
         streams=streams, recorder=recorder,
         state=RunState(next_checkpoint=spec.checkpoint_every), features=state_lib.Features(),
@@ -281,6 +289,8 @@ class Engine:
            for state in states] if meta["phase"] == "rounds" else [states] * k)
     if self.spec.streaming and meta["phase"] == "async":
       template["anchors"] = [self.params] * k
+    if run.downlink is not None and meta["phase"] == "async":
+      template["downlink"] = [self.params] * k
     if run.model_states.merged is not None:
       template["model_state"] = run.model_states.merged
     if self.layout is None:
@@ -296,7 +306,7 @@ class Engine:
     run.key = jax.random.wrap_key_data(arrays["key"])
     arrays = dict(arrays)
     if self.layout is not None:  # back where an uninterrupted run holds them
-      for name in ("pending", "workers", "compression"):
+      for name in ("pending", "workers", "compression", "downlink"):
         if name in arrays:
           arrays[name] = self.layout.put(arrays[name])
     elif "compression" in arrays:  # on the host, as ``Uplink.init`` makes them
@@ -309,6 +319,8 @@ class Engine:
       state_lib.load_entry(feature, meta.get(name, meta), arrays)
     if "model_state" in arrays:
       run.model_states.merged = run.executor.to_server(arrays["model_state"])
+    if run.features.downlink.held is not None and self.layout is None:  # where θ is
+      run.features.downlink.held = run.executor.to_server(run.features.downlink.held)
     run.streak.set_state(run.features.rejection.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):
@@ -505,6 +517,21 @@ class Engine:
     finally:
       if self.directory is not None:
         self.directory.close()
+
+
+def _check_download(spec: RunSpec, executor: base.Executor) -> None:
+  """Refuses compressed downloads where they are not built, in one line (ALGORITHMS.md,
+  "Compressed downloads")."""
+  if spec.method.synchrony != "async":
+    raise ValueError(f"compress_download is not allowed with method={spec.method.name!r}; "
+                     "allowed: the asynchronous methods (async_nesterov, delayed_nesterov, "
+                     "mla, heloco, cgad)")
+  if spec.streaming:
+    raise ValueError(f"compress_download is not allowed with streaming.fragments="
+                     f"{spec.fragments}; allowed: θ whole (fragments=1)")
+  if not getattr(executor, "compresses_downloads", False):
+    raise ValueError(f"compress_download is not allowed on {executor.describe()}; allowed: "
+                     "the simulated runtime and runtime=devices in one process")
 
 
 def require_no_event_loop(call: str, instead: str) -> None:

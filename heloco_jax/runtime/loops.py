@@ -72,6 +72,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   def dispatch(worker: int, now: float) -> None:
     back = membership.away(worker, now) if absences else None
     if back is not None:  # away already (ALGORITHMS.md, "Elastic membership")
+      if downlink is not None:  # it comes back holding nothing of θ
+        f.downlink.forget(worker)
       if now > 0:  # it left as its work arrived: nothing lost (a new worker: none to leave)
         run.emit(_membership_row(run, "left", worker, now, dropped=0))
       expect(worker, back, "join")
@@ -79,13 +81,16 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     if fragments:
       s.jobs[worker] = streaming.dispatch_fragment(run, worker, now)
     else:
-      previous = s.workers[worker]
+      previous, start, down = s.workers[worker], run.server.dispatch_point(), None
       if carried:
         previous = run.model_states.for_dispatch(worker, previous)
+      if downlink is not None:  # ALGORITHMS.md, "Compressed downloads"
+        start = f.downlink.send(downlink, worker, start)
+        down = f.downlink.bytes_down[worker]
       work = functools.partial(
-          run.executor.run_worker, worker, previous, run.server.dispatch_point(),
+          run.executor.run_worker, worker, previous, start,
           run.batches(worker, int(steps[worker])), run.next_key())
-      finish = clock.finish(worker, int(steps[worker]), now)
+      finish = clock.finish(worker, int(steps[worker]), now, down)
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
     f.membership.dispatched_units += s.jobs[worker].units
@@ -94,6 +99,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       expect(worker, leave, "leave", s.jobs.pop(worker).units)
       if fragments:  # it comes back to θ as a whole (FAILURES.md)
         f.streaming.restart(worker)
+      if downlink is not None:
+        f.downlink.forget(worker)
       return
     if clock.eager:
       run.compute(worker)
@@ -122,7 +129,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
 
   # A feature that is off is not called on the arrival path (docs/DESIGN.md, "The engine").
   membership, absences = spec.membership, bool(spec.membership.absences)
-  fragments, carried = spec.streaming, run.model_states.active
+  fragments, carried, downlink = spec.streaming, run.model_states.active, run.downlink
   adaptive = spec.syncer.adaptive_grace > 0  # else every group has the same rule
   rule = spec.syncer.rule(None)
   away = f.membership.away  # per worker away or about to leave (restored before the loop)
@@ -137,6 +144,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
     f.compression.states = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
+    if downlink is not None:
+      f.downlink.start(run.server.params, spec.num_workers)
     if fragments:
       f.streaming.start(spec.fragments, spec.num_workers)
     for worker in range(spec.num_workers):
@@ -187,6 +196,10 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
   downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
   if fragments and run.clock.simulated:
     network = run.clock.fragment_wait(group[0], received[0], p)
+  elif run.downlink is not None:  # each its dispatch's download
+    downs = [f.downlink.bytes_down[w] for w in group]
+    network = (sum(run.clock.comm.message_seconds(d) + run.clock.upload for d in downs)
+               if run.clock.simulated else None)
   else:
     network = _dispatch_seconds(run.clock, len(group))
   weights = (spec.syncer.merge_weights([job.units for job in arrived]) if len(group) > 1

@@ -147,7 +147,7 @@ class LocalExecutor(base.OneProcess):
   """
 
   synchronies = base.SYNCHRONIES
-  compresses = True
+  compresses = compresses_downloads = True
 
   def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None,
                worker_batching: WorkerBatching = "auto"):

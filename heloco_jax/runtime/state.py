@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from heloco_jax.comm import cost
+from heloco_jax.comm import downlink as downlink_lib
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.comm import uplink as uplink_lib
@@ -293,6 +294,8 @@ class Features:
       default_factory=membership_lib.MembershipState)
   compression: uplink_lib.CompressionState = dataclasses.field(
       default_factory=uplink_lib.CompressionState)
+  downlink: downlink_lib.DownlinkState = dataclasses.field(
+      default_factory=downlink_lib.DownlinkState)
   evaluation: EvaluationState = dataclasses.field(default_factory=EvaluationState)
 
   def items(self) -> list[tuple[str, Any]]:
@@ -344,6 +347,8 @@ class Run:
     key: the run's PRNG key stream.
     model_states: the server's copy of the model state and the workers' keys
       (``heloco_jax.training.model_state``; inactive for a plain ``loss_fn``).
+    downlink: how θ reaches a worker compressed (``heloco_jax.comm.downlink.Downlink``);
+      None: θ as it is.
   """
   spec: RunSpec
   executor: Any
@@ -359,6 +364,7 @@ class Run:
   streak: Any
   key: jax.Array
   model_states: Any = None
+  downlink: Optional[downlink_lib.Downlink] = None
 
   def batches(self, worker: int, steps: int) -> Any:
     """Worker ``worker``'s next ``steps`` batches, stacked on a leading axis."""

@@ -249,10 +249,11 @@ def tree_fingerprint(tree: Any) -> dict[str, Any]:
 
 
 def fingerprint(loss_fn: Any, params: Any, first_batches: list[Any], outer_tx: Any,
-                inner_tx: Any, compressor: Any = None) -> dict[str, Any]:
+                inner_tx: Any, compressor: Any = None, download_compressor: Any = None
+                ) -> dict[str, Any]:
   """What a run is, beyond its settings (a workdir refuses to resume another): the loss
   function, the params' and each worker's first batch's structure, shapes and dtypes, the
-  outer and inner transforms' state structures and hyperparameters (best-effort), and the
+  outer and inner transforms' state structures and hyperparameters (best-effort), and each
   compressor's state and payload structures and options, when there is one."""
   def transform(tx):
     if tx is None:
@@ -262,10 +263,11 @@ def fingerprint(loss_fn: Any, params: Any, first_batches: list[Any], outer_tx: A
   run = {"loss_fn": function_fingerprint(loss_fn), "params": tree_fingerprint(params),
          "first_batches": [tree_fingerprint(batch) for batch in first_batches],
          "outer_tx": transform(outer_tx), "inner_tx": transform(inner_tx)}
-  if compressor is not None:  # the key only then: earlier workdirs resume as before
-    state = jax.eval_shape(compressor.init, params)
-    run["compress"] = {"state": tree_fingerprint(state),
-                       "payload": tree_fingerprint(jax.eval_shape(compressor.compress, params,
-                                                                  state)[0]),
-                       "options": _digest(_closure_values(compressor.compress))}
+  # Each key only with its compressor: earlier workdirs resume as before.
+  for key, c in (("compress", compressor), ("compress_download", download_compressor)):
+    if c is not None:
+      state = jax.eval_shape(c.init, params)
+      run[key] = {"state": tree_fingerprint(state),
+                  "payload": tree_fingerprint(jax.eval_shape(c.compress, params, state)[0]),
+                  "options": _digest(_closure_values(c.compress))}
   return run

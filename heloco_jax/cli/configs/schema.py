@@ -302,6 +302,9 @@ KEYS: tuple[Key, ...] = (
         "top_k: the fraction of entries sent"),
     Key("compression.error_feedback", False, BOOLEAN,
         "keep what the compression drops and add it to the next pseudo-gradient"),
+    Key("compression.download", False, BOOLEAN,
+        "compress θ's downloads too, with the same kind (asynchronous methods, θ whole; not "
+        "runtime=ray)"),
     # syncer
     Key("syncer.quorum", 1, integer(1, note=" and <= num_workers"),
         "q: arrivals an outer update waits for (asynchronous methods)"),

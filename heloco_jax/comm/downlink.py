@@ -1,0 +1,78 @@
+"""How θ reaches a worker when downloads are compressed (docs/ALGORITHMS.md, "Compressed
+downloads").
+
+The server keeps, per worker, x̂_i: the start point the worker last built. A first
+dispatch sends the dispatch point θ_d whole (x̂_i ← θ_d); a later one sends the message
+m = C(θ_d − x̂_i), from which the worker starts at x̂_i + D(m), and x̂_i takes that value.
+What a message drops stays in θ_d − x̂_i and goes with the next one (error feedback
+without a residual of its own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+
+from heloco_jax.comm import compress as compress_lib
+
+
+def receive(compressor: compress_lib.Compressor, point: Any, held: Any) -> Any:
+  """x̂ + D(C(θ_d − x̂)) in θ's dtypes: the start a worker holding ``held`` (x̂) builds from
+  the message of dispatch point ``point`` (θ_d). Pure: ``jax.jit`` takes it."""
+  difference = jax.tree.map(lambda p, h: p - h, point, held)
+  payload, _ = compressor.compress(difference, compressor.init(difference))
+  received = compressor.decompress(payload)
+  return jax.tree.map(lambda h, r: h + r.astype(h.dtype), held, received)
+
+
+class Downlink:
+  """Compressed downloads of θ (module docstring).
+
+  Args:
+    compressor: a ``heloco_jax.comm.compress.Compressor`` (one with error feedback
+      works as without: its residual starts at 0 at every message).
+    params: θ (shapes and dtypes: the bytes of a message).
+
+  Attributes:
+    message_bytes: a later dispatch's message on the wire.
+    model_bytes: θ's bytes (a worker's first dispatch).
+  """
+
+  def __init__(self, compressor: compress_lib.Compressor, params: Any):
+    self.compressor = compressor
+    self.message_bytes = compress_lib.payload_nbytes(compressor, params)
+    self.model_bytes = compress_lib.payload_nbytes(None, params)
+    self._receive = jax.jit(functools.partial(receive, compressor))
+
+  def receive(self, point: Any, held: Any) -> Any:
+    """``receive`` in one compiled program, where θ is."""
+    return self._receive(point, held)
+
+
+@dataclasses.dataclass
+class DownlinkState:
+  """Per worker, x̂_i (the checkpoint's "downlink" arrays) and the bytes of its latest
+  download (0: it holds nothing of θ yet, and its next dispatch sends θ whole)."""
+  held: Any = dataclasses.field(default=None, metadata={"array": "downlink"})
+  bytes_down: list = dataclasses.field(default_factory=list)
+
+  def start(self, params: Any, num_workers: int) -> None:
+    """Before the first dispatches: no worker holds θ yet (``held``: placeholders)."""
+    self.held, self.bytes_down = [params] * num_workers, [0] * num_workers
+
+  def send(self, downlink: Downlink, worker: int, point: Any) -> Any:
+    """The start of ``worker``'s dispatch from ``point``: θ whole at its first dispatch (or
+    after it came back), else x̂ + D(C(point − x̂)); the worker's x̂ becomes that start."""
+    if self.bytes_down[worker] == 0:
+      self.held[worker], self.bytes_down[worker] = point, downlink.model_bytes
+    else:
+      self.held[worker] = downlink.receive(point, self.held[worker])
+      self.bytes_down[worker] = downlink.message_bytes
+    return self.held[worker]
+
+  def forget(self, worker: int) -> None:
+    """``worker`` left: it holds nothing of θ when it comes back."""
+    self.bytes_down[worker] = 0

@@ -1,0 +1,152 @@
+"""Compressed downloads (heloco_jax/comm/downlink.py; ALGORITHMS.md, "Compressed downloads")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import heloco_jax as hj
+import numpy_reference as ref
+from heloco_jax.comm import compress, downlink
+
+W = np.array([[1.0], [-2.0], [0.5]], np.float32)
+
+
+def _loss(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+
+def _stream(worker):
+  rng = np.random.default_rng(worker)
+  while True:
+    x = rng.normal(0.0, 1.0, (8, 64)).astype(np.float32)
+    yield x, x[:, :1] - 0.5 * x[:, 1:2]
+
+
+PARAMS = {"w": jnp.asarray(np.random.default_rng(7).normal(0, 0.1, (64, 32)), jnp.float32),
+          "v": jnp.zeros((32, 1))}
+INT8 = compress.int8()
+
+
+def _run(workers=3, compressor=INT8, **kwargs):
+  options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
+                 budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0][:workers],
+                 compress_download=compressor, comm=hj.CommModel(latency=0.25,
+                                                                 bandwidth=4096.0))
+  return hj.simulate(_loss, PARAMS, [_stream(i) for i in range(workers)],
+                     **{**options, **kwargs})
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16", "top_k"])
+def test_a_workers_starts_are_the_numpy_recursion_bit_for_bit(kind):
+  """x̂ ← x̂ + D(C(θ_d − x̂)) over four dispatch points, against the float32 NumPy reference
+  written from ALGORITHMS.md (the first start is θ_d itself)."""
+  rng = np.random.default_rng(0)
+  points = [[rng.normal(0, 1, (300,)).astype(np.float32) * (1 + t),
+             rng.normal(0, 1, (7, 5)).astype(np.float32)] for t in range(4)]
+  c = compress.by_name(kind, block=64, fraction=0.1)
+  tree = lambda leaves: {"a": jnp.asarray(leaves[0]), "b": jnp.asarray(leaves[1])}
+  link = downlink.Downlink(c, tree(points[0]))
+  state = downlink.DownlinkState()
+  state.start(tree(points[0]), 1)
+  starts = [state.send(link, 0, tree(p)) for p in points]
+  expected = ref.download_starts(lambda x: ref.roundtrip(kind, x, block=64, fraction=0.1),
+                                 points)
+  for got, want in zip(starts, expected):
+    for g, w in zip(jax.tree.leaves(got), want):
+      np.testing.assert_array_equal(np.asarray(g), w)
+  assert state.bytes_down == [link.message_bytes]
+  assert link.model_bytes == 4 * (300 + 35)
+
+
+def test_what_a_message_drops_goes_with_the_next_one():
+  """The worker's start lags θ_d by one message's error only: sent again, the same point
+  comes closer (error feedback without a residual of its own)."""
+  point = {"w": jnp.linspace(-1.0, 1.0, 512)}
+  link = downlink.Downlink(compress.int2(block=512), point)
+  state = downlink.DownlinkState()
+  state.start(jax.tree.map(jnp.zeros_like, point), 1)
+  state.bytes_down = [1]  # it holds zeros: every dispatch sends a message
+  errors = [float(jnp.max(jnp.abs(state.send(link, 0, point)["w"] - point["w"])))
+            for _ in range(4)]
+  assert all(a > b for a, b in zip(errors, errors[1:])), errors
+  assert errors[-1] < 0.15 * errors[0], errors  # int2 halves it here at every message
+
+
+def test_rows_and_the_clock_charge_theta_whole_first_and_the_message_after():
+  result = _run()
+  link = downlink.Downlink(INT8, PARAMS)
+  assert link.message_bytes == 64 * 32 + 32 + 4 * (8 + 1)  # int8 codes + a scale per 256
+  arrivals = [r for r in result.history if r["event"] == "arrival"]
+  first, later = {}, []
+  for r in arrivals:
+    if r["worker"] in first:
+      later.append(r["bytes_down"])
+    else:
+      first[r["worker"]] = r["bytes_down"]
+  assert set(first.values()) == {link.model_bytes} and set(later) == {link.message_bytes}
+  # Worker 0's first arrival: latency + θ's bytes down, 4 steps, latency + Δ's bytes up; its
+  # second the same with the message's bytes down.
+  up = 0.25 + link.model_bytes / 4096.0
+  times = [r["sim_time"] for r in arrivals if r["worker"] == 0]
+  assert times[0] == pytest.approx(0.25 + link.model_bytes / 4096.0 + 4.0 + up)
+  assert times[1] - times[0] == pytest.approx(0.25 + link.message_bytes / 4096.0 + 4.0 + up)
+  # Δ goes up as it is (no compress=): θ's bytes up, θ's bytes down at 3 first dispatches.
+  n = len(arrivals)
+  assert result.summary["bytes_sent"] == (n + 3) * link.model_bytes + (n - 3) * link.message_bytes
+  assert _run(compressor=None).summary["bytes_sent"] == 2 * n * link.model_bytes
+
+
+def test_a_run_with_compressed_downloads_learns_and_replays_bit_for_bit():
+  first, again = _run(), _run()
+  for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params)):
+    np.testing.assert_array_equal(a, b)
+  losses = [r["train_loss"] for r in first.history if r["event"] == "arrival"]
+  assert np.mean(losses[-6:]) < 0.5 * np.mean(losses[:6]), losses
+  plain = _run(compressor=None)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first.params),
+                                                       jax.tree.leaves(plain.params)))
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(tmp_path):
+  """x̂ of every worker is checkpointed ("downlink" arrays) with the bytes of its latest
+  download; a run stopped after 9 arrivals and resumed by the same call ends as one run."""
+  batches = [[b for b, _ in zip(_stream(i), range(200))] for i in range(3)]  # re-iterable
+  options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
+                 budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0], compress_download=INT8)
+  uninterrupted = hj.simulate(_loss, PARAMS, batches, **options)
+  options["workdir"] = hj.Workdir(str(tmp_path), checkpoint_every=4)
+
+  def stop(row):
+    if row["event"] == "arrival" and row["outer_updates"] == 9:
+      raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt):
+    hj.simulate(_loss, PARAMS, batches, on_row=stop, **options)
+  resumed = hj.simulate(_loss, PARAMS, batches, **options)
+  for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(uninterrupted.params)):
+    np.testing.assert_array_equal(a, b)
+  assert resumed.summary["bytes_sent"] == uninterrupted.summary["bytes_sent"]
+
+
+def test_one_worker_on_the_devices_runtime_equals_the_simulated_runtime_bit_for_bit():
+  on_devices = _run(workers=1, runtime=hj.devices_runtime(batch_size=8))
+  simulated = _run(workers=1)
+  assert on_devices.summary["outer_updates"] == simulated.summary["outer_updates"] > 20
+  for a, b in zip(jax.tree.leaves(on_devices.params), jax.tree.leaves(simulated.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(method="diloco"), "compress_download is not allowed with method='diloco'; allowed: "
+                            "the asynchronous methods"),
+    (dict(streaming=hj.Streaming(fragments=2)),
+     "compress_download is not allowed with streaming.fragments=2; allowed: θ whole"),
+    (dict(compressor="int8"), "compress_download='int8' is not allowed; allowed: None"),
+])
+def test_where_downloads_cannot_be_compressed_the_run_is_refused_in_one_line(kwargs, message):
+  compressor = kwargs.pop("compressor", INT8)
+  with pytest.raises(ValueError) as error:
+    _run(compressor=compressor, **kwargs)
+  assert message in str(error.value) and "\n" not in str(error.value)
