@@ -214,6 +214,19 @@ def _streaming(streaming: Optional[fragments_lib.Streaming]) -> fragments_lib.St
   return streaming
 
 
+def _compression(compress: Any) -> tuple[Optional[compress_lib.Compressor],
+                                          Optional[compress_lib.Compressor]]:
+  """(up, down) of ``compress=``: a ``Compressor`` is ``up``."""
+  up, down = ((compress.up, compress.down) if isinstance(compress, compress_lib.Compression)
+              else (compress, None))
+  for c in (up, down):
+    if c is not None and not isinstance(c, compress_lib.Compressor):
+      raise ValueError(f"compress={compress!r} is not allowed; allowed: None (sent as it is), "
+                       "a heloco_jax.comm.compress.Compressor (e.g. hj.compress.int8()) or "
+                       "hj.Compression(up=..., down=...) of them")
+  return up, down
+
+
 def _workdir(workdir: Union[None, str, os.PathLike, Workdir]) -> Optional[Workdir]:
   if workdir is None or isinstance(workdir, Workdir):
     every = None if workdir is None else workdir.checkpoint_every
@@ -261,8 +274,7 @@ def make_engine(
     reset_optimizer: Optional[bool] = None,
     syncer: Optional[syncer_lib.Syncer] = None,
     streaming: Optional[fragments_lib.Streaming] = None,
-    compress: Optional[compress_lib.Compressor] = None,
-    compress_download: Optional[compress_lib.Compressor] = None,
+    compress: Union[None, compress_lib.Compressor, compress_lib.Compression] = None,
     membership: Optional[membership_lib.Membership] = None,
     comm: cost.CommModel = cost.CommModel(),
     jitter: float = 0.0,
@@ -339,12 +351,11 @@ def make_engine(
       (``hj.compress.int8()``, ``hj.compress.error_feedback(hj.compress.top_k(0.01))``,
       ...; the error-feedback residuals are checkpointed), and the simulated
       clock charges the compressed bytes (docs/ALGORITHMS.md, "Compression in
-      a run"); None: Δ is sent as it is. Not with ddp.
-    compress_download: θ's downloads compressed too: a worker's later dispatches
-      receive C(θ_d − x̂), x̂ what it last started from, which the server keeps per
-      worker (docs/ALGORITHMS.md, "Compressed downloads"); the clock and the rows
-      charge the message's bytes. Asynchronous methods, θ whole, the simulated and
-      devices runtimes; None: θ is sent as it is.
+      a run"); None: Δ is sent as it is. Not with ddp. ``hj.Compression(up=...,
+      down=...)`` compresses θ's downloads too: a worker's later dispatches receive
+      C(θ_d − x̂), x̂ what it last started from, which the server keeps per worker
+      (docs/ALGORITHMS.md, "Compressed downloads"; asynchronous methods, θ whole, the
+      simulated and devices runtimes).
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
       every worker stays. The simulated clock only; synchronous methods run elastic
@@ -410,10 +421,7 @@ def make_engine(
     raise ValueError(f"seed={seed!r} is not allowed; allowed: an integer in [0, 2**32)")
   _positive_int("inner_steps", inner_steps)
   _positive_int("metrics_fetch_every", metrics_fetch_every)
-  for name, c in (("compress", compress), ("compress_download", compress_download)):
-    if c is not None and not isinstance(c, compress_lib.Compressor):
-      raise ValueError(f"{name}={c!r} is not allowed; allowed: None (sent as it is) or a "
-                       "heloco_jax.comm.compress.Compressor, e.g. hj.compress.int8()")
+  compress, compress_download = _compression(compress)
   if budget is None:
     raise ValueError("budget=None is not allowed; allowed: hj.Budget(steps=...), "
                      "hj.Budget(sim_seconds=...) or hj.Budget(tokens=..., tokens_per_step=...) "

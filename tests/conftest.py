@@ -63,3 +63,13 @@ def pytest_collection_finish(session):
         "not tagged with its xdist_group (pytest-dev/pytest-xdist#1386), so module fixtures "
         "would run once per worker and Ray clusters overlap. Install the pytest that "
         "pyproject.toml's [dev] pins, or run with -n 0.")
+
+
+def pytest_collection_modifyitems(config, items):
+  """With xdist: the grouped tests (each group one unit of work, the longest of the suite: the
+  8-device probes, Ray, the notebook) are handed out first, so that no worker ends the suite
+  alone on one of them while the other idles; the order within a group, and of the rest, is
+  kept."""
+  if config.getoption("dist", "no") == "no":
+    return
+  items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

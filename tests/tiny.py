@@ -7,7 +7,9 @@ import functools
 import os
 from typing import Optional
 
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import pytest
 
 from heloco_jax.cli.configs import default
@@ -86,3 +88,23 @@ def stop_after_rows(engine, rows: int) -> None:
   with pytest.raises(engine_lib.Stopped):
     asyncio.run(engine.run(stop))
   engine.close()
+
+
+def regression_loss(params, batch):
+  """A one-hidden-layer regression: the engine-level tests that need no language model."""
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+
+def regression_params(inputs: int = 64, hidden: int = 32) -> dict:
+  return {"w": jnp.asarray(np.random.default_rng(7).normal(0, 0.1, (inputs, hidden)),
+                           jnp.float32),
+          "v": jnp.zeros((hidden, 1))}
+
+
+def regression_stream(worker: int, inputs: int = 64, batch: int = 8):
+  """Worker ``worker``'s endless batches (x, y) of ``regression_loss``."""
+  rng = np.random.default_rng(worker)
+  while True:
+    x = rng.normal(0.0, 1.0, (batch, inputs)).astype(np.float32)
+    yield x, x[:, :1] - 0.5 * x[:, 1:2]

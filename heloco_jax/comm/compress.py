@@ -71,6 +71,21 @@ class Compressor(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Compression:
+  """What crosses the wire compressed (``hj.simulate(..., compress=...)``; a ``Compressor``
+  alone is ``up``).
+
+  Attributes:
+    up: the workers' pseudo-gradients (ALGORITHMS.md, "Compression in a run"); None: as
+      they are.
+    down: θ's downloads, as C(θ_d − x̂) with x̂ what the worker last started from
+      (ALGORITHMS.md, "Compressed downloads"; asynchronous methods, θ whole); None: as it is.
+  """
+  up: Compressor | None = None
+  down: Compressor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class LeafSpec:
   """Shape and dtype of one leaf of Δ, kept in its payload as static data (no arrays).
 

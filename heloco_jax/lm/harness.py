@@ -223,8 +223,7 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       metrics_fetch_every=config.metrics_fetch_every,
       rejection_limit=config.rejection_limit,
       deterministic=config.deterministic,
-      compress=compressor(config),
-      compress_download=download_compressor(config),
+      compress=compress.Compression(compressor(config), download_compressor(config)),
       streaming=fragments.Streaming(config.streaming.fragments, config.streaming.layout,
                                     config.streaming.overlap_steps, config.streaming.alpha))
 

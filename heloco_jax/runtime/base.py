@@ -90,7 +90,7 @@ class Executor(Protocol):
     compresses: whether workers can compress their Δ (``compress=``); absent:
       they cannot.
     compresses_downloads: whether θ's downloads can be compressed
-      (``compress_download=``); absent: they cannot.
+      (``compress=hj.Compression(down=...)``); absent: they cannot.
   """
 
   inner: inner_lib.InnerLoop

@@ -522,16 +522,16 @@ class Engine:
 def _check_download(spec: RunSpec, executor: base.Executor) -> None:
   """Refuses compressed downloads where they are not built, in one line (ALGORITHMS.md,
   "Compressed downloads")."""
+  refused = "compress=hj.Compression(down=...) is not allowed"
   if spec.method.synchrony != "async":
-    raise ValueError(f"compress_download is not allowed with method={spec.method.name!r}; "
-                     "allowed: the asynchronous methods (async_nesterov, delayed_nesterov, "
-                     "mla, heloco, cgad)")
+    raise ValueError(f"{refused} with method={spec.method.name!r}; allowed: the asynchronous "
+                     "methods (async_nesterov, delayed_nesterov, mla, heloco, cgad)")
   if spec.streaming:
-    raise ValueError(f"compress_download is not allowed with streaming.fragments="
-                     f"{spec.fragments}; allowed: θ whole (fragments=1)")
+    raise ValueError(f"{refused} with streaming.fragments={spec.fragments}; allowed: θ whole "
+                     "(fragments=1)")
   if not getattr(executor, "compresses_downloads", False):
-    raise ValueError(f"compress_download is not allowed on {executor.describe()}; allowed: "
-                     "the simulated runtime and runtime=devices in one process")
+    raise ValueError(f"{refused} on {executor.describe()}; allowed: the simulated runtime and "
+                     "runtime=devices in one process")
 
 
 def require_no_event_loop(call: str, instead: str) -> None:

@@ -8,34 +8,20 @@ import pytest
 
 import heloco_jax as hj
 import numpy_reference as ref
+import tiny
 from heloco_jax.comm import compress, downlink
 
-W = np.array([[1.0], [-2.0], [0.5]], np.float32)
-
-
-def _loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
-
-
-def _stream(worker):
-  rng = np.random.default_rng(worker)
-  while True:
-    x = rng.normal(0.0, 1.0, (8, 64)).astype(np.float32)
-    yield x, x[:, :1] - 0.5 * x[:, 1:2]
-
-
-PARAMS = {"w": jnp.asarray(np.random.default_rng(7).normal(0, 0.1, (64, 32)), jnp.float32),
-          "v": jnp.zeros((32, 1))}
+PARAMS = tiny.regression_params()
 INT8 = compress.int8()
 
 
 def _run(workers=3, compressor=INT8, **kwargs):
   options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
                  budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0][:workers],
-                 compress_download=compressor, comm=hj.CommModel(latency=0.25,
-                                                                 bandwidth=4096.0))
-  return hj.simulate(_loss, PARAMS, [_stream(i) for i in range(workers)],
+                 compress=hj.Compression(down=compressor),
+                 comm=hj.CommModel(latency=0.25, bandwidth=4096.0))
+  return hj.simulate(tiny.regression_loss, PARAMS,
+                     [tiny.regression_stream(i) for i in range(workers)],
                      **{**options, **kwargs})
 
 
@@ -113,18 +99,20 @@ def test_a_run_with_compressed_downloads_learns_and_replays_bit_for_bit():
 def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(tmp_path):
   """x̂ of every worker is checkpointed ("downlink" arrays) with the bytes of its latest
   download; a run stopped after 9 arrivals and resumed by the same call ends as one run."""
-  batches = [[b for b, _ in zip(_stream(i), range(200))] for i in range(3)]  # re-iterable
+  # Re-iterable data: a resume reads it again from the start.
+  batches = [[b for b, _ in zip(tiny.regression_stream(i), range(200))] for i in range(3)]
   options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
-                 budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0], compress_download=INT8)
-  uninterrupted = hj.simulate(_loss, PARAMS, batches, **options)
+                 budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0],
+                 compress=hj.Compression(down=INT8))
+  uninterrupted = hj.simulate(tiny.regression_loss, PARAMS, batches, **options)
   options["workdir"] = hj.Workdir(str(tmp_path), checkpoint_every=4)
 
   def stop(row):
     if row["event"] == "arrival" and row["outer_updates"] == 9:
       raise KeyboardInterrupt
   with pytest.raises(KeyboardInterrupt):
-    hj.simulate(_loss, PARAMS, batches, on_row=stop, **options)
-  resumed = hj.simulate(_loss, PARAMS, batches, **options)
+    hj.simulate(tiny.regression_loss, PARAMS, batches, on_row=stop, **options)
+  resumed = hj.simulate(tiny.regression_loss, PARAMS, batches, **options)
   for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(uninterrupted.params)):
     np.testing.assert_array_equal(a, b)
   assert resumed.summary["bytes_sent"] == uninterrupted.summary["bytes_sent"]
@@ -139,11 +127,12 @@ def test_one_worker_on_the_devices_runtime_equals_the_simulated_runtime_bit_for_
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(method="diloco"), "compress_download is not allowed with method='diloco'; allowed: "
-                            "the asynchronous methods"),
-    (dict(streaming=hj.Streaming(fragments=2)),
-     "compress_download is not allowed with streaming.fragments=2; allowed: θ whole"),
-    (dict(compressor="int8"), "compress_download='int8' is not allowed; allowed: None"),
+    (dict(method="diloco"), "compress=hj.Compression(down=...) is not allowed with "
+                            "method='diloco'; allowed: the asynchronous methods"),
+    (dict(streaming=hj.Streaming(fragments=2)), "compress=hj.Compression(down=...) is not "
+                                                "allowed with streaming.fragments=2; allowed: θ"),
+    (dict(compressor="int8"), "compress=Compression(up=None, down='int8') is not allowed; "
+                              "allowed: None"),
 ])
 def test_where_downloads_cannot_be_compressed_the_run_is_refused_in_one_line(kwargs, message):
   compressor = kwargs.pop("compressor", INT8)

@@ -10,7 +10,6 @@ import time
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -206,31 +205,18 @@ def test_compressed_streaming_rounds_on_device_groups_equal_the_simulated_runtim
   np.testing.assert_allclose(_eval_losses(devices), _eval_losses(simulated), rtol=2e-3)
 
 
-def _regression_loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
-
-
-def _regression_stream():
-  rng = np.random.default_rng(0)
-  while True:
-    x = rng.normal(0, 1, (8, 64)).astype(np.float32)
-    yield x, x[:, :1] - x[:, 1:2]
-
-
 def test_compressed_fragments_on_the_devices_runtime_equal_the_simulated_runtime_bit_for_bit():
   """One worker in this process (one device): the devices runtime's split compression
   (``compress.send`` on the worker's devices, ``receive`` of the message alone on the
   server's) and its fragment dispatches = the simulated runtime's one program (``transmit``),
   bit for bit; the 8-device TinyGPT twin is ``-m slow`` (``slow_probe``)."""
-  params = {"w": jnp.asarray(np.random.default_rng(1).normal(0, 0.1, (64, 32)), jnp.float32),
-            "v": jnp.zeros((32, 1))}
+  params = tiny.regression_params()
   options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
                  budget=hj.Budget(steps=40), streaming=hj.Streaming(fragments=2, overlap_steps=1),
                  compress=hj.compress.error_feedback(hj.compress.int8()))
-  on_devices = hj.simulate(_regression_loss, params, [_regression_stream()],
+  on_devices = hj.simulate(tiny.regression_loss, params, [tiny.regression_stream(0)],
                            runtime=hj.devices_runtime(batch_size=8), **options)
-  simulated = hj.simulate(_regression_loss, params, [_regression_stream()], **options)
+  simulated = hj.simulate(tiny.regression_loss, params, [tiny.regression_stream(0)], **options)
   assert on_devices.summary["outer_updates"] == simulated.summary["outer_updates"] == 20
   assert {r["fragment"] for r in on_devices.history if r["event"] == "arrival"} == {0, 1}
   for a, b in zip(jax.tree.leaves(on_devices.params), jax.tree.leaves(simulated.params)):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from heloco_jax.comm import cost, syncer, uplink
+from heloco_jax.comm import cost, downlink, syncer, uplink
 from heloco_jax.rundir import checkpoint
 from heloco_jax.runtime import state as state_lib
 from heloco_jax.runtime import streaming
@@ -31,6 +31,8 @@ FILLED = {
                                              dispatched_units=900, dropped_units=60),
     "compression": uplink.CompressionState(
         states=[[{"residual": jnp.full(3, 0.5)}], [{"residual": jnp.full(3, -1.0)}]]),
+    "downlink": downlink.DownlinkState(
+        held=[{"w": jnp.arange(4.0)}, {"w": jnp.full(4, -0.5)}], bytes_down=[16, 0]),
     "evaluation": state_lib.EvaluationState(
         initial_eval={"event": "eval", "val_loss": 5.5}, last_eval={"event": "eval",
                                                                     "val_loss": 2.25},

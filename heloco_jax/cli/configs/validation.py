@@ -221,13 +221,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.compression.kind == "none":
       _fail("compression.download", True, "False with compression.kind='none' (downloads are "
             "compressed with Δ's kind)")
-    if method.synchrony != "async" or config.streaming.fragments > 1 or config.runtime == "ray":
-      _fail("compression.download", True, "False with "
-            + (f"method={config.method!r}" if method.synchrony != "async" else
-               f"streaming.fragments={config.streaming.fragments}"
-               if config.streaming.fragments > 1 else "runtime='ray'")
-            + "; compressed downloads run the asynchronous methods with θ whole on the "
-            "simulated and devices runtimes")
+    where = (f"method={config.method!r}" if method.synchrony != "async" else
+             f"streaming.fragments={config.streaming.fragments}"
+             if config.streaming.fragments > 1 else
+             None if _runtime_factory(config).compresses_downloads else
+             f"runtime={config.runtime!r}")
+    if where:
+      _fail("compression.download", True, f"False with {where}; compressed downloads run the "
+            "asynchronous methods with θ whole on the simulated and devices runtimes")
   if compressing and config.distributed.coordinator:
     _fail(key, value, f"{off} across processes (distributed.coordinator="
           f"{config.distributed.coordinator!r}); compression runs in one process")
