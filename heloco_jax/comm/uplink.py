@@ -70,9 +70,9 @@ class Uplink:
 
   def transmit(self, delta: Any, state: Any) -> tuple[Any, Any]:
     """(what the server receives of Δ, the worker's next state): ``compress.transmit``, in
-    one program where Δ is (the simulated runtime)."""
-    if self.compressor is None:
-      return delta, state
+    one program where Δ is (the simulated runtime). Only with a compressor: without one
+    the executor hands Δ on as it is (``Executor.transmit``)."""
+    assert self.compressor is not None
     return self._transmit(delta, state)
 
   def send(self, delta: Any, state: Any) -> tuple[compress_lib.Message, Any]:

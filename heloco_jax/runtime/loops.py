@@ -193,15 +193,15 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
   taus = [version - job.version for job in arrived]
   # What each received at dispatch (None: θ whole), read before a rejection restarts it.
   received = [streaming.received(run, w) for w in group] if fragments else [None] * len(group)
-  downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
+  if run.downlink is not None:  # each its dispatch's download: θ's or a message's bytes
+    downs = [f.downlink.bytes_down[w] for w in group]
+  else:
+    downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
   if fragments and run.clock.simulated:
     network = run.clock.fragment_wait(group[0], received[0], p)
-  elif run.downlink is not None:  # each its dispatch's download
-    downs = [f.downlink.bytes_down[w] for w in group]
-    network = (sum(run.clock.comm.message_seconds(d) + run.clock.upload for d in downs)
-               if run.clock.simulated else None)
   else:
-    network = _dispatch_seconds(run.clock, len(group))
+    network = _dispatch_seconds(run.clock, len(group),
+                                downs if run.downlink is not None else None)
   weights = (spec.syncer.merge_weights([job.units for job in arrived]) if len(group) > 1
              else None)
   results = server.update(taus, *(job.delta for job in arrived), fetch=False, weights=weights)
@@ -230,10 +230,16 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
   run.streak.update(reasons, group)
 
 
-def _dispatch_seconds(clock: base.Clock, count: int) -> Optional[float]:
-  """``count`` workers' seconds on the network for a dispatch each (θ down, Δ up), on a
-  simulated clock; None on real time (not known)."""
-  return count * (clock.download + clock.upload) if clock.simulated else None
+def _dispatch_seconds(clock: base.Clock, count: int,
+                      downloads: Optional[list[int]] = None) -> Optional[float]:
+  """``count`` workers' seconds on the network for a dispatch each (θ down, or each of
+  ``downloads`` bytes when compressed; Δ up), on a simulated clock; None on real time (not
+  known)."""
+  if not clock.simulated:
+    return None
+  if downloads is None:
+    return count * (clock.download + clock.upload)
+  return sum(clock.comm.message_seconds(d) + clock.upload for d in downloads)
 
 
 def _launch_ahead(run: Run, queue: base.Arrivals) -> None:

@@ -221,11 +221,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.compression.kind == "none":
       _fail("compression.download", True, "False with compression.kind='none' (downloads are "
             "compressed with Δ's kind)")
-    where = (f"method={config.method!r}" if method.synchrony != "async" else
-             f"streaming.fragments={config.streaming.fragments}"
-             if config.streaming.fragments > 1 else
-             None if _runtime_factory(config).compresses_downloads else
-             f"runtime={config.runtime!r}")
+    where = None
+    if method.synchrony != "async":
+      where = f"method={config.method!r}"
+    elif config.streaming.fragments > 1:
+      where = f"streaming.fragments={config.streaming.fragments}"
+    elif not _runtime_factory(config).compresses_downloads:
+      where = f"runtime={config.runtime!r}"
     if where:
       _fail("compression.download", True, f"False with {where}; compressed downloads run the "
             "asynchronous methods with θ whole on the simulated and devices runtimes")
