@@ -12,18 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
 from heloco_jax.comm import compress as compress_lib
 
 
-def receive(compressor: compress_lib.Compressor, point: Any, held: Any) -> Any:
-  """x̂ + D(C(θ_d − x̂)) in θ's dtypes: the start a worker holding ``held`` (x̂) builds from
-  the message of dispatch point ``point`` (θ_d). Pure: ``jax.jit`` takes it."""
+def message(compressor: compress_lib.Compressor, point: Any, held: Any) -> Any:
+  """The server's side: m = C(θ_d − x̂), the payload of dispatch point ``point`` (θ_d) for
+  a worker holding ``held`` (x̂). Pure: ``jax.jit`` takes it."""
   difference = jax.tree.map(lambda p, h: p - h, point, held)
   payload, _ = compressor.compress(difference, compressor.init(difference))
+  return payload
+
+
+def apply(compressor: compress_lib.Compressor, held: Any, payload: Any) -> Any:
+  """The worker's side: x̂ + D(m) in θ's dtypes, the start it builds from message
+  ``payload``. Pure: ``jax.jit`` takes it."""
   received = compressor.decompress(payload)
   return jax.tree.map(lambda h, r: h + r.astype(h.dtype), held, received)
 
@@ -45,11 +51,16 @@ class Downlink:
     self.compressor = compressor
     self.message_bytes = compress_lib.payload_nbytes(compressor, params)
     self.model_bytes = compress_lib.payload_nbytes(None, params)
-    self._receive = jax.jit(functools.partial(receive, compressor))
+    # Two programs, as where server and worker are apart (runtime="ray"): the same bits.
+    self.message = jax.jit(functools.partial(message, compressor))
+    self.apply = jax.jit(functools.partial(apply, compressor))
 
-  def receive(self, point: Any, held: Any) -> Any:
-    """``receive`` in one compiled program, where θ is."""
-    return self._receive(point, held)
+  def start(self, worker: int, point_of: Callable[[], Any], held: Any) -> Any:
+    """The start of ``worker``'s dispatch: the dispatch point (``point_of()``) whole when it
+    holds nothing (``held`` None), else x̂ + D(C(θ_d − x̂)) with x̂ = ``held``."""
+    del worker  # one x̂ per worker, kept by ``DownlinkState``
+    point = point_of()
+    return point if held is None else self.apply(held, self.message(point, held))
 
 
 @dataclasses.dataclass
@@ -63,14 +74,13 @@ class DownlinkState:
     """Before the first dispatches: no worker holds θ yet (``held``: placeholders)."""
     self.held, self.bytes_down = [params] * num_workers, [0] * num_workers
 
-  def send(self, downlink: Downlink, worker: int, point: Any) -> Any:
-    """The start of ``worker``'s dispatch from ``point``: θ whole at its first dispatch (or
-    after it came back), else x̂ + D(C(point − x̂)); the worker's x̂ becomes that start."""
-    if self.bytes_down[worker] == 0:
-      self.held[worker], self.bytes_down[worker] = point, downlink.model_bytes
-    else:
-      self.held[worker] = downlink.receive(point, self.held[worker])
-      self.bytes_down[worker] = downlink.message_bytes
+  def send(self, downlink: Downlink, worker: int, point_of: Callable[[], Any]) -> Any:
+    """The start of ``worker``'s dispatch from the dispatch point ``point_of()``: θ whole at
+    its first dispatch (or after it came back), else ``downlink``'s message; the worker's x̂
+    becomes that start."""
+    whole = self.bytes_down[worker] == 0
+    self.held[worker] = downlink.start(worker, point_of, None if whole else self.held[worker])
+    self.bytes_down[worker] = downlink.model_bytes if whole else downlink.message_bytes
     return self.held[worker]
 
   def forget(self, worker: int) -> None:

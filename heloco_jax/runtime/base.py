@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, runt
 import jax
 import numpy as np
 
-from heloco_jax.comm import cost
+from heloco_jax.comm import cost, downlink
 from heloco_jax.training import inner as inner_lib
 
 Row = dict[str, Any]
@@ -99,6 +99,10 @@ class Executor(Protocol):
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> Any:
     """θ, the outer state and the jitted outer rule (``heloco_jax.training.server.OuterServer``)."""
+
+  def make_downlink(self, compressor: Any, params: Any, server: Any) -> Any:
+    """How θ reaches a worker compressed (``heloco_jax.comm.downlink.Downlink``), from
+    ``make_server``'s ``server``; only where ``compresses_downloads``."""
 
   def run_worker(self, worker: int, previous: Any, start: Any, batches: Any,
                  key: jax.Array) -> tuple[Any, Any, Any]:
@@ -178,6 +182,10 @@ class OneProcess:
   def fetch(self, tree: Any, what: str) -> Any:
     del what
     return tree
+
+  def make_downlink(self, compressor: Any, params: Any, server: Any) -> downlink.Downlink:
+    del server  # the engine holds every x̂ where θ is
+    return downlink.Downlink(compressor, params)
 
   def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
                    key: jax.Array) -> tuple[Any, Any, Any]:

@@ -40,7 +40,6 @@ import numpy as np
 
 from heloco_jax.comm import compress
 from heloco_jax.comm import fragments as fragments_lib
-from heloco_jax.comm import downlink as downlink_lib
 from heloco_jax.comm import uplink as uplink_lib
 from heloco_jax.runtime import base, loops
 from heloco_jax.runtime import state as state_lib
@@ -145,7 +144,7 @@ class Engine:
     else:
       server = executor.make_server(outer_tx, params, lookahead=lookahead)
     uplink = uplink_lib.Uplink(compressor, params, fragments)
-    downlink = (downlink_lib.Downlink(download_compressor, params)
+    downlink = (executor.make_downlink(download_compressor, params, server)
                 if download_compressor is not None else None)
     clock = runtime.clock(base.ClockSettings(
         np.asarray(spec.seconds_per_step, float), spec.jitter, spec.seed, spec.comm,
@@ -246,6 +245,8 @@ class Engine:
       arrays.update(state_lib.arrays_of(feature))  # earlier checkpoints stay readable
     if "compression" in arrays:  # Ray: a worker's state may be a handle, in flight
       arrays["compression"] = [fetch(states, "compression") for states in arrays["compression"]]
+    if "downlink" in arrays:  # Ray: a worker's x̂ is its dispatch's
+      arrays["downlink"] = fetch(arrays["downlink"], "held")
     if run.model_states.merged is not None:  # the key only then, as for the features'
       arrays["model_state"] = run.model_states.merged
     meta = state_lib.entry_of(s)
@@ -530,8 +531,8 @@ def _check_download(spec: RunSpec, executor: base.Executor) -> None:
     raise ValueError(f"{refused} with streaming.fragments={spec.fragments}; allowed: θ whole "
                      "(fragments=1)")
   if not getattr(executor, "compresses_downloads", False):
-    raise ValueError(f"{refused} on {executor.describe()}; allowed: the simulated runtime and "
-                     "runtime=devices in one process")
+    raise ValueError(f"{refused} on {executor.describe()}; allowed: the simulated runtime, "
+                     "runtime=devices in one process, and Ray with θ unsharded")
 
 
 def require_no_event_loop(call: str, instead: str) -> None:

@@ -81,11 +81,13 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     if fragments:
       s.jobs[worker] = streaming.dispatch_fragment(run, worker, now)
     else:
-      previous, start, down = s.workers[worker], run.server.dispatch_point(), None
+      previous, down = s.workers[worker], None
       if carried:
         previous = run.model_states.for_dispatch(worker, previous)
-      if downlink is not None:  # ALGORITHMS.md, "Compressed downloads"
-        start = f.downlink.send(downlink, worker, start)
+      if downlink is None:
+        start = run.server.dispatch_point()
+      else:  # ALGORITHMS.md, "Compressed downloads"
+        start = f.downlink.send(downlink, worker, run.server.dispatch_point)
         down = f.downlink.bytes_down[worker]
       work = functools.partial(
           run.executor.run_worker, worker, previous, start,

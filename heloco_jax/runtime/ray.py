@@ -66,6 +66,7 @@ import jax
 import numpy as np
 
 from heloco_jax.comm import compress
+from heloco_jax.comm import downlink as downlink_lib
 from heloco_jax.rundir import safe_files
 from heloco_jax.runtime import base, clocks, simulated, streaming
 from heloco_jax.runtime import devices as devices_lib
@@ -100,6 +101,8 @@ class ServerActor(server_lib.OuterServer):
   def __init__(self, outer_tx: Any, params: Any, options: dict[str, Any],
                recipe: Optional[tuple] = None):
     self._receiving: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted receive)
+    self._held: dict[int, Any] = {}  # per worker, x̂ of compressed downloads
+    self._downlinks = _Downlinks()
     if recipe is None:
       super().__init__(outer_tx, params, place=jax.device_put, **options)
       return
@@ -115,6 +118,22 @@ class ServerActor(server_lib.OuterServer):
 
   def get(self) -> tuple[Any, Any]:
     return sharding.to_host(super().get())
+
+  def download(self, worker: int, pickled: Optional[bytes], held: Any = None) -> Any:
+    """Worker ``worker``'s download (docs/ALGORITHMS.md, "Compressed downloads"): the dispatch
+    point θ_d whole (``pickled`` None) or the message C(θ_d − x̂) of the pickled compressor;
+    x̂ (this actor's copy; ``held``: its value restored from a checkpoint) takes the start
+    the worker builds, which ``WorkerActor.run`` builds alike."""
+    point = super().dispatch_point()
+    if held is not None:
+      self._held[worker] = self._place(held)
+    if pickled is None:
+      self._held[worker] = point
+      return sharding.to_host(point)
+    link = self._downlinks(pickled, self.params)
+    payload = link.message(point, self._held[worker])
+    self._held[worker] = link.apply(self._held[worker], payload)
+    return jax.device_get(payload)
 
   def _receive(self, pickled: bytes) -> Callable[[compress.Message], Any]:
     if self._receiving[0] != pickled:
@@ -143,6 +162,19 @@ def _unpickled(pickled: bytes) -> compress.Compressor:
   return cloudpickle.loads(pickled)
 
 
+
+class _Downlinks:
+  """An actor's compiled downloads (``downlink.Downlink``): one per pickled compressor."""
+
+  def __init__(self):
+    self._link: tuple[Optional[bytes], Any] = (None, None)
+
+  def __call__(self, pickled: bytes, like: Any) -> downlink_lib.Downlink:
+    if self._link[0] != pickled:
+      self._link = (pickled, downlink_lib.Downlink(_unpickled(pickled), like))
+    return self._link[1]
+
+
 class WorkerActor:
   """One Ray worker: the compiled inner loop of ``loss_fn`` and ``inner_tx`` on its devices.
 
@@ -156,6 +188,7 @@ class WorkerActor:
     inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
     devices = jax.devices()
     self._sending: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted send)
+    self._downlinks = _Downlinks()
     self._layout = None
     if recipe is not None:
       self._layout = sharding.layout_on(*recipe, devices)
@@ -175,14 +208,20 @@ class WorkerActor:
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
           batches: Any, key_data: np.ndarray, fresh: bool, compressor: Optional[bytes] = None,
           compression: Any = None, fragment: Optional[streaming.FragmentSteps] = None,
-          model_state: Any = None) -> tuple[inner_lib.InnerState, Any, Any, int, Any, Any]:
+          model_state: Any = None, download: Optional[bytes] = None, held: Any = None
+          ) -> tuple[inner_lib.InnerState, Any, Any, int, Any, Any, Any]:
     """Worker ``worker``'s inner steps on ``batches``: (end state, Δ, mean training loss, this
     process's id, None, the end state's model state). With a ``compressor`` (pickled) and
     the worker's state for it (``compression``): Δ is sent as its ``compress.Message``, and
     the fifth is the next state. With ``fragment`` (a fragment dispatch; ``start`` is then
     None): its steps, and Δ is that of its fragment. ``model_state``: the server's copy the
-    worker starts from (``training.model_state``; None: its own, or none)."""
+    worker starts from (``training.model_state``; None: its own, or none). With ``download``
+    (a pickled compressor): ``start`` is θ whole, or with ``held`` (the worker's x̂) the
+    message it starts from at x̂ + D(m) (``ServerActor.download``); the seventh is that start,
+    the worker's next x̂."""
     key = jax.random.wrap_key_data(key_data)
+    if download is not None and held is not None:  # ALGORITHMS.md, "Compressed downloads"
+      start = self._downlinks(download, held).apply(held, start)
     if model_state is not None and previous is not None:
       previous = previous._replace(model_state=model_state)
     if self._layout is not None:  # (fragments run with θ unsharded)
@@ -210,7 +249,7 @@ class WorkerActor:
     else:
       delta, compression = to_host(delta), None
     return (to_host(state), delta, jax.device_get(loss), os.getpid(), compression,
-            to_host(state.model_state))
+            to_host(state.model_state), None if download is None else jax.device_get(start))
 
 
 class RayServer:
@@ -272,6 +311,7 @@ class Dispatch:
   worker's next compressor state. ``end_model_state``: the end state's model state (a ref;
   read by ``model_state``); ``receives``: the server's copy of it that the next dispatch
   from this state starts from (``training.model_state.ModelStates.for_dispatch``).
+  ``held``: with compressed downloads, the start the worker built (its next x̂; a ref).
   """
   args: tuple = ()
   options: dict = dataclasses.field(default_factory=dict)
@@ -286,6 +326,7 @@ class Dispatch:
   receive: Optional[Callable[[Any], Any]] = None
   end_model_state: Any = None
   receives: Any = None
+  held: Any = None
 
   # The end state's handle stands for an ``inner.InnerState`` where ``ModelStates`` reads and
   # replaces its model state, the one part of it the server merges.
@@ -295,6 +336,43 @@ class Dispatch:
   @property
   def model_state(self) -> Any:
     return import_ray().get(self.end_model_state)
+
+
+@dataclasses.dataclass
+class Download:
+  """A compressed download (``RayDownlink.start``): ``message``, a ref of θ whole or of the
+  message m; ``held``, the x̂ the worker builds its start from (None: θ whole; the previous
+  ``Download``, whose dispatch returned it; or its value, restored from a checkpoint);
+  ``pickled``, the compressor; ``dispatch``, the dispatch it starts, whose seventh result is
+  the worker's next x̂."""
+  message: Any
+  held: Any
+  pickled: bytes
+  dispatch: Optional[Dispatch] = None
+
+
+class RayDownlink(downlink_lib.Downlink):
+  """Compressed downloads on Ray (docs/ALGORITHMS.md, "Compressed downloads"): the server
+  actor keeps an x̂ per worker and sends the message (``ServerActor.download``); the worker
+  actor keeps its x̂ as its dispatches' seventh result and builds the same start from it; only
+  m crosses the object store.
+
+  Args:
+    compressor, params: ``Downlink``'s.
+    server: the run's ``RayServer``.
+    pickled: ``compressor``, pickled for the actors.
+  """
+
+  def __init__(self, compressor: compress.Compressor, params: Any, server: "RayServer",
+               pickled: bytes):
+    super().__init__(compressor, params)
+    self._server, self._pickled = server, pickled
+
+  def start(self, worker: int, point_of: Callable[[], Any], held: Any) -> Download:
+    del point_of  # the server actor takes its own dispatch point
+    value = None if held is None or isinstance(held, Download) else sharding.to_host(held)
+    return Download(self._server.actor.download.remote(
+        worker, None if held is None else self._pickled, value), held, self._pickled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,7 +523,7 @@ class RayExecutor(base.OneProcess):
     self._assigned = list(range(num_workers))  # worker -> actor
     self._emit: Callable[[dict], None] = lambda row: None
     self._clock: Callable[[], float] = lambda: 0.0
-    self._compressor: Optional[tuple[compress.Compressor, bytes]] = None
+    self._pickles: dict[int, tuple[compress.Compressor, bytes]] = {}  # id -> its bytes
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
     actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
@@ -455,6 +533,14 @@ class RayExecutor(base.OneProcess):
 
   synchronies = frozenset({"async"})
   compresses = True
+
+  @property
+  def compresses_downloads(self) -> bool:  # (with θ sharded, each actor would rebuild x̂'s mesh)
+    return self.layout is None
+
+  def make_downlink(self, compressor: compress.Compressor, params: Any,
+                    server: RayServer) -> RayDownlink:
+    return RayDownlink(compressor, params, server, self._pickled(compressor))
 
   def watch(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> None:
     """Where restart and re-send rows go, with the run's clock (set by the arrival queue)."""
@@ -477,8 +563,16 @@ class RayExecutor(base.OneProcess):
       previous = previous.state
     else:  # a restored state, on this process's devices
       previous = sharding.to_host(previous)
+    download = start if isinstance(start, Download) else None
+    if download is not None:  # the worker builds its start from the message
+      held = download.held
+      options.update(download=download.pickled,
+                     held=held.dispatch.held if isinstance(held, Download) else held)
+      start = download.message
     dispatch = Dispatch(args=(worker, start, previous, batches,
                               np.asarray(jax.random.key_data(key)), fresh), options=options)
+    if download is not None:  # (the previous download is the worker's no more: no chain)
+      download.dispatch, download.held = dispatch, None
     return dispatch, dispatch, dispatch
 
   def run_fragment(self, worker, previous, steps, batches, key):
@@ -505,18 +599,18 @@ class RayExecutor(base.OneProcess):
     return dispatch, state
 
   def _pickled(self, compressor: compress.Compressor) -> bytes:
-    if self._compressor is None or self._compressor[0] is not compressor:
+    if id(compressor) not in self._pickles:
       from ray import cloudpickle  # pylint: disable=g-import-not-at-top
       for fn in compressor:  # a user's compressor: its module need not be installed
         _send_by_value(fn)
-      self._compressor = (compressor, cloudpickle.dumps(compressor))
-    return self._compressor[1]
+      self._pickles[id(compressor)] = (compressor, cloudpickle.dumps(compressor))
+    return self._pickles[id(compressor)][1]
 
   def _submit(self, dispatch: Dispatch, actor: int) -> None:
     dispatch.actor = actor
     (dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done, dispatch.compression,
-     dispatch.end_model_state) = self.actors[actor].run.options(num_returns=6).remote(
-         *dispatch.args, **dispatch.options)
+     dispatch.end_model_state, dispatch.held) = self.actors[actor].run.options(
+         num_returns=7).remote(*dispatch.args, **dispatch.options)
 
   def actor_of(self, worker: int) -> Any:
     """The actor that runs worker ``worker``'s dispatches now."""
@@ -575,8 +669,11 @@ class RayExecutor(base.OneProcess):
 
   def fetch(self, tree: Any, what: str) -> Any:
     """Worker states (``what="state"``), a pending Δ (``"delta"``), a training loss
-    (``"train_loss"``), a worker's compressor state (``"compression"``) or a server actor's
-    dispatch point (``"point"``, an object ref) as values, waiting for them."""
+    (``"train_loss"``), a worker's compressor state (``"compression"``), a server actor's
+    dispatch point (``"point"``, an object ref) or a worker's x̂ (``"held"``) as values,
+    waiting for them."""
+    if what == "held" and not isinstance(tree, Dispatch):
+      return [self._held(d) for d in tree] if isinstance(tree, list) else self._held(tree)
     here = (self.layout.from_host if self.layout is not None and what in ("state", "delta")
             else lambda tree: tree)
     def value(dispatch):
@@ -595,6 +692,17 @@ class RayExecutor(base.OneProcess):
           value = dispatch.receive(value)
         return here(value)
     return [value(d) for d in tree] if isinstance(tree, list) else value(tree)
+
+  def _held(self, download: Any) -> Any:
+    """A worker's x̂: what its download's dispatch built (that of the one before when the
+    download's dispatch was lost: the worker left, and x̂ is not read again), or a value."""
+    if not isinstance(download, Download):
+      return download
+    if download.dispatch is not None:
+      return self.fetch(download.dispatch, "held")
+    if download.held is None:  # θ whole
+      return self._ray.get(download.message)
+    return self._held(download.held)
 
   def fresh_moments(self, state: Any) -> Any:
     if isinstance(state, Dispatch):  # the worker's actor resets them at its next dispatch

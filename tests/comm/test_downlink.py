@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import cnn
 import heloco_jax as hj
 import numpy_reference as ref
 import tiny
@@ -37,7 +38,7 @@ def test_a_workers_starts_are_the_numpy_recursion_bit_for_bit(kind):
   link = downlink.Downlink(c, tree(points[0]))
   state = downlink.DownlinkState()
   state.start(tree(points[0]), 1)
-  starts = [state.send(link, 0, tree(p)) for p in points]
+  starts = [state.send(link, 0, lambda p=p: tree(p)) for p in points]
   expected = ref.download_starts(lambda x: ref.roundtrip(kind, x, block=64, fraction=0.1),
                                  points)
   for got, want in zip(starts, expected):
@@ -55,7 +56,7 @@ def test_what_a_message_drops_goes_with_the_next_one():
   state = downlink.DownlinkState()
   state.start(jax.tree.map(jnp.zeros_like, point), 1)
   state.bytes_down = [1]  # it holds zeros: every dispatch sends a message
-  errors = [float(jnp.max(jnp.abs(state.send(link, 0, point)["w"] - point["w"])))
+  errors = [float(jnp.max(jnp.abs(state.send(link, 0, lambda: point)["w"] - point["w"])))
             for _ in range(4)]
   assert all(a > b for a, b in zip(errors, errors[1:])), errors
   assert errors[-1] < 0.15 * errors[0], errors  # int2 halves it here at every message
@@ -139,3 +140,28 @@ def test_where_downloads_cannot_be_compressed_the_run_is_refused_in_one_line(kwa
   with pytest.raises(ValueError) as error:
     _run(compressor=compressor, **kwargs)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_flax_cnn_with_batchnorm_dropout_and_metrics_trains_on_compressed_downloads():
+  """The model a researcher brings (tests/cnn.py: flax.nnx Conv, BatchNorm, Dropout, accuracy
+  in ``aux``) with int8 downloads: it learns, its statistics move, its metrics reach the rows,
+  a replay is bit for bit, and its starts are not θ's (the params differ from a plain run)."""
+  def run(compressor=INT8):
+    return hj.simulate(cnn.cnn_loss, cnn.PARAMS, cnn.cnn_data(), method="heloco", inner_steps=4,
+                       speeds=[1.0, 2.0], budget=hj.Budget(steps=96, eval_every_steps=48),
+                       inner_tx=optax.adam(1e-2), eval_fn=cnn.cnn_eval, model_state=cnn.STATS,
+                       method_options={"learning_rate": 0.7},
+                       compress=hj.Compression(down=compressor))
+  first = run()
+  evals = [row for row in first.history if row["event"] == "eval"]
+  assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.2, evals
+  arrivals = [row for row in first.history if row["event"] == "arrival"]
+  assert all(0 <= row["train_accuracy"] <= 1 for row in arrivals)
+  firsts = [next(i for i, row in enumerate(arrivals) if row["worker"] == w) for w in (0, 1)]
+  later = {row["bytes_down"] for i, row in enumerate(arrivals) if i not in firsts}
+  assert later == {downlink.Downlink(INT8, cnn.PARAMS).message_bytes}
+  assert np.abs(first.model_state["bn"]["mean"].get_value()).max() > 0.1
+  assert run().history == first.history
+  plain = run(None)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first.params),
+                                                       jax.tree.leaves(plain.params)))

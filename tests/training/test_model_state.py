@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+import cnn
 import heloco_jax as hj
 from heloco_jax.training import model_state as model_state_lib
 
@@ -152,55 +153,9 @@ def test_every_step_of_every_worker_gets_its_own_key_and_a_replay_the_same():
   assert len({row["train_draw"] for row in rows}) == len(rows)
 
 
-# A flax.nnx CNN with BatchNorm and Dropout (the shape of flax's MNIST tutorial, smaller).
-class CNN(nnx.Module):
-  def __init__(self, rngs):
-    self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
-    self.bn = nnx.BatchNorm(4, rngs=rngs)
-    self.dropout = nnx.Dropout(0.3, rngs=rngs)
-    self.linear = nnx.Linear(4 * 6 * 6, 3, rngs=rngs)
-
-  def __call__(self, x):
-    x = self.dropout(nnx.relu(self.bn(self.conv(x))))
-    return self.linear(x.reshape(x.shape[0], -1))
-
-
-MODEL = CNN(nnx.Rngs(0))
-GRAPHDEF, PARAMS, STATS, REST = nnx.split(MODEL, nnx.Param, nnx.BatchStat, ...)
-CENTRES = np.random.default_rng(0).normal(0, 1, (3, 6, 6, 1)).astype(np.float32)
-
-
-def _images(n, seed):
-  rng = np.random.default_rng(seed)
-  y = rng.integers(0, 3, n)
-  x = CENTRES[y] + rng.normal(0, 1.5, (n, 6, 6, 1)).astype(np.float32) + 3.0
-  return x, y.astype(np.int32)
-
-
-TEST = _images(300, 999)
-
-
-def cnn_loss(params, batch, *, state, rng):
-  model = nnx.merge(GRAPHDEF, params, state, REST, copy=True)
-  nnx.reseed(model, default=rng)
-  x, y = batch
-  logits = model(x)
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-  return loss, (nnx.state(model, nnx.BatchStat),
-                {"accuracy": jnp.mean(logits.argmax(-1) == y)})
-
-
-@jax.jit
-def cnn_eval(params, *, state):
-  model = nnx.merge(GRAPHDEF, params, state, REST, copy=True)
-  model.eval()
-  logits = model(TEST[0])
-  return {"val_loss": optax.softmax_cross_entropy_with_integer_labels(logits, TEST[1]).mean(),
-          "accuracy": jnp.mean(logits.argmax(-1) == TEST[1])}
-
-
-def _cnn_data():
-  return [[_images(16, 100 * w + i) for i in range(80)] for w in range(K)]
+# A flax.nnx CNN with BatchNorm and Dropout: tests/cnn.py.
+MODEL, GRAPHDEF, PARAMS, STATS, REST = cnn.MODEL, cnn.GRAPHDEF, cnn.PARAMS, cnn.STATS, cnn.REST
+cnn_loss, cnn_eval, _cnn_data = cnn.cnn_loss, cnn.cnn_eval, cnn.cnn_data
 
 
 @pytest.mark.parametrize("method, fragments", [("heloco", 1), ("diloco", 1), ("ddp", 1),

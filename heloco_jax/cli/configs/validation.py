@@ -226,11 +226,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
       where = f"method={config.method!r}"
     elif config.streaming.fragments > 1:
       where = f"streaming.fragments={config.streaming.fragments}"
-    elif not _runtime_factory(config).compresses_downloads:
-      where = f"runtime={config.runtime!r}"
     if where:
       _fail("compression.download", True, f"False with {where}; compressed downloads run the "
-            "asynchronous methods with θ whole on the simulated and devices runtimes")
+            "asynchronous methods with θ whole")
   if compressing and config.distributed.coordinator:
     _fail(key, value, f"{off} across processes (distributed.coordinator="
           f"{config.distributed.coordinator!r}); compression runs in one process")
