@@ -134,6 +134,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--num-workers", type=int, default=5, help="K of the outer rules")
   parser.add_argument("--dtypes", default="float32,bfloat16",
                       help="model.compute_dtype values of the inner loop, measured in turn")
+  parser.add_argument("--no-outer", action="store_true", help="the inner loop only")
+  parser.add_argument("--versus", metavar="FILE",
+                      help="benchmarks/torch_gpt_step.py's output on this card: prints ours ÷ "
+                           "PyTorch (tokens/s) and both MFUs, for the first of --dtypes")
   parser.add_argument("--peak-tflops", type=float, help="override the device's matmul peak")
   parser.add_argument("--peak-hbm-gbs", type=float, help="override the device's HBM peak")
   return parser.parse_args(argv)
@@ -306,12 +310,33 @@ def run(args: argparse.Namespace) -> dict:
     print("\ninner loop tokens/s, side by side: " + ", ".join(
         f"{d} {r['tokens_per_s']:.0f} ({r['tokens_per_s'] / base:.2f}x)" for d, r in inners.items()))
   r = next(iter(inners.values()))
-  o = _report_outer(bench_outer(sizes, args.num_workers), args, hbm_peak)
+  versus = _versus(r, args.versus, flops_peaks) if args.versus else None
+  o = None if args.no_outer else _report_outer(bench_outer(sizes, args.num_workers), args,
+                                                 hbm_peak)
   return dict(jax_version=jax.__version__, device_kind=device.device_kind, platform=platform,
               device_count=jax.device_count(), peak_table_entry=table_name,
               small=bool(args.small or fallback), small_fallback=fallback, inner=r,
-              inner_by_dtype=inners, outer=o,
+              inner_by_dtype=inners, outer=o, versus=versus,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def _versus(ours: dict, path: str, flops_peaks: dict) -> dict:
+  """Ours beside PyTorch's inner step on the same card (``benchmarks/torch_gpt_step.py``'s
+  RESULT in ``path``): tokens/s, their ratio and both MFUs against the bf16 peak."""
+  with open(path, encoding="utf-8") as f:
+    theirs = json.loads(next(line for line in f if line.startswith("RESULT "))[7:])
+  same = all(ours[k] == theirs[k] for k in ("d_model", "layers", "heads", "context", "vocab",
+                                           "batch", "steps"))
+  peak = flops_peaks.get("bf16")
+  mfu = lambda r: r["achieved_flops"] / peak if peak else None
+  ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+  print(f"\nours ÷ PyTorch ({theirs['dtype']} autocast, "
+        f"{'torch.compile' if theirs['compiled'] else 'eager'}, torch {theirs['torch_version']})"
+        f"{'' if same else ' (NOT the same sizes)'}: {ours['tokens_per_s']:.0f} ÷ "
+        f"{theirs['tokens_per_s']:.0f} tokens/s = {ratio:.2f}x; MFU vs dense bf16 peak "
+        + (f"{mfu(ours):.1%} vs {mfu(theirs):.1%}" if peak else "n/a (unknown peak)"))
+  return dict(torch=theirs, same_sizes=same, ours_over_torch=ratio, ours_mfu_bf16=mfu(ours),
+              torch_mfu_bf16=mfu(theirs))
 
 
 def _report_inner(r: dict, args: argparse.Namespace, platform: str, flops_peaks: dict,

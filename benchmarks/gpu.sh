@@ -3,7 +3,10 @@
 # machine with a GPU; OUT defaults to ./gpu_results):
 #   1. benchmarks/device_step.py, inner loop in float32 and bfloat16 + outer step, twice:
 #      with XLA's deterministic GPU ops off and on (their cost, side by side);
-#   2. the quickstart in float32 and in bfloat16 (loss curves from metrics.jsonl).
+#   2. the quickstart in float32 and in bfloat16 (loss curves from metrics.jsonl);
+#   3. ours beside PyTorch bf16 + torch.compile on the same card, one after the other in this
+#      run, at the project's GPT (byte vocabulary) and at GPT-2-124M's shape (vocab 50257,
+#      context 1024): tokens/s, ours ÷ PyTorch and both MFUs (where torch with CUDA is installed).
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
@@ -23,3 +26,14 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 print(" ".join(f"{r['tokens'] // 1000}k:{r['val_loss']:.3f}" for r in rows if r["event"] == "eval"))
 PY
 done
+if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  for vocab in 257 50257; do
+    timeout 400 python3 benchmarks/torch_gpt_step.py --vocab $vocab > "$OUT/torch_$vocab.txt" 2>&1
+    grep -E "^# torch|tokens/s" "$OUT/torch_$vocab.txt"
+    XLA_FLAGS= timeout 300 python3 benchmarks/device_step.py --vocab $vocab --dtypes bfloat16 \
+      --no-outer --versus "$OUT/torch_$vocab.txt" > "$OUT/ours_vs_torch_$vocab.txt" 2>&1
+    grep -E "^ours|tokens/s  " "$OUT/ours_vs_torch_$vocab.txt"
+  done
+else
+  echo "## ours vs PyTorch: skipped (no torch with CUDA on this machine)"
+fi

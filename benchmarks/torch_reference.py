@@ -144,14 +144,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
   """Token + learned position embeddings, pre-LN blocks, final LN, untied head."""
 
-  def __init__(self, d_model: int, num_layers: int, num_heads: int, context: int):
+  def __init__(self, d_model: int, num_layers: int, num_heads: int, context: int,
+               vocab_size: int = VOCAB_SIZE):
     super().__init__()
-    self.embed = nn.Embedding(VOCAB_SIZE, d_model)
+    self.embed = nn.Embedding(vocab_size, d_model)
     self.pos = nn.Parameter(INIT_STD * torch.randn(context, d_model))
     self.blocks = nn.ModuleList([Block(d_model, num_heads, num_layers)
                                  for _ in range(num_layers)])
     self.ln_f = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS)
-    self.head = nn.Linear(d_model, VOCAB_SIZE)
+    self.head = nn.Linear(d_model, vocab_size)
     nn.init.normal_(self.embed.weight, std=INIT_STD)
     nn.init.normal_(self.head.weight, std=INIT_STD)
     nn.init.zeros_(self.head.bias)
@@ -166,7 +167,7 @@ class GPT(nn.Module):
 def loss_fn(model: GPT, sequences: torch.Tensor) -> torch.Tensor:
   """Mean next-token cross entropy: inputs [:, :-1], targets [:, 1:]."""
   logits = model(sequences[:, :-1])
-  return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), sequences[:, 1:].reshape(-1))
+  return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), sequences[:, 1:].reshape(-1))
 
 
 # -------------------------------------------------------------------- data
