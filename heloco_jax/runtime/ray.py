@@ -162,7 +162,6 @@ def _unpickled(pickled: bytes) -> compress.Compressor:
   return cloudpickle.loads(pickled)
 
 
-
 class _Downlinks:
   """An actor's compiled downloads (``downlink.Downlink``): one per pickled compressor."""
 
@@ -370,9 +369,12 @@ class RayDownlink(downlink_lib.Downlink):
 
   def start(self, worker: int, point_of: Callable[[], Any], held: Any) -> Download:
     del point_of  # the server actor takes its own dispatch point
-    value = None if held is None or isinstance(held, Download) else sharding.to_host(held)
+    restored = held is not None and not isinstance(held, Download)
+    if restored:  # x̂ from a checkpoint: to both actors, once
+      held = sharding.to_host(held)
     return Download(self._server.actor.download.remote(
-        worker, None if held is None else self._pickled, value), held, self._pickled)
+        worker, None if held is None else self._pickled, held if restored else None), held,
+        self._pickled)
 
 
 @dataclasses.dataclass(frozen=True)
