@@ -354,8 +354,8 @@ def make_engine(
       a run"); None: Δ is sent as it is. Not with ddp. ``hj.Compression(up=...,
       down=...)`` compresses θ's downloads too: a worker's later dispatches receive
       C(θ_d − x̂), x̂ what it last started from, which the server keeps per worker
-      (docs/ALGORITHMS.md, "Compressed downloads"; asynchronous methods, θ whole; on Ray
-      only the message crosses the object store).
+      (docs/ALGORITHMS.md, "Compressed downloads"; asynchronous methods; on Ray θ whole,
+      and only the message crosses the object store).
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
       every worker stays. The simulated clock only; synchronous methods run elastic

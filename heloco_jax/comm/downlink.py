@@ -5,14 +5,15 @@ The server keeps, per worker, x̂_i: the start point the worker last built. A fi
 dispatch sends the dispatch point θ_d whole (x̂_i ← θ_d); a later one sends the message
 m = C(θ_d − x̂_i), from which the worker starts at x̂_i + D(m), and x̂_i takes that value.
 What a message drops stays in θ_d − x̂_i and goes with the next one (error feedback
-without a residual of its own).
+without a residual of its own). With fragments, x̂ of fragment p is the worker's anchor of p
+(``runtime.streaming.dispatch_fragment``), and ``DownlinkState`` is not used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 
@@ -41,16 +42,22 @@ class Downlink:
     compressor: a ``heloco_jax.comm.compress.Compressor`` (one with error feedback
       works as without: its residual starts at 0 at every message).
     params: θ (shapes and dtypes: the bytes of a message).
+    parts: θ's fragments (``fragments.take`` of each; with fragments, a worker's x̂ of
+      fragment p is its anchor of p, ``runtime.streaming``); None: θ whole.
 
   Attributes:
     message_bytes: a later dispatch's message on the wire.
     model_bytes: θ's bytes (a worker's first dispatch).
+    fragment_bytes: per fragment, its message on the wire.
   """
 
-  def __init__(self, compressor: compress_lib.Compressor, params: Any):
+  def __init__(self, compressor: compress_lib.Compressor, params: Any,
+               parts: Optional[list[Any]] = None):
     self.compressor = compressor
     self.message_bytes = compress_lib.payload_nbytes(compressor, params)
     self.model_bytes = compress_lib.payload_nbytes(None, params)
+    self.fragment_bytes = [compress_lib.payload_nbytes(compressor, part)
+                           for part in (parts or [params])]
     # Two programs, as where server and worker are apart (runtime="ray"): the same bits.
     self.message = jax.jit(functools.partial(message, compressor))
     self.apply = jax.jit(functools.partial(apply, compressor))

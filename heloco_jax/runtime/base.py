@@ -100,9 +100,10 @@ class Executor(Protocol):
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> Any:
     """θ, the outer state and the jitted outer rule (``heloco_jax.training.server.OuterServer``)."""
 
-  def make_downlink(self, compressor: Any, params: Any, server: Any) -> Any:
-    """How θ reaches a worker compressed (``heloco_jax.comm.downlink.Downlink``), from
-    ``make_server``'s ``server``; only where ``compresses_downloads``."""
+  def make_downlink(self, compressor: Any, params: Any, server: Any,
+                    parts: Optional[list[Any]] = None) -> Any:
+    """How θ reaches a worker compressed (``heloco_jax.comm.downlink.Downlink``; ``parts``:
+    θ's fragments), from ``make_server``'s ``server``; only where ``compresses_downloads``."""
 
   def run_worker(self, worker: int, previous: Any, start: Any, batches: Any,
                  key: jax.Array) -> tuple[Any, Any, Any]:
@@ -183,9 +184,10 @@ class OneProcess:
     del what
     return tree
 
-  def make_downlink(self, compressor: Any, params: Any, server: Any) -> downlink.Downlink:
+  def make_downlink(self, compressor: Any, params: Any, server: Any,
+                    parts: Optional[list[Any]] = None) -> downlink.Downlink:
     del server  # the engine holds every x̂ where θ is
-    return downlink.Downlink(compressor, params)
+    return downlink.Downlink(compressor, params, parts)
 
   def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
                    key: jax.Array) -> tuple[Any, Any, Any]:

@@ -84,7 +84,7 @@ class Engine:
     lookahead: dispatch from θ − η·μ·m.
     compressor: workers compress their Δ (``heloco_jax.comm.compress``); None: sent as it is.
     download_compressor: θ's downloads are compressed (``heloco_jax.comm.downlink``;
-      asynchronous methods, θ whole); None: sent as it is.
+      asynchronous methods); None: sent as it is.
     model_state: the initial model state besides θ (``heloco_jax.training.model_state``), for a
       ``loss_fn`` that takes ``state``; None: none.
     model_state_merge: how the server merges the workers' model states ("mean", "latest").
@@ -144,11 +144,15 @@ class Engine:
     else:
       server = executor.make_server(outer_tx, params, lookahead=lookahead)
     uplink = uplink_lib.Uplink(compressor, params, fragments)
-    downlink = (executor.make_downlink(download_compressor, params, server)
+    downlink = (executor.make_downlink(
+        download_compressor, params, server,
+        [fragments.take(params, p) for p in range(fragments.num)] if spec.streaming else None)
                 if download_compressor is not None else None)
     clock = runtime.clock(base.ClockSettings(
         np.asarray(spec.seconds_per_step, float), spec.jitter, spec.seed, spec.comm,
-        model_bytes, uplink.bytes_up, uplink.bytes_down, spec.overlap_steps), executor)
+        model_bytes, uplink.bytes_up,
+        downlink.fragment_bytes if downlink is not None else uplink.bytes_down,
+        spec.overlap_steps), executor)
     recorder = Recorder(spec.metrics_fetch_every)
     self._run = Run(
         spec=spec, executor=executor, clock=clock, server=server, uplink=uplink,
@@ -290,7 +294,7 @@ class Engine:
            for state in states] if meta["phase"] == "rounds" else [states] * k)
     if self.spec.streaming and meta["phase"] == "async":
       template["anchors"] = [self.params] * k
-    if run.downlink is not None and meta["phase"] == "async":
+    if run.downlink is not None and meta["phase"] == "async" and not self.spec.streaming:
       template["downlink"] = [self.params] * k
     if run.model_states.merged is not None:
       template["model_state"] = run.model_states.merged
@@ -527,9 +531,6 @@ def _check_download(spec: RunSpec, executor: base.Executor) -> None:
   if spec.method.synchrony != "async":
     raise ValueError(f"{refused} with method={spec.method.name!r}; allowed: the asynchronous "
                      "methods (async_nesterov, delayed_nesterov, mla, heloco, cgad)")
-  if spec.streaming:
-    raise ValueError(f"{refused} with streaming.fragments={spec.fragments}; allowed: θ whole "
-                     "(fragments=1)")
   if not getattr(executor, "compresses_downloads", False):
     raise ValueError(f"{refused} on {executor.describe()}; allowed: the simulated runtime, "
                      "runtime=devices in one process, and Ray with θ unsharded")

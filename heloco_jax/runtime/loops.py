@@ -131,7 +131,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
 
   # A feature that is off is not called on the arrival path (docs/DESIGN.md, "The engine").
   membership, absences = spec.membership, bool(spec.membership.absences)
-  fragments, carried, downlink = spec.streaming, run.model_states.active, run.downlink
+  fragments, carried = spec.streaming, run.model_states.active
+  downlink = None if fragments else run.downlink  # (fragments: x̂ is the anchor, streaming.py)
   adaptive = spec.syncer.adaptive_grace > 0  # else every group has the same rule
   rule = spec.syncer.rule(None)
   away = f.membership.away  # per worker away or about to leave (restored before the loop)
@@ -195,10 +196,11 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
   taus = [version - job.version for job in arrived]
   # What each received at dispatch (None: θ whole), read before a rejection restarts it.
   received = [streaming.received(run, w) for w in group] if fragments else [None] * len(group)
-  if run.downlink is not None:  # each its dispatch's download: θ's or a message's bytes
+  if run.downlink is not None and not fragments:  # each its dispatch's: θ's or a message's
     downs = [f.downlink.bytes_down[w] for w in group]
-  else:
-    downs = [run.uplink.model_bytes if q is None else run.uplink.bytes_down[q] for q in received]
+  else:  # θ whole, or the fragment received (its message when downloads are compressed)
+    parts = run.uplink.bytes_down if run.downlink is None else run.downlink.fragment_bytes
+    downs = [run.uplink.model_bytes if q is None else parts[q] for q in received]
   if fragments and run.clock.simulated:
     network = run.clock.fragment_wait(group[0], received[0], p)
   else:

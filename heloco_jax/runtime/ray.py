@@ -540,8 +540,13 @@ class RayExecutor(base.OneProcess):
   def compresses_downloads(self) -> bool:  # (with θ sharded, each actor would rebuild x̂'s mesh)
     return self.layout is None
 
-  def make_downlink(self, compressor: compress.Compressor, params: Any,
-                    server: RayServer) -> RayDownlink:
+  def make_downlink(self, compressor: compress.Compressor, params: Any, server: RayServer,
+                    parts: Optional[list[Any]] = None) -> RayDownlink:
+    if parts is not None:  # the driver sends each fragment (it keeps the anchors): no saving
+      raise ValueError("compress=hj.Compression(down=...) is not allowed with fragments on "
+                       "Ray (the driver sends each fragment whole); allowed: θ whole "
+                       "(fragments=1) on Ray, or fragments on the simulated and devices "
+                       "runtimes")
     return RayDownlink(compressor, params, server, self._pickled(compressor))
 
   def watch(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> None:

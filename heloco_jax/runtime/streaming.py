@@ -66,6 +66,9 @@ def dispatch_fragment(run: Run, worker: int, now: float) -> Job:
   else:
     received = last % spec.fragments
     arrived = run.server.fragment_point(received)
+    if run.downlink is not None:  # ALGORITHMS.md, "Compressed downloads": x̂ is the anchor
+      held = fragments.take(f.anchors[worker], received)
+      arrived = run.downlink.apply(held, run.downlink.message(arrived, held))
     f.anchors[worker] = fragments.put(f.anchors[worker], arrived, received)
     f.received[worker][received] = f.fragment_versions[received]
     start = None

@@ -97,14 +97,19 @@ def test_a_run_with_compressed_downloads_learns_and_replays_bit_for_bit():
                                                        jax.tree.leaves(plain.params)))
 
 
-def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(tmp_path):
-  """x̂ of every worker is checkpointed ("downlink" arrays) with the bytes of its latest
-  download; a run stopped after 9 arrivals and resumed by the same call ends as one run."""
+FRAGMENTS = hj.Streaming(fragments=2, overlap_steps=1)
+
+
+@pytest.mark.parametrize("streaming", [None, FRAGMENTS], ids=["whole", "fragments"])
+def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(tmp_path, streaming):
+  """x̂ of every worker is checkpointed ("downlink" arrays; with fragments, the anchors) with
+  the bytes of its latest download; a run stopped after 9 arrivals and resumed by the same
+  call ends as one run."""
   # Re-iterable data: a resume reads it again from the start.
   batches = [[b for b, _ in zip(tiny.regression_stream(i), range(200))] for i in range(3)]
   options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
                  budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0],
-                 compress=hj.Compression(down=INT8))
+                 compress=hj.Compression(down=INT8), streaming=streaming)
   uninterrupted = hj.simulate(tiny.regression_loss, PARAMS, batches, **options)
   options["workdir"] = hj.Workdir(str(tmp_path), checkpoint_every=4)
 
@@ -119,9 +124,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(tmp_path):
   assert resumed.summary["bytes_sent"] == uninterrupted.summary["bytes_sent"]
 
 
-def test_one_worker_on_the_devices_runtime_equals_the_simulated_runtime_bit_for_bit():
-  on_devices = _run(workers=1, runtime=hj.devices_runtime(batch_size=8))
-  simulated = _run(workers=1)
+@pytest.mark.parametrize("streaming", [None, FRAGMENTS], ids=["whole", "fragments"])
+def test_one_worker_on_the_devices_runtime_equals_the_simulated_runtime_bit_for_bit(streaming):
+  on_devices = _run(workers=1, runtime=hj.devices_runtime(batch_size=8), streaming=streaming)
+  simulated = _run(workers=1, streaming=streaming)
   assert on_devices.summary["outer_updates"] == simulated.summary["outer_updates"] > 20
   for a, b in zip(jax.tree.leaves(on_devices.params), jax.tree.leaves(simulated.params)):
     np.testing.assert_array_equal(a, b)
@@ -130,8 +136,6 @@ def test_one_worker_on_the_devices_runtime_equals_the_simulated_runtime_bit_for_
 @pytest.mark.parametrize("kwargs, message", [
     (dict(method="diloco"), "compress=hj.Compression(down=...) is not allowed with "
                             "method='diloco'; allowed: the asynchronous methods"),
-    (dict(streaming=hj.Streaming(fragments=2)), "compress=hj.Compression(down=...) is not "
-                                                "allowed with streaming.fragments=2; allowed: θ"),
     (dict(compressor="int8"), "compress=Compression(up=None, down='int8') is not allowed; "
                               "allowed: None"),
 ])
@@ -164,4 +168,32 @@ def test_a_flax_cnn_with_batchnorm_dropout_and_metrics_trains_on_compressed_down
   assert run().history == first.history
   plain = run(None)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first.params),
+                                                       jax.tree.leaves(plain.params)))
+
+
+def test_fragments_download_each_fragments_message_against_the_anchor():
+  """With 2 fragments a worker's x̂ of fragment p is its anchor of p (what it last received of
+  p): a first dispatch sends θ whole, each later one the message of the fragment it receives.
+  The rows charge those bytes, fewer in all than without; the run learns and replays bit for
+  bit (resume and runtime="devices": the tests above, with fragments)."""
+  streaming = FRAGMENTS
+  result = _run(streaming=streaming)
+  link = downlink.Downlink(INT8, PARAMS, [{"w": PARAMS["w"]}, {"v": PARAMS["v"]}])
+  assert link.fragment_bytes == [64 * 32 + 8 * 4, 32 + 4]
+  arrivals = [r for r in result.history if r["event"] == "arrival"]
+  firsts = [next(i for i, r in enumerate(arrivals) if r["worker"] == w) for w in range(3)]
+  assert {arrivals[i]["bytes_down"] for i in firsts} == {link.model_bytes}
+  later = [r for i, r in enumerate(arrivals) if i not in firsts]
+  # A worker's second arrival received nothing yet (it sent fragment 1 after θ whole); every
+  # later one received the fragment it sent before: that fragment's message.
+  assert {r["bytes_down"] for r in later} <= {link.model_bytes, *link.fragment_bytes}
+  assert set(link.fragment_bytes) <= {r["bytes_down"] for r in later}
+  losses = [r["train_loss"] for r in arrivals]
+  assert np.mean(losses[-6:]) < 0.5 * np.mean(losses[:6]), losses
+  again = _run(streaming=streaming)
+  for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(again.params)):
+    np.testing.assert_array_equal(a, b)
+  plain = _run(compressor=None, streaming=streaming)
+  assert result.summary["bytes_sent"] < plain.summary["bytes_sent"]
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(result.params),
                                                        jax.tree.leaves(plain.params)))

@@ -224,11 +224,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     where = None
     if method.synchrony != "async":
       where = f"method={config.method!r}"
-    elif config.streaming.fragments > 1:
-      where = f"streaming.fragments={config.streaming.fragments}"
+    elif config.streaming.fragments > 1 and config.runtime == "ray":
+      where = f"streaming.fragments={config.streaming.fragments} on runtime='ray'"
     if where:
       _fail("compression.download", True, f"False with {where}; compressed downloads run the "
-            "asynchronous methods with θ whole")
+            "asynchronous methods (with fragments, on the simulated and devices runtimes)")
   if compressing and config.distributed.coordinator:
     _fail(key, value, f"{off} across processes (distributed.coordinator="
           f"{config.distributed.coordinator!r}); compression runs in one process")
