@@ -174,8 +174,8 @@ def test_a_flax_cnn_with_batchnorm_dropout_and_metrics_trains_on_compressed_down
 def test_fragments_download_each_fragments_message_against_the_anchor():
   """With 2 fragments a worker's x̂ of fragment p is its anchor of p (what it last received of
   p): a first dispatch sends θ whole, each later one the message of the fragment it receives.
-  The rows charge those bytes, fewer in all than without; the run learns and replays bit for
-  bit (resume and runtime="devices": the tests above, with fragments)."""
+  The rows charge those bytes, fewer in all than without, and the run learns (replay, resume
+  and runtime="devices" bit for bit: the tests above, with fragments)."""
   streaming = FRAGMENTS
   result = _run(streaming=streaming)
   link = downlink.Downlink(INT8, PARAMS, [{"w": PARAMS["w"]}, {"v": PARAMS["v"]}])
@@ -190,9 +190,6 @@ def test_fragments_download_each_fragments_message_against_the_anchor():
   assert set(link.fragment_bytes) <= {r["bytes_down"] for r in later}
   losses = [r["train_loss"] for r in arrivals]
   assert np.mean(losses[-6:]) < 0.5 * np.mean(losses[:6]), losses
-  again = _run(streaming=streaming)
-  for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(again.params)):
-    np.testing.assert_array_equal(a, b)
   plain = _run(compressor=None, streaming=streaming)
   assert result.summary["bytes_sent"] < plain.summary["bytes_sent"]
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(result.params),
