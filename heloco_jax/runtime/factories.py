@@ -33,6 +33,8 @@ class RuntimeFactory:
     simulated_clock: whether the runtime's time is simulated.
     synchronies: the method synchronies it can run (``base.SYNCHRONIES``).
     multiprocess: it can span processes (``jax.distributed``).
+    compresses_fragment_downloads: with fragments, θ's downloads can be compressed
+      (``hj.Compression(down=...)``; θ whole, every runtime can).
     worker_devices: ``K -> the devices one worker's θ spans`` (what a model
       sharded for this runtime is split over: ``sharding.put_fsdp``).
   """
@@ -40,6 +42,7 @@ class RuntimeFactory:
   simulated_clock: bool
   synchronies: frozenset[str] = base.SYNCHRONIES
   multiprocess: bool = False
+  compresses_fragment_downloads: bool = True
   worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
 
   def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
@@ -109,4 +112,5 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
     return base.Runtime(ray.RayExecutor(inner, spec.num_workers, ray_options), clocks.RealClock,
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
-  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies)
+  return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
+                        compresses_fragment_downloads=False)  # the driver sends fragments

@@ -224,8 +224,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     where = None
     if method.synchrony != "async":
       where = f"method={config.method!r}"
-    elif config.streaming.fragments > 1 and config.runtime == "ray":
-      where = f"streaming.fragments={config.streaming.fragments} on runtime='ray'"
+    elif (config.streaming.fragments > 1
+          and not _runtime_factory(config).compresses_fragment_downloads):
+      where = f"streaming.fragments={config.streaming.fragments} on runtime={config.runtime!r}"
     if where:
       _fail("compression.download", True, f"False with {where}; compressed downloads run the "
             "asynchronous methods (with fragments, on the simulated and devices runtimes)")
