@@ -79,7 +79,7 @@ class Compression:
     up: the workers' pseudo-gradients (ALGORITHMS.md, "Compression in a run"); None: as
       they are.
     down: θ's downloads, as C(θ_d − x̂) with x̂ what the worker last started from
-      (ALGORITHMS.md, "Compressed downloads"; asynchronous methods, θ whole); None: as it is.
+      (ALGORITHMS.md, "Compressed downloads"; asynchronous methods); None: as it is.
   """
   up: Compressor | None = None
   down: Compressor | None = None

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from heloco_jax.comm import compress as compress_lib
+from heloco_jax.comm import fragments as fragments_lib
 
 
 def message(compressor: compress_lib.Compressor, point: Any, held: Any) -> Any:
@@ -42,8 +43,9 @@ class Downlink:
     compressor: a ``heloco_jax.comm.compress.Compressor`` (one with error feedback
       works as without: its residual starts at 0 at every message).
     params: θ (shapes and dtypes: the bytes of a message).
-    parts: θ's fragments (``fragments.take`` of each; with fragments, a worker's x̂ of
-      fragment p is its anchor of p, ``runtime.streaming``); None: θ whole.
+    fragments: θ's split (``heloco_jax.comm.fragments.Fragments``, as ``Uplink``'s; with
+      several, a worker's x̂ of fragment p is its anchor of p, ``runtime.streaming``); None:
+      θ whole.
 
   Attributes:
     message_bytes: a later dispatch's message on the wire.
@@ -52,12 +54,13 @@ class Downlink:
   """
 
   def __init__(self, compressor: compress_lib.Compressor, params: Any,
-               parts: Optional[list[Any]] = None):
+               fragments: Optional[fragments_lib.Fragments] = None):
     self.compressor = compressor
     self.message_bytes = compress_lib.payload_nbytes(compressor, params)
     self.model_bytes = compress_lib.payload_nbytes(None, params)
-    self.fragment_bytes = [compress_lib.payload_nbytes(compressor, part)
-                           for part in (parts or [params])]
+    self.fragment_bytes = ([self.message_bytes] if fragments is None or fragments.num == 1 else
+                           [compress_lib.payload_nbytes(compressor, fragments.take(params, p))
+                            for p in range(fragments.num)])
     # Two programs, as where server and worker are apart (runtime="ray"): the same bits.
     self.message = jax.jit(functools.partial(message, compressor))
     self.apply = jax.jit(functools.partial(apply, compressor))

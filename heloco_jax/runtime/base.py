@@ -100,10 +100,9 @@ class Executor(Protocol):
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> Any:
     """θ, the outer state and the jitted outer rule (``heloco_jax.training.server.OuterServer``)."""
 
-  def make_downlink(self, compressor: Any, params: Any, server: Any,
-                    parts: Optional[list[Any]] = None) -> Any:
-    """How θ reaches a worker compressed (``heloco_jax.comm.downlink.Downlink``; ``parts``:
-    θ's fragments), from ``make_server``'s ``server``; only where ``compresses_downloads``."""
+  def make_downlink(self, compressor: Any, params: Any, server: Any, fragments: Any) -> Any:
+    """How θ reaches a worker compressed (``heloco_jax.comm.downlink.Downlink``; ``fragments``:
+    θ's split), from ``make_server``'s ``server``; only where ``compresses_downloads``."""
 
   def run_worker(self, worker: int, previous: Any, start: Any, batches: Any,
                  key: jax.Array) -> tuple[Any, Any, Any]:
@@ -185,9 +184,9 @@ class OneProcess:
     return tree
 
   def make_downlink(self, compressor: Any, params: Any, server: Any,
-                    parts: Optional[list[Any]] = None) -> downlink.Downlink:
+                    fragments: Any) -> downlink.Downlink:
     del server  # the engine holds every x̂ where θ is
-    return downlink.Downlink(compressor, params, parts)
+    return downlink.Downlink(compressor, params, fragments)
 
   def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
                    key: jax.Array) -> tuple[Any, Any, Any]:

@@ -144,9 +144,7 @@ class Engine:
     else:
       server = executor.make_server(outer_tx, params, lookahead=lookahead)
     uplink = uplink_lib.Uplink(compressor, params, fragments)
-    downlink = (executor.make_downlink(
-        download_compressor, params, server,
-        [fragments.take(params, p) for p in range(fragments.num)] if spec.streaming else None)
+    downlink = (executor.make_downlink(download_compressor, params, server, fragments)
                 if download_compressor is not None else None)
     clock = runtime.clock(base.ClockSettings(
         np.asarray(spec.seconds_per_step, float), spec.jitter, spec.seed, spec.comm,

@@ -541,8 +541,8 @@ class RayExecutor(base.OneProcess):
     return self.layout is None
 
   def make_downlink(self, compressor: compress.Compressor, params: Any, server: RayServer,
-                    parts: Optional[list[Any]] = None) -> RayDownlink:
-    if parts is not None:  # the driver sends each fragment (it keeps the anchors): no saving
+                    fragments: Any) -> RayDownlink:
+    if fragments.num > 1:  # the driver sends each fragment (it keeps the anchors): no saving
       raise ValueError("compress=hj.Compression(down=...) is not allowed with fragments on "
                        "Ray (the driver sends each fragment whole); allowed: θ whole "
                        "(fragments=1) on Ray, or fragments on the simulated and devices "

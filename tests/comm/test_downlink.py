@@ -10,7 +10,7 @@ import cnn
 import heloco_jax as hj
 import numpy_reference as ref
 import tiny
-from heloco_jax.comm import compress, downlink
+from heloco_jax.comm import compress, downlink, fragments
 
 PARAMS = tiny.regression_params()
 INT8 = compress.int8()
@@ -178,8 +178,8 @@ def test_fragments_download_each_fragments_message_against_the_anchor():
   and runtime="devices" bit for bit: the tests above, with fragments)."""
   streaming = FRAGMENTS
   result = _run(streaming=streaming)
-  link = downlink.Downlink(INT8, PARAMS, [{"w": PARAMS["w"]}, {"v": PARAMS["v"]}])
-  assert link.fragment_bytes == [64 * 32 + 8 * 4, 32 + 4]
+  link = downlink.Downlink(INT8, PARAMS, fragments.split(PARAMS, 2, streaming.layout))
+  assert link.fragment_bytes == [32 + 4, 64 * 32 + 8 * 4]  # v, then w (θ's leaf order)
   arrivals = [r for r in result.history if r["event"] == "arrival"]
   firsts = [next(i for i, r in enumerate(arrivals) if r["worker"] == w) for w in range(3)]
   assert {arrivals[i]["bytes_down"] for i in firsts} == {link.model_bytes}

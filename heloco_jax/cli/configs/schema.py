@@ -303,8 +303,8 @@ KEYS: tuple[Key, ...] = (
     Key("compression.error_feedback", False, BOOLEAN,
         "keep what the compression drops and add it to the next pseudo-gradient"),
     Key("compression.download", False, BOOLEAN,
-        "compress θ's downloads too, with the same kind (asynchronous methods, θ whole; not "
-        "runtime=ray)"),
+        "compress θ's downloads too, with the same kind (asynchronous methods; on "
+        "runtime=ray θ whole)"),
     # syncer
     Key("syncer.quorum", 1, integer(1, note=" and <= num_workers"),
         "q: arrivals an outer update waits for (asynchronous methods)"),
