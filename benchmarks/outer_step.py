@@ -1,4 +1,6 @@
-"""Time one compiled outer update of heloco, mla and async_nesterov.
+"""Time one compiled outer update of heloco, mla and async_nesterov, and of heloco and mla
+with the server's packed layout (``OuterServer(packed=True)``: θ and the state in one
+buffer per dtype, Δ packed inside the step; docs/ALGORITHMS.md "Packed outer state").
 
 The pytree is shaped like TinyGPT (d_model 128, 8 layers, context 128,
 untied head) with vocabulary 50257 (~14.5M parameters) and 256. Each rule
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import heloco_jax as hj
+from heloco_jax.outer import packing
 from heloco_jax.training import server
 
 
@@ -57,18 +60,19 @@ def time_rules(vocab: int, repeats: int, num_workers: int = 5) -> dict[str, floa
       "heloco_tree": hj.heloco(num_workers=num_workers, scope="tree"),
       "delayed_nesterov": hj.delayed_nesterov(0.07, num_workers=num_workers),
   }
+  packed = {"heloco_packed": rules["heloco"], "mla_packed": rules["mla"]}
   steps, states, current = {}, {}, {}
-  for name, tx in rules.items():
-    steps[name] = server.jit_outer_step(tx)
-    current[name] = jax.tree.map(jnp.copy, params)
+  for name, tx in {**rules, **packed}.items():
+    steps[name] = server.jit_outer_step(tx, packed=name in packed)
+    current[name] = packing.pack(params) if name in packed else jax.tree.map(jnp.copy, params)
     states[name] = tx.init(current[name])
     for i in range(3):  # compile and warm up; momentum becomes non-zero
       current[name], states[name] = steps[name](current[name], states[name],
                                                 deltas[i % 4], jnp.int32(i))
     jax.block_until_ready(current[name])
-  samples = {name: [] for name in rules}
+  samples = {name: [] for name in steps}
   for r in range(repeats):
-    for name in rules:
+    for name in steps:
       t0 = time.perf_counter()
       current[name], states[name] = steps[name](current[name], states[name],
                                                 deltas[r % 4], jnp.int32(r % 7))
@@ -93,6 +97,9 @@ def main() -> None:
       print(f"  {name:18s} {seconds * 1e3:9.3f} ms / update")
     print(f"  ratio heloco/mla            {medians['heloco'] / medians['mla']:.3f}  (target <= 1.5)")
     print(f"  ratio heloco/async_nesterov {medians['heloco'] / medians['async_nesterov']:.3f}")
+    for name in ("heloco", "mla"):
+      print(f"  {name} tree ÷ packed          "
+            f"{medians[name] / medians[name + '_packed']:.3f}  (> 1: packed is faster)")
 
 
 def repeats_note(repeats: int) -> str:

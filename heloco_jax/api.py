@@ -51,6 +51,7 @@ from heloco_jax.training import checks, determinism, methods, sharding
 from heloco_jax.training import inner as inner_lib
 from heloco_jax.training import membership as membership_lib
 from heloco_jax.training import model_state as model_state_lib
+from heloco_jax.training import server as server_lib
 
 Row = dict[str, Any]
 _P = ParamSpec("_P")
@@ -447,6 +448,7 @@ def make_engine(
   elif spec_method.inner == "palsgd":
     _check_palsgd(inner_tx, params)
   lookahead = spec_method.lookahead_dispatch(run_options.get("lookahead_dispatch"))
+  user_outer_tx = outer_tx is not None
   if outer_tx is None:
     outer_tx = spec_method.make_outer(num_workers, outer_options)
   elif outer_options:
@@ -478,6 +480,9 @@ def make_engine(
   if streaming.fragments > 1:  # workers never restart as a whole (ALGORITHMS.md, "Fragments")
     reset = False
   inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset, layout=sharding.layout_of(params))
+  packed_outer = server_lib.packs_outer(
+      factory.outer_layout, rule=spec_method.outer is not None, user_rule=user_outer_tx,
+      sharded=inner.layout is not None)
   spec = state_lib.RunSpec(
       method=spec_method, num_workers=num_workers, inner_steps=int(inner_steps),
       seconds_per_step=tuple(float(s) for s in seconds), jitter=jitter, comm=comm, dylu=dylu,
@@ -495,7 +500,7 @@ def make_engine(
                                eval_fn=eval_fn, lookahead=lookahead, compressor=compress,
                                model_state=model_state, model_state_merge=model_state_merge,
                                download_compressor=compress_download, on_row=on_row,
-                               handle_signals=handle_signals)
+                               handle_signals=handle_signals, packed_outer=packed_outer)
   except BaseException:
     built.close()  # e.g. Ray's actors, started for a run that cannot be built
     raise

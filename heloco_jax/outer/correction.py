@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
-from heloco_jax.outer import _validation
+from heloco_jax.outer import _validation, packing
 from heloco_jax.outer.weighting import at_least_float32
 
 # Branch codes, in the order used by ``CorrectionInfo.branch_counts``.
@@ -195,9 +195,10 @@ def heloco_correct(
   ``hj.heloco_diagnostics``, the other two names of the same method.
 
   Args:
-    pseudo_grads: the update d (any pytree of floating arrays; any dtype).
-    momentum: the reference m (same structure), the outer momentum before
-      this arrival.
+    pseudo_grads: the update d (any pytree of floating arrays; any dtype), or a
+      tree packed by ``heloco_jax.outer.packing.pack`` (blocks are still its leaves).
+    momentum: the reference m (same structure, packed alike), the outer momentum
+      before this arrival.
     keep_threshold: c_ok, blocks with c >= c_ok are kept.
     bad_threshold: c_bad, the lower end of the "normalized" rotation schedule.
     shrink_strength: k_s.
@@ -247,10 +248,10 @@ def heloco_correct(
                eps=eps, rotate_schedule=rotate_schedule)
   delta_scale, momentum_scale, info = correction_coefficients(
       pseudo_grads, momentum, scope=scope, **hyper)
-  leaves, treedef = jax.tree.flatten(pseudo_grads)
-  corrected = [delta_scale[i] * at_least_float32(x) + momentum_scale[i] * m
-               for i, (x, m) in enumerate(zip(leaves, treedef.flatten_up_to(momentum)))]
-  return treedef.unflatten(corrected), info
+  delta = packing.parts(pseudo_grads)
+  corrected = [delta.take(delta_scale, i) * at_least_float32(x) + delta.take(momentum_scale, i) * m
+               for i, (x, m) in enumerate(zip(delta.arrays, delta.like(momentum)))]
+  return delta.rebuild(corrected), info
 
 
 def correction_coefficients(
@@ -276,10 +277,14 @@ def correction_coefficients(
     ``(A, B, info)``: A and B are float32 vectors with one entry per leaf
     (``jax.tree.leaves`` order); ``info`` the diagnostics.
   """
-  leaves, treedef = jax.tree.flatten(pseudo_grads)
-  m_leaves = treedef.flatten_up_to(momentum)
-  leaf_sums = (jnp.stack([_leaf_sums(x, m) for x, m in zip(leaves, m_leaves)])
-               if leaves else jnp.zeros((0, 3), jnp.float32))
+  num_leaves = packing.parts(pseudo_grads).num_leaves
+  if isinstance(pseudo_grads, packing.Packed):  # row sums, then a segment sum per leaf
+    leaf_sums = packing.leaf_sums(pseudo_grads, momentum, at_least_float32)
+  else:
+    leaves, treedef = jax.tree.flatten(pseudo_grads)
+    m_leaves = treedef.flatten_up_to(momentum)
+    leaf_sums = (jnp.stack([_leaf_sums(x, m) for x, m in zip(leaves, m_leaves)])
+                 if leaves else jnp.zeros((0, 3), jnp.float32))
   sums = leaf_sums * jnp.stack([input_scale, input_scale ** 2, 1.0]).astype(leaf_sums.dtype)
   if scope == "tree":
     sums = jnp.sum(sums, axis=0, keepdims=True)
@@ -287,8 +292,8 @@ def correction_coefficients(
   delta_scale = a * (input_scale * output_scale)
   momentum_scale = b * output_scale
   if scope == "tree":  # one block: the same coefficients for every leaf
-    delta_scale = jnp.broadcast_to(delta_scale, (len(leaves),))
-    momentum_scale = jnp.broadcast_to(momentum_scale, (len(leaves),))
+    delta_scale = jnp.broadcast_to(delta_scale, (num_leaves,))
+    momentum_scale = jnp.broadcast_to(momentum_scale, (num_leaves,))
 
   branch_counts = jnp.sum(per_block["branch"][:, None] == jnp.arange(4), axis=0, dtype=jnp.int32)
   total_d_norm = jnp.sqrt(jnp.sum(sums[:, 1]))

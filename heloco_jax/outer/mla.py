@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from heloco_jax.outer import _validation
+from heloco_jax.outer import _validation, packing
 from heloco_jax.outer import weighting as weighting_lib
 
 
@@ -68,7 +68,8 @@ def momentum_step(pseudo_grads: Any, momentum: Any, delta_scale: Any, momentum_s
   G = m' and the update is −η·m'.
 
   Args:
-    pseudo_grads: Δ (any float dtype; read in float32).
+    pseudo_grads: Δ (any float dtype; read in float32): a tree, or one packed by
+      ``heloco_jax.outer.packing.pack`` (A and B then reach each leaf's rows).
     momentum: m before the arrival (float32 by default; m' keeps its dtype, computed in
       at least float32).
     delta_scale: A, a scalar or one scalar per leaf (``jax.tree.leaves`` order).
@@ -76,22 +77,21 @@ def momentum_step(pseudo_grads: Any, momentum: Any, delta_scale: Any, momentum_s
     learning_rate: η.
     decay: μ.
   """
-  leaves, treedef = jax.tree.flatten(pseudo_grads)
-  m_leaves = treedef.flatten_up_to(momentum)
+  delta = packing.parts(pseudo_grads)  # a tree's leaves, or a Packed's buffers
   a = jnp.asarray(delta_scale, jnp.float32)
   b = jnp.asarray(momentum_scale, jnp.float32)
   k = decay + (1.0 - decay) * b
   safe_k = jnp.where(k > 0, k, 1.0)
   delta_gain = jnp.where(k > 0, decay * a / safe_k, 0.0)
   momentum_gain = jnp.where(k > 0, b / safe_k + decay, 1.0)
-  per_leaf = lambda v, i: v if v.ndim == 0 else v[i]
+  per_leaf = delta.take
   updates, new_momentum = [], []
-  for i, (x, m) in enumerate(zip(leaves, m_leaves)):
+  for i, (x, m) in enumerate(zip(delta.arrays, delta.like(momentum))):
     x = weighting_lib.at_least_float32(x)
     m_new = ((1.0 - decay) * per_leaf(a, i) * x + per_leaf(k, i) * m).astype(m.dtype)
     new_momentum.append(m_new)
     updates.append(-learning_rate * (per_leaf(delta_gain, i) * x + per_leaf(momentum_gain, i) * m_new))
-  return treedef.unflatten(updates), treedef.unflatten(new_momentum)
+  return delta.rebuild(updates), delta.rebuild(new_momentum)
 
 
 def hyperparams_fields(learning_rate, momentum) -> dict[str, jax.Array]:

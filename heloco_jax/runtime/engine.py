@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import signal
 import threading
@@ -90,6 +91,8 @@ class Engine:
     model_state_merge: how the server merges the workers' model states ("mean", "latest").
     on_row: ``run``'s default row callback.
     handle_signals: ``run`` stops at the next outer update on SIGTERM and Ctrl-C.
+    packed_outer: the server holds θ and the outer state packed (``OuterServer``'s
+      ``packed``; ``server.packs_outer`` decides it from ``make_engine``'s ``outer_layout``).
   """
 
   def __init__(self, spec: RunSpec, runtime: base.Runtime, params: Any,
@@ -98,7 +101,8 @@ class Engine:
                compressor: Optional[compress.Compressor] = None, model_state: Any = None,
                model_state_merge: str = "mean",
                download_compressor: Optional[compress.Compressor] = None,
-               on_row: Optional[Callable[[Row], None]] = None, handle_signals: bool = False):
+               on_row: Optional[Callable[[Row], None]] = None, handle_signals: bool = False,
+               packed_outer: bool = False):
     if len(data) != spec.num_workers:
       raise ValueError(f"data holds {len(data)} worker streams; allowed: one per worker "
                        f"(num_workers={spec.num_workers})")
@@ -137,12 +141,14 @@ class Engine:
                       for x in jax.tree.leaves(params))
     self.eval_fn = eval_fn
     fragments = fragments_lib.split(params, spec.fragments, spec.fragment_layout)
+    make_server = (functools.partial(executor.make_server, packed=True) if packed_outer
+                   else executor.make_server)
     if spec.streaming:
-      server = server_lib.FragmentServers(executor.make_server, outer_tx, params, fragments,
+      server = server_lib.FragmentServers(make_server, outer_tx, params, fragments,
                                           lookahead=lookahead,
                                           fetch=lambda point: executor.fetch(point, "point"))
     else:
-      server = executor.make_server(outer_tx, params, lookahead=lookahead)
+      server = make_server(outer_tx, params, lookahead=lookahead)
     uplink = uplink_lib.Uplink(compressor, params, fragments)
     downlink = (executor.make_downlink(download_compressor, params, server, fragments)
                 if download_compressor is not None else None)

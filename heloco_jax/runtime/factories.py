@@ -22,6 +22,7 @@ import jax
 from heloco_jax.runtime import base, clocks, simulated
 from heloco_jax.runtime.state import RunSpec
 from heloco_jax.training import inner as inner_lib
+from heloco_jax.training import server as server_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,7 @@ class RuntimeFactory:
       (``hj.Compression(down=...)``; θ whole, every runtime can).
     worker_devices: ``K -> the devices one worker's θ spans`` (what a model
       sharded for this runtime is split over: ``sharding.put_fsdp``).
+    outer_layout: how the server holds θ and the outer state (``simulated_runtime``'s).
   """
   build: Callable[[inner_lib.InnerLoop, RunSpec], base.Runtime]
   simulated_clock: bool
@@ -44,13 +46,18 @@ class RuntimeFactory:
   multiprocess: bool = False
   compresses_fragment_downloads: bool = True
   worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
+  outer_layout: server_lib.OuterLayout = "auto"
+
+  def __post_init__(self):
+    server_lib.packs_outer(self.outer_layout, rule=False, user_rule=False, sharded=False)
 
   def __call__(self, inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     return self.build(inner, spec)
 
 
 def simulated_runtime(devices: Optional[Sequence[Any]] = None,
-                      worker_batching: simulated.WorkerBatching = "auto") -> RuntimeFactory:
+                      worker_batching: simulated.WorkerBatching = "auto",
+                      outer_layout: server_lib.OuterLayout = "auto") -> RuntimeFactory:
   """Simulated heterogeneous workers on this process's devices, on the simulated clock.
 
   Deterministic: a run replays bit for bit (docs/DESIGN.md, "Determinism").
@@ -62,6 +69,11 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None,
       program over a stacked worker axis), "sequential" (one worker's program, K times)
       or "auto" (per backend, from ``python -m benchmarks.worker_batching``:
       ``simulated.AUTO_BATCHING``). Either compiles one inner loop whatever K.
+    outer_layout: how the server holds θ and the outer state: "tree" (as given), "packed"
+      (one buffer per dtype, docs/ALGORITHMS.md "Packed outer state": within float32
+      rounding of the tree, a few kernels per outer step instead of a few per leaf) or
+      "auto" (packed for a registry rule on an accelerator with θ unsharded, else the
+      tree: ``heloco_jax.training.server.packs_outer``).
   """
   simulated.check_batching(worker_batching)
 
@@ -70,12 +82,13 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None,
     return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching),
                         clocks.SimulatedClock, simulated.simulated_arrivals)
   return RuntimeFactory(build, simulated_clock=True,
-                        worker_devices=lambda k: list(devices or jax.local_devices()))
+                        worker_devices=lambda k: list(devices or jax.local_devices()),
+                        outer_layout=outer_layout)
 
 
 def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = "",
-                    server: int = 0, slowdown: Union[str, Sequence[float]] = ""
-                    ) -> RuntimeFactory:
+                    server: int = 0, slowdown: Union[str, Sequence[float]] = "",
+                    outer_layout: server_lib.OuterLayout = "auto") -> RuntimeFactory:
   """Each worker on its own group of ``jax.devices()``, on the real clock.
 
   Args:
@@ -83,6 +96,7 @@ def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = ""
     group_sizes: "" (the devices split evenly) or K group sizes.
     server: index into ``jax.devices()`` of the device holding θ and the outer step.
     slowdown: "" or K factors >= 1 (worker i's result arrives after f_i × its compute).
+    outer_layout: how the server holds θ and the outer state (``simulated_runtime``'s).
   """
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
@@ -95,13 +109,16 @@ def devices_runtime(batch_size: int, group_sizes: Union[str, Sequence[int]] = ""
     from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
     return devices.group_devices(k, batch_size, group_sizes, server, slowdown).groups[0]
   return RuntimeFactory(build, simulated_clock=False, multiprocess=True,
-                        worker_devices=first_group)
+                        worker_devices=first_group, outer_layout=outer_layout)
 
 
-def ray_runtime(**options: Any) -> RuntimeFactory:
+def ray_runtime(outer_layout: server_lib.OuterLayout = "auto", **options: Any
+                ) -> RuntimeFactory:
   """A parameter-server actor and one actor per worker, on the real clock.
 
   Args:
+    outer_layout: how the server actor holds θ and the outer state (``simulated_runtime``'s;
+      "auto" reads this process's default backend).
     **options: the fields of ``heloco_jax.runtime.ray.RayOptions`` (address,
       num_cpus, cpus_per_worker, gpus_per_worker, server_gpus, slowdown, ...).
   """
@@ -113,4 +130,5 @@ def ray_runtime(**options: Any) -> RuntimeFactory:
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
   return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
-                        compresses_fragment_downloads=False)  # the driver sends fragments
+                        compresses_fragment_downloads=False,  # the driver sends fragments
+                        outer_layout=outer_layout)

@@ -24,7 +24,7 @@ simulated and devices runtimes and as the parameter-server actor on Ray.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, get_args
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ import optax
 
 from heloco_jax import outer
 from heloco_jax.outer import lookahead as lookahead_lib
+from heloco_jax.outer import packing
 from heloco_jax.outer import weighting as weighting_lib
 from heloco_jax.training import rejection, sharding
 
@@ -41,7 +42,12 @@ Row = dict[str, Any]
 
 @jax.jit
 def alignment(delta: Any, momentum: Any) -> jax.Array:
-  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0."""
+  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0. With the
+  momentum packed (``packing.Packed``), from the segment sums of Δ packed alike."""
+  if isinstance(momentum, packing.Packed):
+    sums = packing.leaf_sums(packing.pack(delta), momentum, lambda d: d.astype(jnp.float32))
+    norms = jnp.sqrt(sums[:, 1]) * jnp.sqrt(sums[:, 2])
+    return jnp.mean(jnp.where(norms > 0, sums[:, 0] / jnp.where(norms > 0, norms, 1.0), 0.0))
   cosines = []
   for d, m in zip(jax.tree.leaves(delta), jax.tree.leaves(momentum)):
     d, m = d.astype(jnp.float32).ravel(), m.astype(jnp.float32).ravel()
@@ -88,6 +94,9 @@ def _copy(tree: Any) -> Any:
 # instead of 0.054); two programs round as the eager ops do, bit for bit.
 _scaled_momentum = jax.jit(lookahead_lib.scaled_momentum)
 _subtract = jax.jit(lookahead_lib.subtract)
+_pack = jax.jit(packing.pack)
+_unpack = jax.jit(packing.unpack)
+_unpack_all = jax.jit(packing.unpack_all)
 
 
 def _identity(tree: Any) -> Any:
@@ -95,14 +104,48 @@ def _identity(tree: Any) -> Any:
 
 
 def jit_outer_step(tx: optax.GradientTransformationExtraArgs,
-                   constrain: Callable[[Any], Any] = _identity) -> Callable[..., Any]:
+                   constrain: Callable[[Any], Any] = _identity,
+                   packed: bool = False) -> Callable[..., Any]:
   """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated;
-  ``constrain`` pins the outputs' layout (``heloco_jax.training.sharding.Layout.constrain``)."""
+  ``constrain`` pins the outputs' layout (``heloco_jax.training.sharding.Layout.constrain``);
+  ``packed``: θ and the state are packed (``packing.Packed``) and Δ, a tree, is packed here."""
   tx = optax.with_extra_args_support(tx)
   def step(params, state, delta, staleness):
+    if packed:
+      delta = packing.pack(delta)
     updates, state = tx.update(delta, state, params, staleness=staleness)
     return constrain((optax.apply_updates(params, updates), state))
   return jax.jit(step, donate_argnums=(0, 1))
+
+
+OuterLayout = Literal["auto", "tree", "packed"]
+OUTER_LAYOUTS: tuple[str, ...] = get_args(OuterLayout)
+
+
+def packs_outer(outer_layout: OuterLayout, *, rule: bool, user_rule: bool, sharded: bool,
+                platform: Optional[str] = None) -> bool:
+  """Whether the server holds θ and the outer state packed (``OuterServer``'s ``packed``).
+
+  "auto" packs a registry rule (``user_rule`` False; a user's chain may read the tree's
+  structure: ``optax.masked``, per-leaf norms) on an accelerator (``platform``: the
+  default backend's), where an outer step over a tree of many leaves is launch-bound; on
+  a CPU the tree is as fast (docs/BENCHMARKS.md) and keeps today's bits. Never with θ
+  sharded (packing would gather θ) or without an outer rule (DDP).
+
+  Raises:
+    ValueError: an ``outer_layout`` that is not allowed, or "packed" with θ sharded.
+  """
+  if outer_layout not in OUTER_LAYOUTS:
+    raise ValueError(f"outer_layout={outer_layout!r} is not allowed; allowed: one of "
+                     f"{list(OUTER_LAYOUTS)}")
+  if outer_layout == "packed" and sharded:
+    raise ValueError("outer_layout='packed' is not allowed with θ sharded; allowed: 'tree' or "
+                     "'auto' (packing would gather θ onto one device)")
+  if not rule or outer_layout == "tree":
+    return False
+  if outer_layout == "packed":
+    return True
+  return not user_rule and not sharded and (platform or jax.default_backend()) != "cpu"
 
 
 def _getter(state: Any, types: tuple[type, ...], fn: str) -> Optional[Callable[[Any], Any]]:
@@ -126,37 +169,63 @@ class OuterServer:
     place: puts a pytree where the server computes (default: leaves it).
     layout: θ's ``heloco_jax.training.sharding.Layout`` when θ is sharded: θ, the outer
       state and the outer step keep it (and ``place`` should put trees there).
+    packed: hold θ and the outer state packed, one buffer per dtype (``packing.Packed``;
+      docs/ALGORITHMS.md, "Packed outer state"): the outer step runs a few passes instead of
+      a few per leaf, equal to the tree's within float32 rounding. Only for a rule whose
+      state is elementwise or reads leaves through ``packing`` (every registry rule); not
+      with θ sharded. ``params``, ``outer_state``, ``get`` and ``set`` stay trees.
   """
 
   def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
                lookahead: bool = False,
                place: Callable[[Any], Any] = _identity,
-               layout: Optional[sharding.Layout] = None):
+               layout: Optional[sharding.Layout] = None,
+               packed: bool = False):
+    if packed and (layout is not None or outer_tx is None):
+      raise ValueError("packed=True is not allowed "
+                       + ("with θ sharded" if layout is not None else "without an outer rule")
+                       + "; allowed: an outer rule on an unsharded θ (packing would gather θ)")
     self._place = place
     self.layout = layout
     self.outer_tx = outer_tx
+    self.packed = packed
+    self._like = jax.eval_shape(lambda tree: tree, params)  # θ's structure, shapes and dtypes
     constrain = layout.constrain if layout is not None else _identity
-    self.params = place(_copy(params))
+    self._params = place(_pack(params) if packed else _copy(params))
     # One compiled program (not one small eager op per leaf): start-up time. From the placed
     # θ: across processes the user's θ may sit on other devices than the server's.
-    self.outer_state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self.params))
-                        if outer_tx is not None else None)
+    self._state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self._params))
+                   if outer_tx is not None else None)
     self.lookahead = lookahead
     # The sub-states read at every dispatch and arrival, found once from the state's
     # structure (no method names); each is then indexed, not searched for.
-    self._lookahead_state = _getter(self.outer_state, lookahead_lib.LOOKAHEAD_STATES,
+    self._lookahead_state = _getter(self._state, lookahead_lib.LOOKAHEAD_STATES,
                                     "lookahead_params")
     if lookahead and self._lookahead_state is None:
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
     # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
-    self._arrival_weight = weighting_lib.arrival_weighting(self.outer_state)
-    self._step = jit_outer_step(outer_tx, constrain) if outer_tx is not None else None
-    self._heloco_state = _getter(self.outer_state, (outer.HeLoCoState,), "heloco_diagnostics")
+    self._arrival_weight = weighting_lib.arrival_weighting(self._state)
+    self._step = jit_outer_step(outer_tx, constrain, packed) if outer_tx is not None else None
+    self._heloco_state = _getter(self._state, (outer.HeLoCoState,), "heloco_diagnostics")
     self._momentum_state = None if self._heloco_state is not None else _getter(
-        self.outer_state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")
+        self._state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")
     self.version = 0
     self._dispatched: dict[int, int] = {}
+
+  @property
+  def params(self) -> Any:
+    """θ (a tree; new arrays when packed)."""
+    return _unpack(self._params) if self.packed else self._params
+
+  @params.setter
+  def params(self, params: Any) -> None:
+    self._params = self._place(_pack(params)) if self.packed else params
+
+  @property
+  def outer_state(self) -> Any:
+    """The outer state (its momentum a tree like θ; new arrays when packed)."""
+    return _unpack_all(self._state) if self.packed else self._state
 
   def get(self) -> tuple[Any, Any]:
     """(θ, outer state) on the host; sharded, where they are (a checkpoint writes them shard
@@ -166,8 +235,12 @@ class OuterServer:
     return jax.device_get((self.params, self.outer_state))
 
   def set(self, params: Any, outer_state: Any) -> None:
-    """Replaces θ and the outer state (a restored checkpoint)."""
-    self.params, self.outer_state = self._place(params), self._place(outer_state)
+    """Replaces θ and the outer state (a restored checkpoint; trees, packed here if packed)."""
+    if self.packed:
+      like = self._state
+      outer_state = jax.jit(lambda tree: packing.pack_like(tree, like))(outer_state)
+      params = _pack(params)
+    self._params, self._state = self._place(params), self._place(outer_state)
 
   def dispatch_point(self) -> Any:
     """Where a dispatched worker starts: θ, or θ − η·μ·m (look-ahead dispatch).
@@ -176,13 +249,14 @@ class OuterServer:
     simulated runtime runs a worker's steps when its arrival comes up.
     """
     if self.lookahead:
-      return _subtract(self.params, _scaled_momentum(self._lookahead_state(self.outer_state)))
-    return _copy(self.params)
+      point = _subtract(self._params, _scaled_momentum(self._lookahead_state(self._state)))
+      return _unpack(point) if self.packed else point
+    return self.params if self.packed else _copy(self._params)
 
   def apply(self, delta: Any, staleness: int) -> None:
     """One outer update with pseudo-gradient ``delta`` of staleness τ."""
-    self.params, self.outer_state = self._step(self.params, self.outer_state, delta,
-                                               jnp.int32(staleness))
+    self._params, self._state = self._step(self._params, self._state, delta,
+                                           jnp.int32(staleness))
 
   def update(self, taus: list[int], *deltas: Any, fetch: bool = True,
              weights: Optional[list[float]] = None) -> list[Row]:
@@ -211,7 +285,7 @@ class OuterServer:
     if not applied:
       return results
     if self._momentum_state is not None:  # HeLoCo logs its own cosines, per block
-      momentum = lookahead_lib.momentum_of(self._momentum_state(self.outer_state))
+      momentum = lookahead_lib.momentum_of(self._momentum_state(self._state))
       for i in applied:
         results[i]["cosine_mean"] = alignment(deltas[i], momentum)
     taus_applied = [taus[i] for i in applied]
@@ -223,7 +297,7 @@ class OuterServer:
                  max(taus_applied))
     self.version += 1
     if self._heloco_state is not None:
-      diagnostics = heloco_row(self._heloco_state(self.outer_state))
+      diagnostics = heloco_row(self._heloco_state(self._state))
       for i in applied:
         results[i].update(diagnostics)
     return to_host(results) if fetch else results
@@ -258,7 +332,7 @@ class OuterServer:
     if worker not in self._dispatched:
       raise KeyError(f"arrive(worker={worker}): that worker was not dispatched; call "
                      "dispatch(worker) first")
-    _check_like(delta, self.params, f"arrive(worker={worker})")
+    _check_like(delta, self._like, f"arrive(worker={worker})")
     tau = self.version - self._dispatched.pop(worker)
     result = self.update([tau], delta)[0]
     reason = result.pop("reason")

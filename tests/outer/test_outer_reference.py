@@ -335,14 +335,20 @@ def _jitted(kind, cfg_key):
     return tx, jax.jit(tx.init), step
 
 
-def run_library(kind, cfg, theta_init, deltas, taus):
-    """Yield (params, state) after each arrival."""
-    _tx, init, step = _jitted(kind, _key(cfg))
+def run_library(kind, cfg, theta_init, deltas, taus, packed=False):
+    """Yield (params, state) after each arrival; ``packed``: as the server runs a packed layout
+    (θ and the state in one buffer, Δ packed in the step), yielded unpacked."""
+    from heloco_jax.outer import packing  # pylint: disable=g-import-not-at-top
+    from heloco_jax.training import server  # pylint: disable=g-import-not-at-top
+    tx, init, step = _jitted(kind, _key(cfg))
     params = to_jax(theta_init)
+    if packed:
+        step = server.jit_outer_step(tx, packed=True)
+        params = packing.pack(params)
     state = init(params)
     for delta, tau in zip(deltas, taus):
         params, state = step(params, state, to_jax(delta), jnp.asarray(tau, jnp.int32))
-        yield params, state
+        yield (packing.unpack(params), packing.unpack_all(state)) if packed else (params, state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,8 +456,14 @@ def heloco_traj_for(cfg, seed):
     return traj
 
 
+# The server's packed layout (docs/ALGORITHMS.md, "Packed outer state"): per-leaf sums as row
+# and segment sums, so the same tolerances hold; both scopes and both weight orders.
+PACKED = [pytest.param(False, id="tree"), pytest.param(True, id="packed")]
+HELOCO_PACKED_CASES = [HELOCO_CASES[i] for i in (0, 3, 8)]
+
+
 @pytest.mark.parametrize("cfg", HELOCO_CASES)
-def test_heloco_matches_reference(cfg):
+def test_heloco_matches_reference(cfg, packed=False):
     """theta, momentum, look-ahead point, rho, count, staleness and the state's
     CorrectionInfo after every one of 40 arrivals."""
     lib = _lib()
@@ -462,7 +474,7 @@ def test_heloco_matches_reference(cfg):
     th_scale, m_scale = RunningScale(sc, theta0(seed)), RunningScale(sc)
     la_scale = RunningScale(sc, theta0(seed))
     for t, (params, state) in enumerate(run_library("heloco", cfg, theta0(seed),
-                                                    traj["deltas"], traj["taus"])):
+                                                    traj["deltas"], traj["taus"], packed)):
         what = f"heloco step {t}"
         assert isinstance(state, lib.HeLoCoState), type(state)
         th_scale.check(to_np(params), traj["thetas"][t], what=what + " theta")
@@ -476,6 +488,12 @@ def test_heloco_matches_reference(cfg):
         assert int(state.count) == t + 1, (what, int(state.count))
         assert int(state.staleness) == traj["taus"][t], (what, int(state.staleness))
         assert_info_matches(state.info, traj["infos"][t], cfg["scope"], what + " info")
+
+
+@pytest.mark.parametrize("cfg", HELOCO_PACKED_CASES)
+def test_packed_heloco_matches_reference(cfg):
+    """The same, with θ and the state packed as the server packs them."""
+    test_heloco_matches_reference(cfg, packed=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,7 +623,7 @@ WEIGHTINGS = [pytest.param(None, "constant", id="noworkers"),
 
 
 @pytest.mark.parametrize("num_workers,weighting", WEIGHTINGS)
-def test_mla_matches_reference(num_workers, weighting):
+def test_mla_matches_reference(num_workers, weighting, packed=False):
     lib = _lib()
     cfg = dict(learning_rate=0.7, momentum=0.9, num_workers=num_workers, weighting=weighting)
     seed = _seed_of("mla", num_workers, weighting)
@@ -614,7 +632,8 @@ def test_mla_matches_reference(num_workers, weighting):
     theta = theta0(seed)
     th_scale, m_scale = RunningScale("leaf", theta), RunningScale("leaf")
     la_scale = RunningScale("leaf", theta)
-    for t, (params, state) in enumerate(run_library("mla", cfg, theta0(seed), deltas, taus)):
+    for t, (params, state) in enumerate(run_library("mla", cfg, theta0(seed), deltas, taus,
+                                                    packed)):
         theta = opt.step(theta, deltas[t], taus[t])
         what = f"mla step {t}"
         assert isinstance(state, lib.MLAState), type(state)
@@ -625,7 +644,7 @@ def test_mla_matches_reference(num_workers, weighting):
 
 
 @pytest.mark.parametrize("num_workers,weighting", WEIGHTINGS)
-def test_async_nesterov_matches_reference(num_workers, weighting):
+def test_async_nesterov_matches_reference(num_workers, weighting, packed=False):
     _lib()
     cfg = dict(learning_rate=0.07, momentum=0.9, num_workers=num_workers, weighting=weighting)
     seed = _seed_of("an", num_workers, weighting)
@@ -634,7 +653,7 @@ def test_async_nesterov_matches_reference(num_workers, weighting):
     theta = theta0(seed)
     th_scale = RunningScale("leaf", theta)
     for t, (params, _state) in enumerate(
-            run_library("async_nesterov", cfg, theta0(seed), deltas, taus)):
+            run_library("async_nesterov", cfg, theta0(seed), deltas, taus, packed)):
         theta = opt.step(theta, deltas[t], taus[t])
         th_scale.check(to_np(params), theta, what=f"async_nesterov step {t} theta")
 
@@ -646,7 +665,7 @@ CGAD_CASES = [pytest.param(dict(decay=0.1, cutoff=32.0), id="defaults"),
 
 
 @pytest.mark.parametrize("gate", CGAD_CASES)
-def test_cgad_matches_reference(gate):
+def test_cgad_matches_reference(gate, packed=False):
     """CGAD against the NumPy reference over 40 arrivals with τ in 0..9 (the cutoff case
     zeroes the ones from τ = 6 on: Adam then steps on its moments alone)."""
     _lib()
@@ -656,7 +675,8 @@ def test_cgad_matches_reference(gate):
     opt = ref.CGAD(**cfg).init(theta0(seed))
     theta = theta0(seed)
     th_scale = RunningScale("leaf", theta)
-    for t, (params, _state) in enumerate(run_library("cgad", cfg, theta0(seed), deltas, taus)):
+    for t, (params, _state) in enumerate(run_library("cgad", cfg, theta0(seed), deltas, taus,
+                                                     packed)):
         theta = opt.step(theta, deltas[t], taus[t])
         th_scale.check(to_np(params), theta, what=f"cgad step {t} theta")
     assert any(ref.age_gate(tau, gate["decay"], gate["cutoff"]) == 0 for tau in taus) == (
@@ -674,7 +694,8 @@ for _n, _cs in ((1, (0.0, 1.0)), (2, (0.25, 0.5)), (3, (0.0, 1.0 / 3.0)), (5, (0
 
 
 @pytest.mark.parametrize("buffer_size,c,num_workers,weighting", DN_CASES)
-def test_delayed_nesterov_matches_reference(buffer_size, c, num_workers, weighting):
+def test_delayed_nesterov_matches_reference(buffer_size, c, num_workers, weighting,
+                                            packed=False):
     lib = _lib()
     cfg = dict(learning_rate=0.3, momentum=0.9, buffer_size=buffer_size, c=c,
                num_workers=num_workers, weighting=weighting)
@@ -684,12 +705,21 @@ def test_delayed_nesterov_matches_reference(buffer_size, c, num_workers, weighti
     theta = theta0(seed)
     th_scale, m_scale = RunningScale("leaf", theta), RunningScale("leaf")
     for t, (params, state) in enumerate(
-            run_library("delayed_nesterov", cfg, theta0(seed), deltas, taus)):
+            run_library("delayed_nesterov", cfg, theta0(seed), deltas, taus, packed)):
         theta = opt.step(theta, deltas[t], taus[t])
         what = f"delayed_nesterov step {t}"
         assert isinstance(state, lib.DelayedNesterovState), type(state)
         th_scale.check(to_np(params), theta, what=what + " theta")
         m_scale.check(to_np(state.momentum), opt.m, what=what + " momentum")
+
+
+def test_packed_rules_match_reference():
+    """MLA, async Nesterov, Delayed Nesterov and CGAD with θ and the state packed as the server
+    packs them (one case each), against the reference at the same tolerances."""
+    test_mla_matches_reference(5, "polynomial", packed=True)
+    test_async_nesterov_matches_reference(4, "constant", packed=True)
+    test_delayed_nesterov_matches_reference(3, 1.0 / 3.0, 4, "polynomial", packed=True)
+    test_cgad_matches_reference(dict(decay=0.05, cutoff=6.0), packed=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -205,18 +205,23 @@ def test_compressed_streaming_rounds_on_device_groups_equal_the_simulated_runtim
   np.testing.assert_allclose(_eval_losses(devices), _eval_losses(simulated), rtol=2e-3)
 
 
-def test_compressed_fragments_on_the_devices_runtime_equal_the_simulated_runtime_bit_for_bit():
+@pytest.mark.parametrize("outer_layout", ["tree", "packed"])
+def test_compressed_fragments_on_the_devices_runtime_equal_the_simulated_runtime_bit_for_bit(
+    outer_layout):
   """One worker in this process (one device): the devices runtime's split compression
   (``compress.send`` on the worker's devices, ``receive`` of the message alone on the
   server's) and its fragment dispatches = the simulated runtime's one program (``transmit``),
-  bit for bit; the 8-device TinyGPT twin is ``-m slow`` (``slow_probe``)."""
+  bit for bit, with the server's θ as a tree or packed (docs/ALGORITHMS.md, "Packed outer
+  state"); the 8-device TinyGPT twin is ``-m slow`` (``slow_probe``)."""
   params = tiny.regression_params()
   options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
                  budget=hj.Budget(steps=40), streaming=hj.Streaming(fragments=2, overlap_steps=1),
                  compress=hj.compress.error_feedback(hj.compress.int8()))
   on_devices = hj.simulate(tiny.regression_loss, params, [tiny.regression_stream(0)],
-                           runtime=hj.devices_runtime(batch_size=8), **options)
-  simulated = hj.simulate(tiny.regression_loss, params, [tiny.regression_stream(0)], **options)
+                           runtime=hj.devices_runtime(batch_size=8, outer_layout=outer_layout),
+                           **options)
+  simulated = hj.simulate(tiny.regression_loss, params, [tiny.regression_stream(0)],
+                          runtime=hj.simulated_runtime(outer_layout=outer_layout), **options)
   assert on_devices.summary["outer_updates"] == simulated.summary["outer_updates"] == 20
   assert {r["fragment"] for r in on_devices.history if r["event"] == "arrival"} == {0, 1}
   for a, b in zip(jax.tree.leaves(on_devices.params), jax.tree.leaves(simulated.params)):

@@ -457,9 +457,11 @@ options = dict(method="heloco", inner_steps=4, budget=hj.Budget(steps=32, eval_e
                inner_tx=optax.adam(1e-2), eval_fn=cnn.cnn_eval, model_state=cnn.STATS,
                streaming=hj.Streaming(fragments=2))
 data = cnn.cnn_data(1)
-on_ray = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data, runtime=hj.ray_runtime(num_cpus=2),
-                     **options)
-simulated = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data, **options)
+# θ packed on the server actor (docs/ALGORITHMS.md, "Packed outer state"): conv kernels too
+on_ray = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data,
+                     runtime=hj.ray_runtime(num_cpus=2, outer_layout="packed"), **options)
+simulated = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data,
+                        runtime=hj.simulated_runtime(outer_layout="packed"), **options)
 def equal(a, b):
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 def rows(result):
@@ -478,7 +480,7 @@ print("RESULT", json.dumps({
 def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation():
   """A loss_fn with ``state`` and ``rng`` on Ray (the worker actor steps them, the driver merges
   the state): one worker equals the simulated runtime bit for bit, params, BatchNorm's
-  statistics and the rows' metrics, with θ in 2 fragments."""
+  statistics and the rows' metrics, with θ in 2 fragments, packed on the server actor."""
   tests = os.path.dirname(os.path.dirname(__file__))
   out = subprocess.run([sys.executable, "-c", MODEL_STATE_SCRIPT, tests], capture_output=True,
                        text=True, timeout=900, check=False)

@@ -158,3 +158,140 @@ def test_sub_states_are_found_once_not_searched_at_every_arrival(method, monkeyp
     row = srv.arrive(_tree(5 + i, 0.1), worker=0)
   assert calls == []  # ... but not walked at any later dispatch or arrival
   assert row["applied"] and ("cosine_mean" in row)
+
+
+# ------------------------------------------------ the packed layout (ALGORITHMS.md, "Packed outer state")
+
+
+def _layouts_side_by_side(tx, deltas, lookahead):
+  """(tree server, packed server, rows of each) after the same arrivals, single and grouped."""
+  servers = [server.OuterServer(tx, _tree(0), lookahead=lookahead, packed=packed)
+             for packed in (False, True)]
+  rows = [[], []]
+  for s, log in zip(servers, rows):
+    for i, delta in enumerate(deltas):
+      starts = [s.dispatch(0), s.dispatch(1)]
+      if i % 3 == 2:  # a grace group of two
+        log.extend(s.update([1, 2], delta, _tree(50 + i, 0.1), fetch=True))
+      else:
+        log.append(s.arrive(delta, 0))
+      log.append({"start": starts[0]})
+  return servers, rows
+
+
+@pytest.mark.parametrize("method", ["heloco", "mla", "async_nesterov", "delayed_nesterov"])
+def test_a_packed_server_is_the_tree_server_within_float32_rounding(method):
+  """θ, the outer state, the dispatch points and every row's diagnostics of a packed server
+  (θ and the state in one buffer, per-leaf sums as segment sums) within 1e-5 of the tree
+  server's, HeLoCo's branches equal; a non-finite Δ is rejected alike."""
+  spec = methods.METHODS[method]
+  tx = spec.make_outer(4, {})
+  deltas = [_tree(10 + i, 0.1) for i in range(8)]
+  deltas[1] = jax.tree.map(lambda x: -x, deltas[0])  # opposes the momentum: HeLoCo shrinks
+  deltas[4] = {"w": deltas[4]["w"].at[0, 0].set(jnp.nan), "b": deltas[4]["b"]}
+  (tree, packed), (tree_rows, packed_rows) = _layouts_side_by_side(
+      tx, deltas, spec.lookahead_dispatch(None))
+  assert packed.packed and not tree.packed
+  for a, b in zip(jax.tree.leaves(packed.get()), jax.tree.leaves(tree.get())):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert jax.tree.structure(packed.get()) == jax.tree.structure(tree.get())
+  assert len(tree_rows) == len(packed_rows)
+  for got, want in zip(packed_rows, tree_rows):
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+      if key == "start":
+        for a, b in zip(jax.tree.leaves(got[key]), jax.tree.leaves(value)):
+          np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+      elif isinstance(value, float):
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+      else:
+        assert got[key] == value, key
+  assert any(r.get("reason") == "nan" for r in packed_rows)
+  if method == "heloco":
+    assert any(r.get("branch_count/shrink", 0) > 0 for r in packed_rows)
+
+
+def test_a_packed_servers_checkpoint_is_the_trees_and_restores_into_either_layout():
+  """``get`` gives trees (a checkpoint does not know the layout); ``set`` packs them again, so
+  a run checkpointed in one layout resumes in the other, and a packed server restored from
+  its own checkpoint continues bit for bit."""
+  tx = hj.heloco(0.7, 0.9, num_workers=2)
+  deltas = [_tree(20 + i, 0.1) for i in range(6)]
+
+  def run(s, part):
+    for delta in part:
+      s.dispatch(0)
+      s.arrive(delta, 0)
+    return s
+  packed = run(server.OuterServer(tx, _tree(0), lookahead=True, packed=True), deltas[:3])
+  params, state = packed.get()
+  assert jax.tree.structure(state) == jax.tree.structure(tx.init(_tree(0)))
+  resumed = server.OuterServer(tx, _tree(0), lookahead=True, packed=True)
+  resumed.set(params, state)
+  as_tree = server.OuterServer(tx, _tree(0), lookahead=True)
+  as_tree.set(params, state)
+  run(packed, deltas[3:])
+  run(resumed, deltas[3:])
+  run(as_tree, deltas[3:])
+  for a, b, c in zip(*(jax.tree.leaves(s.get()) for s in (packed, resumed, as_tree))):
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-6)
+
+
+def test_packs_outer_packs_registry_rules_on_accelerators_and_refuses_what_it_cannot():
+  decide = lambda layout, **kw: server.packs_outer(
+      layout, **{"rule": True, "user_rule": False, "sharded": False, **kw})
+  assert decide("auto", platform="cpu") is False  # a CPU runs the tree as fast: bits kept
+  assert decide("auto", platform="gpu") is True
+  assert decide("auto", platform="tpu") is True
+  assert decide("auto", platform="gpu", user_rule=True) is False  # a chain may read leaves
+  assert decide("auto", platform="gpu", sharded=True) is False
+  assert decide("auto", platform="gpu", rule=False) is False  # DDP: no outer rule
+  assert decide("packed", platform="cpu", user_rule=True) is True
+  assert decide("tree", platform="gpu") is False
+  with pytest.raises(ValueError, match="outer_layout='packed' is not allowed with θ sharded"):
+    decide("packed", sharded=True)
+  with pytest.raises(ValueError, match=r"outer_layout='flat' is not allowed; allowed: one of "
+                                       r"\['auto', 'tree', 'packed'\]"):
+    decide("flat")
+  with pytest.raises(ValueError, match="packed=True is not allowed without an outer rule"):
+    server.OuterServer(None, _tree(0), packed=True)
+  with pytest.raises(ValueError, match=r"^outer_layout='Packed' is not allowed; allowed: one"):
+    hj.simulated_runtime(outer_layout="Packed")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("streaming", [None, hj.Streaming(fragments=2)], ids=["whole", "fragments"])
+def test_outer_layout_packed_runs_as_the_tree_and_resumes_bit_for_bit(tmp_path, monkeypatch,
+                                                                     streaming):
+  """``hj.simulated_runtime(outer_layout="packed")`` on CPU: the run ends within float32
+  rounding's drift of the tree run, and a run stopped after 9 outer updates and resumed by the same call
+  ends bit for bit as the uninterrupted packed run; a tree run's checkpoint resumes packed."""
+  batches = [[b for b, _ in zip(tiny.regression_stream(i), range(200))] for i in range(3)]
+  options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
+                 budget=hj.Budget(steps=120), speeds=[1.0, 2.0, 3.0], streaming=streaming)
+  run = lambda **more: hj.simulate(tiny.regression_loss, tiny.regression_params(), batches,
+                                   **{**options, **more})
+  packs = []
+  monkeypatch.setattr(server, "_pack", lambda tree, pack=server._pack: packs.append(1) or pack(tree))
+  as_tree = run()
+  assert not packs
+  packed = run(runtime=hj.simulated_runtime(outer_layout="packed"))
+  assert len(packs) == (streaming.fragments if streaming else 1)  # each server packed its θ
+  for a, b in zip(jax.tree.leaves(packed.params), jax.tree.leaves(as_tree.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # measured: ≤ 9e-8 apart
+  assert packed.history[-1]["train_loss"] == pytest.approx(as_tree.history[-1]["train_loss"],
+                                                           rel=1e-4)
+
+  def stop(row):
+    if row["event"] == "arrival" and row["outer_updates"] == 9:
+      raise KeyboardInterrupt
+  for first, then in (("packed", packed), ("tree", None)):
+    workdir = hj.Workdir(str(tmp_path / first), checkpoint_every=4)
+    with pytest.raises(KeyboardInterrupt):
+      run(runtime=hj.simulated_runtime(outer_layout=first), workdir=workdir, on_row=stop)
+    resumed = run(runtime=hj.simulated_runtime(outer_layout="packed"), workdir=workdir)
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(packed.params)):
+      if then is not None:
+        np.testing.assert_array_equal(a, b)
+      else:  # 9 updates in the tree's bits, the rest packed
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
