@@ -14,9 +14,10 @@ of its own (zero-padded to a whole row), so:
 * the padding stays zero through every such rule (0 in, 0 out).
 
 The sums add in another order than ``jnp.vdot`` per leaf, so packed and tree steps agree
-within float32 rounding, not bit for bit (tests/outer/test_packing.py states the
-tolerance). Rules that read a tree's structure (``optax.masked``, per-leaf trust ratios,
-factored second moments) must not be packed: the engine packs registry rules only.
+within float32 rounding, not bit for bit (tests/outer/test_outer_reference.py and
+tests/training/test_server.py state the tolerances). Rules that read a tree's structure
+(``optax.masked``, per-leaf trust ratios, factored second moments) must not be packed: the
+engine packs registry rules only.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import numpy as np
 BLOCK = 1024  # elements per row: a leaf wastes < one row; a row sum is one short reduction
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class PackedLayout:
-  """Where each leaf of a tree sits in the per-dtype buffers (static, hashed by identity:
-  ``layout_of`` returns one object per tree structure, shapes and dtypes).
+  """Where each leaf of a tree sits in the per-dtype buffers: static (a ``Packed``'s pytree
+  metadata), equal for trees of the same structure, shapes and dtypes.
 
   Attributes:
     treedef: the tree's structure.
@@ -73,7 +74,7 @@ class PackedLayout:
 @functools.lru_cache(maxsize=64)
 def layout_of(treedef: Any, shapes: tuple[tuple[int, ...], ...],
               dtypes: tuple[str, ...]) -> PackedLayout:
-  """The layout of a tree with these leaves (one object per argument triple)."""
+  """The layout of a tree with these leaves (cached: its ``row_leaf`` is built once)."""
   buffer_dtypes = tuple(dict.fromkeys(dtypes))
   buffer_of = tuple(buffer_dtypes.index(d) for d in dtypes)
   rows_used = [0] * len(buffer_dtypes)

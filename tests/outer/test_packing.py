@@ -43,8 +43,14 @@ def test_pack_then_unpack_is_the_tree_and_the_padding_is_zero():
   used = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(tree)
              if x.dtype == jnp.float32)
   assert float(jnp.sum(packed.buffers[0] != 0)) == used  # N(0, 1) values are never 0
-  # one layout object per tree structure, shapes and dtypes: jit caches hit
+  # equal layouts for the same structure, shapes and dtypes (jit caches hit), even once
+  # layout_of's cache has dropped the first object
   assert packing.pack(_tree(1)).layout is layout
+  packing.layout_of.cache_clear()
+  again = packing.pack(_tree(1))
+  assert again.layout is not layout and again.layout == layout
+  assert jax.tree.structure(again) == jax.tree.structure(packed)
+  assert packing.pack({"other": jnp.zeros(3)}).layout != layout
 
 
 def test_leaf_sums_are_numpys_per_leaf_dot_products():
