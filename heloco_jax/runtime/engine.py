@@ -92,7 +92,7 @@ class Engine:
     on_row: ``run``'s default row callback.
     handle_signals: ``run`` stops at the next outer update on SIGTERM and Ctrl-C.
     packed_outer: the server holds θ and the outer state packed (``OuterServer``'s
-      ``packed``; ``server.packs_outer`` decides it from ``make_engine``'s ``outer_layout``).
+      ``packed``; ``server.packs_outer`` decides it from the runtime factory's ``outer_layout``).
   """
 
   def __init__(self, spec: RunSpec, runtime: base.Runtime, params: Any,
