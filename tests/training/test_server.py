@@ -260,7 +260,11 @@ def test_packs_outer_packs_registry_rules_on_accelerators_and_refuses_what_it_ca
     hj.simulated_runtime(outer_layout="Packed")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("streaming", [None, hj.Streaming(fragments=2)], ids=["whole", "fragments"])
+# With fragments (17 s) under -m slow: the default suite stays under 15 minutes, and
+# tests/runtime/test_devices.py runs fragments packed there.
+@pytest.mark.parametrize("streaming", [
+    pytest.param(None, id="whole"),
+    pytest.param(hj.Streaming(fragments=2), id="fragments", marks=pytest.mark.slow)])
 def test_outer_layout_packed_runs_as_the_tree_and_resumes_bit_for_bit(tmp_path, monkeypatch,
                                                                      streaming):
   """``hj.simulated_runtime(outer_layout="packed")`` on CPU: the run ends within float32
