@@ -1,6 +1,6 @@
 """Time one compiled outer update of heloco, mla and async_nesterov, and of heloco and mla
 with the server's packed layout (``OuterServer(packed=True)``: θ and the state in one
-buffer per dtype, Δ packed inside the step; docs/ALGORITHMS.md "Packed outer state").
+buffer per dtype, each Δ packed, then the step; docs/ALGORITHMS.md "Packed outer state").
 
 The pytree is shaped like TinyGPT (d_model 128, 8 layers, context 128,
 untied head) with vocabulary 50257 (~14.5M parameters) and 256. Each rule
@@ -61,9 +61,12 @@ def time_rules(vocab: int, repeats: int, num_workers: int = 5) -> dict[str, floa
       "delayed_nesterov": hj.delayed_nesterov(0.07, num_workers=num_workers),
   }
   packed = {"heloco_packed": rules["heloco"], "mla_packed": rules["mla"]}
+  pack = jax.jit(packing.pack)  # a packed server packs each Δ once, then steps
   steps, states, current = {}, {}, {}
   for name, tx in {**rules, **packed}.items():
-    steps[name] = server.jit_outer_step(tx, packed=name in packed)
+    step = server.jit_outer_step(tx)
+    steps[name] = ((lambda p, s, d, t, step=step: step(p, s, pack(d), t)) if name in packed
+                   else step)
     current[name] = packing.pack(params) if name in packed else jax.tree.map(jnp.copy, params)
     states[name] = tx.init(current[name])
     for i in range(3):  # compile and warm up; momentum becomes non-zero

@@ -277,14 +277,13 @@ def correction_coefficients(
     ``(A, B, info)``: A and B are float32 vectors with one entry per leaf
     (``jax.tree.leaves`` order); ``info`` the diagnostics.
   """
-  num_leaves = packing.parts(pseudo_grads).num_leaves
+  delta = packing.parts(pseudo_grads)
+  num_leaves = delta.num_leaves
   if isinstance(pseudo_grads, packing.Packed):  # row sums, then a segment sum per leaf
     leaf_sums = packing.leaf_sums(pseudo_grads, momentum, at_least_float32)
   else:
-    leaves, treedef = jax.tree.flatten(pseudo_grads)
-    m_leaves = treedef.flatten_up_to(momentum)
-    leaf_sums = (jnp.stack([_leaf_sums(x, m) for x, m in zip(leaves, m_leaves)])
-                 if leaves else jnp.zeros((0, 3), jnp.float32))
+    leaf_sums = (jnp.stack([_leaf_sums(x, m) for x, m in zip(delta.arrays, delta.like(momentum))])
+                 if delta.arrays else jnp.zeros((0, 3), jnp.float32))
   sums = leaf_sums * jnp.stack([input_scale, input_scale ** 2, 1.0]).astype(leaf_sums.dtype)
   if scope == "tree":
     sums = jnp.sum(sums, axis=0, keepdims=True)

@@ -273,7 +273,8 @@ class Engine:
 
   def template(self, meta: dict[str, Any]) -> dict[str, Any]:
     """The abstract arrays of a ``snapshot()`` with this ``meta`` (for restoring)."""
-    worker = jax.eval_shape(self._run.executor.inner.start, self.params,
+    params = self.params  # once: a packed server unpacks θ at every read
+    worker = jax.eval_shape(self._run.executor.inner.start, params,
                             self._run.model_states.seed_state(0)
                             if self._run.model_states.active else None)
     k = self.spec.num_workers
@@ -281,25 +282,25 @@ class Engine:
     workers = {None: None, "ddp": worker, "rounds": stacked,
                "async": [None if w in meta.get("unstarted", ()) else worker
                          for w in range(k)]}[meta["phase"]]
-    template = {"params": self.params, "outer_state": self.outer_state,
+    template = {"params": params, "outer_state": self.outer_state,
                 "key": jax.random.key_data(self._run.key), "workers": workers,
-                "pending": [self.params] * len(meta["jobs"])}
+                "pending": [params] * len(meta["jobs"])}
     if self.spec.streaming and meta["phase"] == "async":  # each job's Δ: one fragment's
       syncs = meta.get("streaming", meta)["syncs"]  # (a flat meta: written before entries)
-      template["pending"] = [self._run.fragments.take(self.params,
+      template["pending"] = [self._run.fragments.take(params,
                                                       syncs[entry[0]] % self.spec.fragments)
                              for entry in meta["jobs"]]
     run = self._run
     if run.uplink.compressor is not None and meta["phase"] in ("rounds", "async"):
-      states = [jax.eval_shape(run.uplink.compressor.init, run.fragments.take(self.params, p))
+      states = [jax.eval_shape(run.uplink.compressor.init, run.fragments.take(params, p))
                 for p in range(run.fragments.num)]
       template["compression"] = (
           [jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), state)
            for state in states] if meta["phase"] == "rounds" else [states] * k)
     if self.spec.streaming and meta["phase"] == "async":
-      template["anchors"] = [self.params] * k
+      template["anchors"] = [params] * k
     if run.downlink is not None and meta["phase"] == "async" and not self.spec.streaming:
-      template["downlink"] = [self.params] * k
+      template["downlink"] = [params] * k
     if run.model_states.merged is not None:
       template["model_state"] = run.model_states.merged
     if self.layout is None:

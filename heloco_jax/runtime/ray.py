@@ -130,14 +130,14 @@ class ServerActor(server_lib.OuterServer):
     if pickled is None:
       self._held[worker] = point
       return sharding.to_host(point)
-    link = self._downlinks(pickled, self.params)
+    link = self._downlinks(pickled, self._like)
     payload = link.message(point, self._held[worker])
     self._held[worker] = link.apply(self._held[worker], payload)
     return jax.device_get(payload)
 
   def _receive(self, pickled: bytes) -> Callable[[compress.Message], Any]:
     if self._receiving[0] != pickled:
-      like = jax.eval_shape(lambda tree: tree, self.params)
+      like = self._like
       self._receiving = (pickled, jax.jit(functools.partial(
           compress.receive, _unpickled(pickled), like=like)))
     return self._receiving[1]

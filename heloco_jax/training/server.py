@@ -42,10 +42,10 @@ Row = dict[str, Any]
 
 @jax.jit
 def alignment(delta: Any, momentum: Any) -> jax.Array:
-  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0. With the
-  momentum packed (``packing.Packed``), from the segment sums of Δ packed alike."""
+  """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0. Δ and m
+  packed (``packing.Packed``): from their segment sums."""
   if isinstance(momentum, packing.Packed):
-    sums = packing.leaf_sums(packing.pack(delta), momentum, lambda d: d.astype(jnp.float32))
+    sums = packing.leaf_sums(delta, momentum, lambda d: d.astype(jnp.float32))
     norms = jnp.sqrt(sums[:, 1]) * jnp.sqrt(sums[:, 2])
     return jnp.mean(jnp.where(norms > 0, sums[:, 0] / jnp.where(norms > 0, norms, 1.0), 0.0))
   cosines = []
@@ -104,15 +104,12 @@ def _identity(tree: Any) -> Any:
 
 
 def jit_outer_step(tx: optax.GradientTransformationExtraArgs,
-                   constrain: Callable[[Any], Any] = _identity,
-                   packed: bool = False) -> Callable[..., Any]:
-  """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated;
-  ``constrain`` pins the outputs' layout (``heloco_jax.training.sharding.Layout.constrain``);
-  ``packed``: θ and the state are packed (``packing.Packed``) and Δ, a tree, is packed here."""
+                   constrain: Callable[[Any], Any] = _identity) -> Callable[..., Any]:
+  """``(θ, state, Δ, τ) -> (θ', state')``: one update of ``tx``, jitted, θ and state donated
+  (trees, or all three packed: ``packing.Packed``); ``constrain`` pins the outputs' layout
+  (``heloco_jax.training.sharding.Layout.constrain``)."""
   tx = optax.with_extra_args_support(tx)
   def step(params, state, delta, staleness):
-    if packed:
-      delta = packing.pack(delta)
     updates, state = tx.update(delta, state, params, staleness=staleness)
     return constrain((optax.apply_updates(params, updates), state))
   return jax.jit(step, donate_argnums=(0, 1))
@@ -129,7 +126,8 @@ def packs_outer(outer_layout: OuterLayout, *, rule: bool, user_rule: bool, shard
   "auto" packs a registry rule (``user_rule`` False; a user's chain may read the tree's
   structure: ``optax.masked``, per-leaf norms) on an accelerator (``platform``: the
   default backend's), where an outer step over a tree of many leaves is launch-bound; on
-  a CPU the tree is as fast (docs/BENCHMARKS.md) and keeps today's bits. Never with θ
+  a CPU packing Δ costs more than it saves on large trees (docs/BENCHMARKS.md), and the
+  tree keeps today's bits. Never with θ
   sharded (packing would gather θ) or without an outer rule (DDP).
 
   Raises:
@@ -206,7 +204,7 @@ class OuterServer:
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
     # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
     self._arrival_weight = weighting_lib.arrival_weighting(self._state)
-    self._step = jit_outer_step(outer_tx, constrain, packed) if outer_tx is not None else None
+    self._step = jit_outer_step(outer_tx, constrain) if outer_tx is not None else None
     self._heloco_state = _getter(self._state, (outer.HeLoCoState,), "heloco_diagnostics")
     self._momentum_state = None if self._heloco_state is not None else _getter(
         self._state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")
@@ -254,7 +252,11 @@ class OuterServer:
     return self.params if self.packed else _copy(self._params)
 
   def apply(self, delta: Any, staleness: int) -> None:
-    """One outer update with pseudo-gradient ``delta`` of staleness τ."""
+    """One outer update with pseudo-gradient ``delta`` (a tree like θ) of staleness τ."""
+    self._apply(_pack(delta) if self.packed else delta, staleness)
+
+  def _apply(self, delta: Any, staleness: int) -> None:
+    """``apply`` of a Δ already in the server's layout (packed when ``packed``)."""
     self._params, self._state = self._step(self._params, self._state, delta,
                                            jnp.int32(staleness))
 
@@ -284,16 +286,18 @@ class OuterServer:
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
     if not applied:
       return results
+    if self.packed:  # once: the cosine check, a group's mean and the step read the buffers
+      deltas = tuple(_pack(d) if i in applied else d for i, d in enumerate(deltas))
     if self._momentum_state is not None:  # HeLoCo logs its own cosines, per block
       momentum = lookahead_lib.momentum_of(self._momentum_state(self._state))
       for i in applied:
         results[i]["cosine_mean"] = alignment(deltas[i], momentum)
     taus_applied = [taus[i] for i in applied]
     if len(applied) == 1:
-      self.apply(deltas[applied[0]], taus_applied[0])
+      self._apply(deltas[applied[0]], taus_applied[0])
     else:
       omegas = [1.0 if weights is None else weights[i] for i in applied]
-      self.apply(self._combine([deltas[i] for i in applied], taus_applied, omegas),
+      self._apply(self._combine([deltas[i] for i in applied], taus_applied, omegas),
                  max(taus_applied))
     self.version += 1
     if self._heloco_state is not None:

@@ -336,18 +336,15 @@ def _jitted(kind, cfg_key):
 
 
 def run_library(kind, cfg, theta_init, deltas, taus, packed=False):
-    """Yield (params, state) after each arrival; ``packed``: as the server runs a packed layout
-    (θ and the state in one buffer, Δ packed in the step), yielded unpacked."""
+    """Yield (params, state) after each arrival; ``packed``: as a packed server runs the rule
+    (θ, the state and Δ each in one buffer), yielded unpacked."""
     from heloco_jax.outer import packing  # pylint: disable=g-import-not-at-top
-    from heloco_jax.training import server  # pylint: disable=g-import-not-at-top
-    tx, init, step = _jitted(kind, _key(cfg))
-    params = to_jax(theta_init)
-    if packed:
-        step = server.jit_outer_step(tx, packed=True)
-        params = packing.pack(params)
+    _tx, init, step = _jitted(kind, _key(cfg))
+    layout = packing.pack if packed else (lambda tree: tree)
+    params = layout(to_jax(theta_init))
     state = init(params)
     for delta, tau in zip(deltas, taus):
-        params, state = step(params, state, to_jax(delta), jnp.asarray(tau, jnp.int32))
+        params, state = step(params, state, layout(to_jax(delta)), jnp.asarray(tau, jnp.int32))
         yield (packing.unpack(params), packing.unpack_all(state)) if packed else (params, state)
 
 
