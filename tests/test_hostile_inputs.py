@@ -105,10 +105,6 @@ def test_the_cli_prints_the_stop_reason_instead_of_done(tmp_path, capsys):
       "--config.compression.download=true"],
      "config.compression.download=True is not allowed; allowed: False with method='diloco'; "
      "compressed downloads run the asynchronous methods"),
-    (["--config.runtime=ray", "--config.compression.kind=int8", "--config.streaming.fragments=2",
-      "--config.compression.download=true"],
-     "config.compression.download=True is not allowed; allowed: False with "
-     "streaming.fragments=2 on runtime='ray'"),
     (["--config.chaos.rate=1", "--config.chaos.downtime=1e-300"],
      "config.chaos.downtime=1e-300 is not allowed"),
     (["--config.method=cgad", "--config.outer.age_decay=4e38"], "decay=4e+38 is not allowed"),

@@ -56,6 +56,7 @@ class Downlink:
   def __init__(self, compressor: compress_lib.Compressor, params: Any,
                fragments: Optional[fragments_lib.Fragments] = None):
     self.compressor = compressor
+    self.fragments = fragments
     self.message_bytes = compress_lib.payload_nbytes(compressor, params)
     self.model_bytes = compress_lib.payload_nbytes(None, params)
     self.fragment_bytes = ([self.message_bytes] if fragments is None or fragments.num == 1 else
@@ -71,6 +72,33 @@ class Downlink:
     del worker  # one x̂ per worker, kept by ``DownlinkState``
     point = point_of()
     return point if held is None else self.apply(held, self.message(point, held))
+
+  # With fragments (``runtime.streaming.dispatch_fragment``): a worker's x̂ of fragment p is
+  # its anchor of p, so its anchors (θ as it last received each fragment) are its x̂.
+
+  def whole(self, worker: int, server: Any) -> Any:
+    """``worker``'s anchors when it receives θ as a whole (``server``: the run's
+    ``FragmentServers``): the dispatch point, sent whole."""
+    del worker
+    return server.dispatch_point()
+
+  def fragment(self, worker: int, server: Any, anchors: Any, p: int) -> tuple[Any, Any]:
+    """``worker``'s anchors after it receives fragment ``p`` compressed, and that fragment:
+    x̂ + D(C(θ_p − x̂)) with x̂ its anchor of p."""
+    del worker
+    fragments = self._split()
+    held = fragments.take(anchors, p)
+    arrived = self.apply(held, self.message(server.fragment_point(p), held))
+    return fragments.put(anchors, arrived, p), arrived
+
+  def anchor(self, anchors: Any, p: int) -> Any:
+    """Fragment ``p`` of ``anchors`` (where the worker's Δ of p starts)."""
+    return self._split().take(anchors, p)
+
+  def _split(self) -> fragments_lib.Fragments:
+    if self.fragments is None:
+      raise ValueError("Downlink: fragment downloads need θ's split (fragments=...)")
+    return self.fragments
 
 
 @dataclasses.dataclass

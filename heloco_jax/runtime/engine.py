@@ -253,8 +253,9 @@ class Engine:
       arrays.update(state_lib.arrays_of(feature))  # earlier checkpoints stay readable
     if "compression" in arrays:  # Ray: a worker's state may be a handle, in flight
       arrays["compression"] = [fetch(states, "compression") for states in arrays["compression"]]
-    if "downlink" in arrays:  # Ray: a worker's x̂ is its dispatch's
-      arrays["downlink"] = fetch(arrays["downlink"], "held")
+    for name in ("downlink", "anchors"):  # Ray: a worker's x̂ (its anchors) is its dispatch's
+      if name in arrays:
+        arrays[name] = fetch(arrays[name], "held")
     if run.model_states.merged is not None:  # the key only then, as for the features'
       arrays["model_state"] = run.model_states.merged
     meta = state_lib.entry_of(s)

@@ -34,8 +34,6 @@ class RuntimeFactory:
     simulated_clock: whether the runtime's time is simulated.
     synchronies: the method synchronies it can run (``base.SYNCHRONIES``).
     multiprocess: it can span processes (``jax.distributed``).
-    compresses_fragment_downloads: with fragments, θ's downloads can be compressed
-      (``hj.Compression(down=...)``; θ whole, every runtime can).
     worker_devices: ``K -> the devices one worker's θ spans`` (what a model
       sharded for this runtime is split over: ``sharding.put_fsdp``).
     outer_layout: how the server holds θ and the outer state (``simulated_runtime``'s).
@@ -44,7 +42,6 @@ class RuntimeFactory:
   simulated_clock: bool
   synchronies: frozenset[str] = base.SYNCHRONIES
   multiprocess: bool = False
-  compresses_fragment_downloads: bool = True
   worker_devices: Callable[[int], Sequence[Any]] = lambda k: jax.local_devices()
   outer_layout: server_lib.OuterLayout = "auto"
 
@@ -130,5 +127,4 @@ def ray_runtime(outer_layout: server_lib.OuterLayout = "auto", **options: Any
                         ray.ray_arrivals)
   # A sharded θ's mesh: this process's devices; each actor rebuilds it on as many of its own.
   return RuntimeFactory(build, simulated_clock=False, synchronies=ray.RayExecutor.synchronies,
-                        compresses_fragment_downloads=False,  # the driver sends fragments
                         outer_layout=outer_layout)

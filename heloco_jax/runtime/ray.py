@@ -22,7 +22,9 @@ things live changes:
     an object ref on the worker's node until its next dispatch or a checkpoint;
   * fragments (``hj.Streaming``): one server actor per fragment; a worker actor
     runs a fragment dispatch whole (``streaming.FragmentSteps``: the arrived
-    fragment's merge included); the engine keeps each worker's anchors;
+    fragment's merge included); the engine keeps each worker's anchors, except
+    with compressed downloads, where the worker actor keeps them (its x̂) and the
+    fragment's server actor sends the message alone;
   * a model state (``loss_fn`` with ``state``/``rng``): a dispatch carries the
     server's copy and the worker actor steps it and the worker's keys; only the
     end state's model state comes back to the engine, which merges it;
@@ -135,6 +137,11 @@ class ServerActor(server_lib.OuterServer):
     self._held[worker] = link.apply(self._held[worker], payload)
     return jax.device_get(payload)
 
+  def hold(self, worker: int, held: Any) -> None:
+    """Worker ``worker``'s x̂ restored from a checkpoint (with fragments: its anchor of this
+    actor's fragment), for its next ``download``."""
+    self._held[worker] = self._place(held)
+
   def _receive(self, pickled: bytes) -> Callable[[compress.Message], Any]:
     if self._receiving[0] != pickled:
       like = self._like
@@ -219,7 +226,9 @@ class WorkerActor:
     message it starts from at x̂ + D(m) (``ServerActor.download``); the seventh is that start,
     the worker's next x̂."""
     key = jax.random.wrap_key_data(key_data)
-    if download is not None and held is not None:  # ALGORITHMS.md, "Compressed downloads"
+    if download is not None and fragment is not None:  # the worker keeps its anchors (x̂)
+      fragment, held = self._received(fragment, start, download, held)
+    elif download is not None and held is not None:  # ALGORITHMS.md, "Compressed downloads"
       start = self._downlinks(download, held).apply(held, start)
     if model_state is not None and previous is not None:
       previous = previous._replace(model_state=model_state)
@@ -247,8 +256,27 @@ class WorkerActor:
       delta, compression = jax.device_get(self._sending[1](delta, compression))
     else:
       delta, compression = to_host(delta), None
+    held = held if fragment is not None else start  # the worker's next x̂
     return (to_host(state), delta, jax.device_get(loss), os.getpid(), compression,
-            to_host(state.model_state), None if download is None else jax.device_get(start))
+            to_host(state.model_state), None if download is None else jax.device_get(held))
+
+  def _received(self, plan: streaming.FragmentSteps, message: Any, pickled: bytes,
+                anchors: Any) -> tuple[streaming.FragmentSteps, Any]:
+    """A fragment dispatch's plan with what the worker received compressed: θ whole (its
+    anchors, ``anchors`` None: ``message`` is θ) or fragment ``plan.received`` at its anchor
+    + D(``message``) (``Downlink.fragment``), and the anchor of the fragment it sends."""
+    fragments = plan.fragments
+    if anchors is None:
+      anchors = message
+      plan = dataclasses.replace(plan, start=message)
+    else:
+      p = plan.received
+      assert p is not None
+      held = fragments.take(anchors, p)
+      arrived = self._downlinks(pickled, held).apply(held, message)
+      anchors = fragments.put(anchors, arrived, p)
+      plan = dataclasses.replace(plan, arrived=arrived)
+    return dataclasses.replace(plan, anchor=fragments.take(anchors, plan.sent)), anchors
 
 
 class RayServer:
@@ -339,11 +367,12 @@ class Dispatch:
 
 @dataclasses.dataclass
 class Download:
-  """A compressed download (``RayDownlink.start``): ``message``, a ref of θ whole or of the
-  message m; ``held``, the x̂ the worker builds its start from (None: θ whole; the previous
-  ``Download``, whose dispatch returned it; or its value, restored from a checkpoint);
-  ``pickled``, the compressor; ``dispatch``, the dispatch it starts, whose seventh result is
-  the worker's next x̂."""
+  """A compressed download (``RayDownlink.start``, ``.whole``, ``.fragment``): ``message``, a
+  ref of θ whole or of the message m (with fragments, θ whole is values); ``held``, the x̂
+  the worker builds its start from (None: θ whole; the previous ``Download``, whose dispatch
+  returned it; or its value, restored from a checkpoint); ``pickled``, the compressor;
+  ``dispatch``, the dispatch it starts, whose seventh result is the worker's next x̂ (with
+  fragments: its anchors)."""
   message: Any
   held: Any
   pickled: bytes
@@ -362,9 +391,9 @@ class RayDownlink(downlink_lib.Downlink):
     pickled: ``compressor``, pickled for the actors.
   """
 
-  def __init__(self, compressor: compress.Compressor, params: Any, server: "RayServer",
-               pickled: bytes):
-    super().__init__(compressor, params)
+  def __init__(self, compressor: compress.Compressor, params: Any, server: Any,
+               pickled: bytes, fragments: Any = None):
+    super().__init__(compressor, params, fragments)
     self._server, self._pickled = server, pickled
 
   def start(self, worker: int, point_of: Callable[[], Any], held: Any) -> Download:
@@ -375,6 +404,27 @@ class RayDownlink(downlink_lib.Downlink):
     return Download(self._server.actor.download.remote(
         worker, None if held is None else self._pickled, held if restored else None), held,
         self._pickled)
+
+  # With fragments each fragment's server actor keeps its x̂ per worker (the worker's anchor
+  # of it), and the worker actor keeps the anchors (``WorkerActor._received``).
+
+  def whole(self, worker: int, server: Any) -> Download:
+    fragments = self._split()
+    points = import_ray().get([server.fragment(p).actor.download.remote(worker, None)
+                               for p in range(fragments.num)])
+    return Download(fragments.merge(points), None, self._pickled)
+
+  def fragment(self, worker: int, server: Any, anchors: Any, p: int) -> tuple[Any, Any]:
+    if not isinstance(anchors, Download):  # from a checkpoint: to the worker and every actor
+      fragments, anchors = self._split(), sharding.to_host(anchors)
+      for q in range(fragments.num):
+        server.fragment(q).actor.hold.remote(worker, fragments.take(anchors, q))
+    download = Download(server.fragment(p).actor.download.remote(worker, self._pickled),
+                        anchors, self._pickled)
+    return download, download
+
+  def anchor(self, anchors: Any, p: int) -> None:
+    del anchors, p  # the worker actor takes it from the anchors it keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,14 +590,9 @@ class RayExecutor(base.OneProcess):
   def compresses_downloads(self) -> bool:  # (with θ sharded, each actor would rebuild x̂'s mesh)
     return self.layout is None
 
-  def make_downlink(self, compressor: compress.Compressor, params: Any, server: RayServer,
+  def make_downlink(self, compressor: compress.Compressor, params: Any, server: Any,
                     fragments: Any) -> RayDownlink:
-    if fragments.num > 1:  # the driver sends each fragment (it keeps the anchors): no saving
-      raise ValueError("compress=hj.Compression(down=...) is not allowed with fragments on "
-                       "Ray (the driver sends each fragment whole); allowed: θ whole "
-                       "(fragments=1) on Ray, or fragments on the simulated and devices "
-                       "runtimes")
-    return RayDownlink(compressor, params, server, self._pickled(compressor))
+    return RayDownlink(compressor, params, server, self._pickled(compressor), fragments)
 
   def watch(self, clock: Callable[[], float], emit: Callable[[dict], None]) -> None:
     """Where restart and re-send rows go, with the run's clock (set by the arrival queue)."""
@@ -584,8 +629,13 @@ class RayExecutor(base.OneProcess):
 
   def run_fragment(self, worker, previous, steps, batches, key):
     """A fragment dispatch (``streaming.FragmentSteps``, its arrays on the host): the worker's
-    actor runs all of it, the arrived fragment's merge included."""
-    dispatch, _, _ = self.run_worker(worker, previous, None, batches, key)
+    actor runs all of it, the arrived fragment's merge included. Downloads compressed
+    (``steps.start`` or ``steps.arrived`` a ``Download``): the actor builds them from the
+    anchors it keeps."""
+    download = next((x for x in (steps.start, steps.arrived) if isinstance(x, Download)), None)
+    if download is not None:
+      steps = dataclasses.replace(steps, start=None, arrived=None)
+    dispatch, _, _ = self.run_worker(worker, previous, download, batches, key)
     dispatch.options["fragment"] = jax.device_get(steps)
     return dispatch, dispatch, dispatch
 
@@ -708,7 +758,8 @@ class RayExecutor(base.OneProcess):
     if download.dispatch is not None:
       return self.fetch(download.dispatch, "held")
     if download.held is None:  # θ whole
-      return self._ray.get(download.message)
+      message = download.message
+      return self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
     return self._held(download.held)
 
   def fresh_moments(self, state: Any) -> Any:

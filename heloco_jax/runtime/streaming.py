@@ -56,26 +56,29 @@ def dispatch_fragment(run: Run, worker: int, now: float) -> Job:
   "Fragments"). It first receives the fragment it sent last (its server's dispatch point;
   all of θ at a first dispatch), which replaces (α = 1) or blends into its own after τ
   steps; the Δ of fragment p is its anchor (p as last received) − the end's p."""
-  f, spec, fragments = run.features.streaming, run.spec, run.fragments
+  f, spec, fragments, link = run.features.streaming, run.spec, run.fragments, run.downlink
   steps = spec.inner_steps // spec.fragments
   last = f.syncs[worker]
   if last == 0:  # θ as a whole: a first dispatch, or after a rejection
-    start = run.server.dispatch_point()
+    start = run.server.dispatch_point() if link is None else link.whole(worker, run.server)
     f.anchors[worker], f.received[worker] = start, list(f.fragment_versions)
     received, arrived = None, None
   else:
     received = last % spec.fragments
-    arrived = run.server.fragment_point(received)
-    if run.downlink is not None:  # ALGORITHMS.md, "Compressed downloads": x̂ is the anchor
-      held = fragments.take(f.anchors[worker], received)
-      arrived = run.downlink.apply(held, run.downlink.message(arrived, held))
-    f.anchors[worker] = fragments.put(f.anchors[worker], arrived, received)
+    if link is None:
+      arrived = run.server.fragment_point(received)
+      f.anchors[worker] = fragments.put(f.anchors[worker], arrived, received)
+    else:  # ALGORITHMS.md, "Compressed downloads": x̂ is the anchor
+      f.anchors[worker], arrived = link.fragment(worker, run.server, f.anchors[worker],
+                                                 received)
     f.received[worker][received] = f.fragment_versions[received]
     start = None
   f.syncs[worker] = last + 1
   sent = f.syncs[worker] % spec.fragments
+  anchor = (fragments.take(f.anchors[worker], sent) if link is None else
+            link.anchor(f.anchors[worker], sent))
   plan = FragmentSteps(fragments, spec.fragment_alpha, spec.overlap_steps, start, arrived,
-                       received, fragments.take(f.anchors[worker], sent), sent)
+                       received, anchor, sent)
   # The server's model state comes with every fragment (DESIGN.md, "Model state and randomness").
   previous = run.model_states.for_dispatch(worker, run.state.workers[worker])
   work = functools.partial(run.executor.run_fragment, worker, previous, plan,

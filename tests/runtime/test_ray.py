@@ -493,32 +493,46 @@ def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation()
   assert on_ray == simulated and len(on_ray) == 16  # 32 steps, a sync every 2
 
 
-# Issue 58: compressed downloads on Ray. One worker, HeLoCo with int8 both ways, on Ray and on
-# the simulated runtime; every download the server actor sends is recorded (this script's
-# wrapper of RayDownlink.start). A Ray run stopped after 5 arrivals (checkpoints every 2) and
-# resumed equals it too: x̂ comes back from the worker's dispatch and goes to both actors.
+# Issue 58: compressed downloads on Ray, θ whole or in 2 fragments (sys.argv[1]). One worker,
+# HeLoCo with int8 both ways, on Ray and on the simulated runtime; every download is recorded
+# (this script's wrappers of RayDownlink's start, whole and fragment). A Ray run stopped after
+# 5 arrivals (checkpoints every 2) and resumed equals it too: x̂ (with fragments, the anchors)
+# comes back from the worker's dispatch and goes to the worker and the server actors.
 DOWNLOAD_SCRIPT = """
-import itertools, json
+import itertools, json, sys
 """ + COMPRESSED_PROBLEM + """downloads = []
-start = ray_runtime.RayDownlink.start
+Link = ray_runtime.RayDownlink
+start, whole, fragment = Link.start, Link.whole, Link.fragment
 def recording(self, worker, point_of, held):
   download = start(self, worker, point_of, held)
   downloads.append((held is None, download.message))
   return download
-ray_runtime.RayDownlink.start = recording
+def recording_whole(self, worker, server):
+  download = whole(self, worker, server)
+  downloads.append((True, download.message))  # values: the driver sends θ whole
+  return download
+def recording_fragment(self, worker, server, anchors, p):
+  download, arrived = fragment(self, worker, server, anchors, p)
+  downloads.append((False, download.message))
+  return download, arrived
+Link.start, Link.whole, Link.fragment = recording, recording_whole, recording_fragment
 sizes = []
 close = ray_runtime.RayExecutor.close
 def measuring(self):  # before Ray shuts down: the objects' sizes
-  sizes.extend([whole, int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(ray.get(ref)))),
-                ray.experimental.get_object_locations([ref])[ref].get("object_size")]
-               for whole, ref in downloads)
+  for whole, message in downloads:
+    ref = message if isinstance(message, ray.ObjectRef) else None
+    value = message if ref is None else ray.get(ref)
+    sizes.append([whole, int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(value))),
+                  ref and ray.experimental.get_object_locations([ref])[ref].get("object_size")])
   downloads.clear()
   close(self)
 ray_runtime.RayExecutor.close = measuring
 int8 = hj.compress.int8()
+fragments = int(sys.argv[1])
 options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
                budget=hj.Budget(steps=40),
-               compress=hj.Compression(up=hj.compress.error_feedback(int8), down=int8))
+               compress=hj.Compression(up=hj.compress.error_feedback(int8), down=int8),
+               streaming=hj.Streaming(fragments=fragments, overlap_steps=fragments - 1))
 batches = list(itertools.islice(stream(), 100))
 on_ray = hj.simulate(loss, params, [batches], runtime=hj.ray_runtime(num_cpus=2), **options)
 simulated = hj.simulate(loss, params, [batches], **options)
@@ -536,26 +550,30 @@ print("RESULT", json.dumps({
 
 
 @needs_ray
-@pytest.mark.slow  # Ray runs, ~60 s: the default suite stays under 15 minutes
-def test_compressed_downloads_cross_rays_object_store_as_their_message_and_equal_the_simulation():
+@pytest.mark.slow  # Ray runs, ~60 s each: the default suite stays under 15 minutes
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_compressed_downloads_cross_rays_object_store_as_their_message_and_equal_the_simulation(
+    fragments):
   """Issue 58: with one worker, int8 downloads (and int8 + error feedback uploads) on Ray equal
-  the simulated runtime bit for bit, and so does a Ray run resumed from a checkpoint; after
-  the first dispatch (θ whole) each download reaches the worker actor as the message alone:
-  its arrays hold the arrival row's ``bytes_down``, about a quarter of float32's, and Ray
+  the simulated runtime bit for bit, θ whole or in 2 fragments (the worker actor keeps its
+  anchors), and so does a Ray run resumed from a checkpoint; after the first dispatch (θ
+  whole) each download reaches the worker actor as the message alone: its arrays hold the
+  arrival row's ``bytes_down``, about a quarter of float32's (of its fragment's), and Ray
   stores it as one object of about that size."""
-  out = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT], capture_output=True, text=True,
-                       timeout=900, check=False)
+  out = subprocess.run([sys.executable, "-c", DOWNLOAD_SCRIPT, str(fragments)],
+                       capture_output=True, text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(next(line for line in out.stdout.splitlines()
                            if line.startswith("RESULT "))[7:])
   assert result["equal"] and result["resumed_equal"] and result["plain_differs"]
   on_ray, simulated = result["bytes_down"]
-  assert on_ray == simulated and len(on_ray) == 10
-  assert on_ray[0] == result["float32"] and set(on_ray[1:]) == {on_ray[1]}
-  assert on_ray[1] < result["float32"] / 3.9
+  arrivals = 10 * fragments  # 40 steps of H/P each
+  assert on_ray == simulated and len(on_ray) == arrivals
+  assert on_ray[0] == result["float32"] and len(set(on_ray[1:])) == fragments
+  assert max(on_ray[1:]) < result["float32"] / 3.9
   downloads = result["downloads"]
   # (one more than arrivals: the dispatch in flight when the budget ends)
-  assert [whole for whole, _, _ in downloads] == [True] + [False] * 10
+  assert [whole for whole, _, _ in downloads] == [True] + [False] * arrivals
   for (whole, nbytes, object_size), down in zip(downloads, on_ray):
     assert nbytes == down
     if object_size:  # Ray's serialized object: the message plus a header

@@ -221,15 +221,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.compression.kind == "none":
       _fail("compression.download", True, "False with compression.kind='none' (downloads are "
             "compressed with Δ's kind)")
-    where = None
     if method.synchrony != "async":
-      where = f"method={config.method!r}"
-    elif (config.streaming.fragments > 1
-          and not _runtime_factory(config).compresses_fragment_downloads):
-      where = f"streaming.fragments={config.streaming.fragments} on runtime={config.runtime!r}"
-    if where:
-      _fail("compression.download", True, f"False with {where}; compressed downloads run the "
-            "asynchronous methods (with fragments, on the simulated and devices runtimes)")
+      _fail("compression.download", True, f"False with method={config.method!r}; compressed "
+            "downloads run the asynchronous methods")
   if compressing and config.distributed.coordinator:
     _fail(key, value, f"{off} across processes (distributed.coordinator="
           f"{config.distributed.coordinator!r}); compression runs in one process")
