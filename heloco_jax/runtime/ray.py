@@ -224,7 +224,9 @@ class WorkerActor:
     worker starts from (``training.model_state``; None: its own, or none). With ``download``
     (a pickled compressor): ``start`` is θ whole, or with ``held`` (the worker's x̂) the
     message it starts from at x̂ + D(m) (``ServerActor.download``); the seventh is that start,
-    the worker's next x̂."""
+    the worker's next x̂. A fragment dispatch with ``download``: ``start`` is θ whole
+    (``held`` None) or the received fragment's message, ``held`` the worker's anchors, and
+    the seventh its next anchors (``_received``)."""
     key = jax.random.wrap_key_data(key_data)
     if download is not None and fragment is not None:  # the worker keeps its anchors (x̂)
       fragment, held = self._received(fragment, start, download, held)
