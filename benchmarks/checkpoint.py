@@ -87,7 +87,7 @@ def run_overhead() -> None:
   walls = {}
   for every in (0, 10, 0, 10):  # alternating, the first pair also warms the compile cache
     config = default.get_config()
-    config.checkpoint_every = every
+    config.checkpoint.every = every
     with tempfile.TemporaryDirectory() as root:
       engine, _ = harness.engine_of_config(config, workdir=root)  # checkpoints to root/checkpoints
       try:

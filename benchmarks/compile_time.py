@@ -40,7 +40,7 @@ def _child(cache_dir: str, arrivals: int) -> None:
   jax.monitoring.register_event_duration_secs_listener(listen)
   config = default.get_config()
   config.budget.tokens = arrivals * config.inner_steps * config.batch_size * config.model.context
-  config.eval_every_tokens = 0
+  config.budget.eval_every_tokens = 0
   config.metrics_fetch_every = 1  # a row per arrival as it happens, not 16 at a time
   first = []
   engine, _ = harness.engine_of_config(config)  # the CLI's engine of the config

@@ -38,7 +38,7 @@ def _config(num_workers: int, tokens: int):
   config = default.get_config()
   config.num_workers = num_workers
   config.budget.tokens = tokens
-  config.eval_every_tokens = 0  # only the initial and final evals
+  config.budget.eval_every_tokens = 0  # only the initial and final evals
   return config
 
 

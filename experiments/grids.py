@@ -56,7 +56,7 @@ class Scale:
             "batch_size": self.batch_size, "inner_steps": self.inner_steps,
             "inner.total_steps": self.inner_total_steps,
             "inner.learning_rate": self.inner_learning_rate,
-            "eval_every_tokens": self.eval_every_tokens, **dict(self.data), **dict(self.extra)}
+            "budget.eval_every_tokens": self.eval_every_tokens, **dict(self.data), **dict(self.extra)}
 
 
 PAPER = Scale()
@@ -157,7 +157,7 @@ def palsgd_grid(scale: Scale) -> list[Run]:
     for seed in scale.seeds:
       overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": "homogeneous",
                    "comm.latency": ALLREDUCE_SECONDS, "budget.tokens": factor * scale.tokens,
-                   "eval_every_tokens": scale.eval_every_tokens // 4}
+                   "budget.eval_every_tokens": scale.eval_every_tokens // 4}
       name = f"palsgd/{method}/seed{seed}" if factor == 1 else (
           f"palsgd/{method}_x{factor}/seed{seed}")
       runs.append(Run(name, "palsgd", "homogeneous", method, seed, tuple(overrides.items())))
@@ -253,7 +253,7 @@ AUTHORS = Scale(
           ("data.val_sequences_per_language", 32)),
     extra=(("inner.warmup_steps", 0), ("inner.min_learning_rate_ratio", 1e-6 / 2e-4),
            ("inner.weight_decay", 1e-2), ("inner.grad_clip", 0.0), ("inner.reset_optimizer", True),
-           ("checkpoint_every", 50)))
+           ("checkpoint.every", 50)))
 # The paper's four presets and the authors' own mix (WORKER_PACES = [1, 2, 3, 1, 5]).
 AUTHORS_PRESETS = ("homogeneous", "mild", "moderate", "severe", "mixed")
 # The budget points at which RESULTS.md reports losses (evaluations fall on each of them).
@@ -350,7 +350,7 @@ def _palsgd_run(scale: Scale, seed: int, c: float, table: str, name: str, method
   """One run of the PALSGD comparison: homogeneous, IID, all-reduce c, ``factor`` × the budget."""
   overrides = {**scale.overrides(), "method": method, "seed": seed, "speeds": "homogeneous",
                "data.partition": "iid", "comm.latency": c, "budget.tokens": factor * scale.tokens,
-               "eval_every_tokens": scale.eval_every_tokens // 4, **changes}
+               "budget.eval_every_tokens": scale.eval_every_tokens // 4, **changes}
   return Run(f"{table}/{name}/seed{seed}", table, "homogeneous", name, seed,
              tuple(overrides.items()))
 

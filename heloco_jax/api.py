@@ -96,6 +96,8 @@ class Workdir:
     flag: how messages name the directory ("workdir"; the CLI's "--workdir").
     defaults_json: the defaults of ``config_json``'s keys as JSON: a key added
       since the run began, set to its default, does not stop a resume.
+    renamed: ``config_json``'s keys renamed since (former -> current, dotted): a
+      workdir's ``config.json`` under the former names resumes as under the current.
   """
   path: str
   checkpoint_every: int = 10
@@ -104,6 +106,7 @@ class Workdir:
   config_json: Optional[str] = None
   flag: str = "workdir"
   defaults_json: Optional[str] = None
+  renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,7 +530,8 @@ def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[st
   config_json = workdir.config_json or _spec_json(engine, settings)
   directory = workdir_lib.RunDirectory(workdir.path, config_json, engine.spec.checkpoint_every,
                                        workdir.keep_checkpoints, workdir.allow_config_change,
-                                       flag=workdir.flag, defaults_json=workdir.defaults_json)
+                                       flag=workdir.flag, defaults_json=workdir.defaults_json,
+                                       renamed=workdir.renamed)
   try:
     engine.attach(directory, *directory.restore(engine))
   except BaseException:

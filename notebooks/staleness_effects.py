@@ -149,8 +149,8 @@ def make_config(method: str, seed: int):
   c.speeds, c.jitter = SPEEDS, JITTER
   c.batch_size = BATCH_SIZE
   c.budget.tokens = TOKENS
-  c.eval_every_tokens = max(1, TOKENS // EVALS_PER_RUN)
-  c.checkpoint_every = 0
+  c.budget.eval_every_tokens = max(1, TOKENS // EVALS_PER_RUN)
+  c.checkpoint.every = 0
   c.model.d_model, c.model.num_layers = D_MODEL, NUM_LAYERS
   c.model.num_heads, c.model.context = NUM_HEADS, CONTEXT
   c.data.partition, c.data.dirichlet_alpha = PARTITION, DIRICHLET_ALPHA

@@ -38,7 +38,7 @@ def run(config):
 
 
 def main(out, slow=False):
-  budget = {"budget.tokens": 6_000, "eval_every_tokens": 3_000}
+  budget = {"budget.tokens": 6_000, "budget.eval_every_tokens": 3_000}
   streaming = {"inner_steps": 4, "streaming.fragments": 2, "streaming.overlap_steps": 1}
   int8 = {"compression.kind": "int8", "compression.error_feedback": True}
   result = {"num_devices": jax.device_count()}
@@ -51,7 +51,7 @@ def main(out, slow=False):
   else:  # -m slow: the default suite stays under 15 minutes
     # One worker on one device: its arrivals come in one order on either clock, so the split
     # compression (payload across devices) must equal the simulated runtime's bit for bit.
-    one = {"budget.tokens": 2_000, "eval_every_tokens": 1_000, **streaming, **int8}
+    one = {"budget.tokens": 2_000, "budget.eval_every_tokens": 1_000, **streaming, **int8}
     result["heloco_one_simulated"] = run(tiny.config("heloco", 1, **one))
     result["heloco_one_devices"] = run(tiny.config("heloco", 1, runtime="devices", **one,
                                                    **{"devices.group_sizes": "1"}))

@@ -232,7 +232,7 @@ def test_authors_grid_mirrors_the_authors_harness():
     if run.table == "tokens":
       assert keys["budget.tokens"] == 10_000 * 256
       # Evaluations fall on 25%, 50% and 100% of the budget.
-      assert all((f * keys["budget.tokens"]) % keys["eval_every_tokens"] == 0
+      assert all((f * keys["budget.tokens"]) % keys["budget.eval_every_tokens"] == 0
                  for f in grids.BUDGET_FRACTIONS)
     else:
       assert keys["budget.sim_seconds"] == grids.time_budget(grids.AUTHORS, run.preset)

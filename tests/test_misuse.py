@@ -16,7 +16,7 @@ from heloco_jax.cli import train
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
         "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
-        "--config.eval_every_tokens=1000", "--config.inner.warmup_steps=2"]
+        "--config.budget.eval_every_tokens=1000", "--config.inner.warmup_steps=2"]
 W = np.array([[1.0], [-2.0]], np.float32)
 
 

@@ -52,12 +52,14 @@ def config(method: str = "mla", num_workers: int = 3, **overrides) -> ml_collect
   c.model.d_model, c.model.num_layers, c.model.num_heads, c.model.context = 32, 1, 4, CONTEXT
   c.batch_size, c.inner_steps, c.speeds = BATCH, H, "severe"
   c.inner.warmup_steps, c.inner.total_steps = 2, 400
-  c.budget.tokens, c.eval_every_tokens = 0, 0
+  c.budget.tokens, c.budget.eval_every_tokens = 0, 0
   for key, value in overrides.items():
     node = c
     *parents, leaf = key.split(".")
     for parent in parents:
       node = node[parent]
+    if leaf not in node:  # (a ConfigDict would take a new key silently)
+      raise KeyError(f"tiny.config: {key!r} is no config key")
     node[leaf] = value
   return c
 

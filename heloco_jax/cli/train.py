@@ -185,6 +185,25 @@ class _TolerantStderr:
     return getattr(self._stream, name)
 
 
+def _unknown_key(argv: list[str], error: BaseException) -> str:
+  """Which ``--config.KEY`` the config lacks, in one line (the new name of a renamed key)."""
+  from heloco_jax.cli.configs import default, schema  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  for arg in argv:
+    flag = arg.split("=")[0]
+    key = flag.removeprefix("--config.")
+    if key == flag:
+      continue
+    node: Any = config
+    for part in key.split("."):
+      node = node.get(part) if hasattr(node, "get") else None
+    if node is None and key not in schema.BY_NAME:  # (a placeholder's default is None)
+      if key in schema.RENAMED:
+        return f"{flag} was renamed: --config.{schema.RENAMED[key]}"
+      return f"{flag} names no config key (the keys: heloco_jax/cli/configs/default.py)"
+  return f"{str(error).splitlines()[0]} names no config key (a config file's override?)"
+
+
 def _error(message: str) -> int:
   print(f"heloco-jax train: {message}", file=sys.stderr)
   return 2
@@ -308,10 +327,7 @@ def _main(argv: list[str]) -> int:
   try:
     workdir, config, allow_config_change, compilation_cache = _parse(argv)
   except (KeyError, AttributeError) as error:  # an override of a key the config lacks
-    key = str(error).strip("\"'").split("'")[0]
-    flag = next((arg.split("=")[0] for arg in argv if f".{key}" in arg), key)
-    return _error(f"{flag} names no config key (the keys: heloco_jax/cli/configs/default.py)\n"
-                  f"{USAGE}")
+    return _error(f"{_unknown_key(argv, error)}\n{USAGE}")
   except (flags.Error, TypeError, ValueError) as error:
     return _error(f"{str(error).splitlines()[0]}\n{USAGE}")
   if not workdir:
@@ -350,12 +366,13 @@ def _main(argv: list[str]) -> int:
   from heloco_jax.rundir import processes  # pylint: disable=g-import-not-at-top
   processes.watch_peers(_stop_for_a_silent_peer)
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
-  from heloco_jax.cli.configs import default  # pylint: disable=g-import-not-at-top
-  directory = api.Workdir(workdir, checkpoint_every=config.checkpoint_every,
-                          keep_checkpoints=config.keep_checkpoints,
+  from heloco_jax.cli.configs import default, schema  # pylint: disable=g-import-not-at-top
+  directory = api.Workdir(workdir, checkpoint_every=config.checkpoint.every,
+                          keep_checkpoints=config.checkpoint.keep,
                           allow_config_change=allow_config_change, config_json=config_json,
                           flag="--workdir",
-                          defaults_json=default.get_config().to_json_best_effort())
+                          defaults_json=default.get_config().to_json_best_effort(),
+                          renamed=schema.RENAMED)
   try:  # the data first: a config it refuses leaves no trace in the workdir
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")

@@ -151,10 +151,10 @@ def inner_config(inner: ml_collections.ConfigDict) -> inner_lib.InnerConfig:
 
 
 def syncer(config: ml_collections.ConfigDict) -> syncer_lib.Syncer:
-  """The syncer policy of a run config's ``grace_window`` and ``syncer`` keys."""
+  """The syncer policy of a run config's ``syncer`` keys."""
   c = config.syncer
   return syncer_lib.Syncer(quorum=c.quorum, timeout=math.inf if c.timeout is None else c.timeout,
-                           grace_window=config.grace_window, adaptive_grace=c.adaptive_grace,
+                           grace_window=c.grace_window, adaptive_grace=c.adaptive_grace,
                            weights=c.weights)
 
 
@@ -210,7 +210,7 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
       budget=api.Budget(tokens=config.budget.tokens or None,
                         sim_seconds=config.budget.sim_seconds or None,
                         tokens_per_step=config.batch_size * config.model.context,
-                        eval_every_tokens=config.eval_every_tokens or None),
+                        eval_every_tokens=config.budget.eval_every_tokens or None),
       seed=config.seed,
       runtime=runtime_factory(config),
       method_options=method_options(config),
@@ -251,12 +251,12 @@ def engine_of_config(config: ml_collections.ConfigDict, dataset: Optional[data_l
                      workdir: Any = None, **overrides: Any) -> tuple[Any, Problem]:
   """(``hj.make_engine`` of ``config``'s default problem, the problem); ``overrides``
   replace keyword arguments (e.g. a test's ``runtime``). ``workdir`` (a path or an
-  ``hj.Workdir``) takes ``config.checkpoint_every`` and ``config.keep_checkpoints``."""
+  ``hj.Workdir``) takes ``config.checkpoint.every`` and ``config.checkpoint.keep``."""
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
   if workdir is not None:
     workdir = dataclasses.replace(
         workdir if isinstance(workdir, api.Workdir) else api.Workdir(str(workdir)),
-        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints)
+        checkpoint_every=config.checkpoint.every, keep_checkpoints=config.checkpoint.keep)
   problem = default_problem(config, dataset)
   options = {**engine_options(config), **overrides}
   engine = api.make_engine(problem.loss_fn, problem.params,

@@ -39,7 +39,8 @@ import os
 import socket
 import uuid
 import warnings
-from typing import Any, Callable, Iterator, Optional, Protocol
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 import jax
 import numpy as np
@@ -232,14 +233,19 @@ def _run_id_of_process_0(run_id: Optional[str]) -> Optional[str]:
   return bytes(multihost_utils.broadcast_one_to_all(text)).decode().strip() or None
 
 
-def config_differences(old: dict, new: dict, defaults: Optional[dict] = None) -> list[str]:
+def config_differences(old: dict, new: dict, defaults: Optional[dict] = None,
+                       renamed: Mapping[str, str] = MappingProxyType({})) -> list[str]:
   """The keys whose values differ between two configs as JSON, as 'key (old -> new)'
   (``MAY_CHANGE_ON_RESUME`` aside).
 
   A key ``old`` lacks whose new value is its value in ``defaults`` is no difference:
-  the old run was written before the key existed and so ran with its default.
+  the old run was written before the key existed and so ran with its default. A key of
+  ``old`` under a former name (``renamed``: former -> current, dotted) counts as the current.
   """
   old, new = _flatten(old), _flatten(new)
+  for former, current in renamed.items():
+    if former in old and current not in old:
+      old[current] = old.pop(former)
   defaults = _flatten(defaults or {})
   missing = object()
   def show(value):
@@ -268,6 +274,7 @@ class RunDirectory:
       "workdir" for ``hj.simulate``).
     defaults_json: the config's defaults as JSON: a key added to the library
       since the run began, set to its default, does not stop a resume.
+    renamed: keys renamed since (former -> current, dotted; ``config_differences``).
 
   Raises:
     WorkdirError: a finished run, another config, or an unwritable directory.
@@ -275,11 +282,13 @@ class RunDirectory:
 
   def __init__(self, path: str, config_json: str, checkpoint_every: int,
                keep_checkpoints: int = 3, allow_config_change: bool = False,
-               flag: str = "--workdir", defaults_json: Optional[str] = None):
+               flag: str = "--workdir", defaults_json: Optional[str] = None,
+               renamed: Mapping[str, str] = MappingProxyType({})):
     self.process = jax.process_index()
     self.path = path if self.process == 0 else os.path.join(path, f"process_{self.process}")
     self._config_json = config_json
     self._defaults = json.loads(defaults_json) if defaults_json else None
+    self._renamed = renamed
     self._flag, self._given = flag, path
     checkpoints_dir = os.path.join(path, "checkpoints")  # one for every process
     self.checkpointer: Optional[checkpoint.Checkpointer] = None
@@ -362,7 +371,8 @@ class RunDirectory:
     path = self._file("config.json")
     try:
       with open(path) as f:
-        return config_differences(json.load(f), json.loads(config_json), self._defaults)
+        return config_differences(json.load(f), json.loads(config_json), self._defaults,
+                                  self._renamed)
     except json.JSONDecodeError as error:
       if allow_config_change:
         return []

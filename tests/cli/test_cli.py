@@ -17,7 +17,7 @@ from heloco_jax.cli.configs import validation
 TINY = ["--config.num_workers=3", "--config.model.d_model=32", "--config.model.num_layers=1",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
         "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
-        "--config.speeds=homogeneous", "--config.eval_every_tokens=512"]
+        "--config.speeds=homogeneous", "--config.budget.eval_every_tokens=512"]
 
 
 def test_train_without_workdir_fails_with_usage(capsys):
@@ -56,16 +56,16 @@ _BAD = [
     ("data.source=text_dir", "config.data.path=''"),
     ("budget.tokens=-5", "config.budget.tokens=-5"),
     ("budget.sim_seconds=-1", "config.budget.sim_seconds=-1"),
-    ("eval_every_tokens=-1", "config.eval_every_tokens=-1"),
+    ("budget.eval_every_tokens=-1", "config.budget.eval_every_tokens=-1"),
     ("runtime=cloud", "config.runtime='cloud'"),
-    ("checkpoint_every=-1", "config.checkpoint_every=-1"),
+    ("checkpoint.every=-1", "config.checkpoint.every=-1"),
     ("batch_size=0", "config.batch_size=0"),
     ("model.d_model=0", "config.model.d_model=0"),
     ("model.num_layers=0", "config.model.num_layers=0"),
     ("model.num_heads=3", "config.model.num_heads=3"),
     ("model.context=0", "config.model.context=0"),
     ("jitter=1.5", "config.jitter=1.5"),
-    ("grace_window=-1", "config.grace_window=-1"),
+    ("syncer.grace_window=-1", "config.syncer.grace_window=-1"),
     ("lookahead_dispatch=false", "config.lookahead_dispatch=False"),
     ("outer.learning_rate=0", "config.outer.learning_rate=0.0"),
     ("seed=99999999999999999999", "config.seed=99999999999999999999"),
@@ -144,6 +144,9 @@ def test_compression_where_it_cannot_run_fails_in_one_line(tmp_path, capsys):
 def test_unknown_key_and_bad_type_are_one_line_errors(tmp_path, capsys):
   assert cli.main(["train", f"--workdir={tmp_path}", "--config.model.widht=3"]) == 2
   assert "--config.model.widht names no config key" in capsys.readouterr().err
+  # a near miss (ml_collections then suggests a key in its message): named all the same
+  assert cli.main(["train", f"--workdir={tmp_path}", "--config.seeds=1"]) == 2
+  assert "heloco-jax train: --config.seeds names no config key" in capsys.readouterr().err
   assert cli.main(["train", f"--workdir={tmp_path}", "--config.num_workers=abc"]) == 2
   assert "invalid literal" in capsys.readouterr().err
 

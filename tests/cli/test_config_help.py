@@ -39,8 +39,8 @@ def test_the_default_config_is_the_table_and_has_the_keys_the_contract_names():
     assert _get(DEFAULT, key.name) == key.default, key.name
   # docs/DESIGN.md, "Command line": keys that must exist.
   for key in ["method", "seed", "num_workers", "inner_steps", "speeds", "data.source",
-              "data.partition", "budget.tokens", "budget.sim_seconds", "eval_every_tokens",
-              "runtime", "checkpoint_every", "batch_size", "model.d_model", "model.num_layers",
+              "data.partition", "budget.tokens", "budget.sim_seconds",
+              "budget.eval_every_tokens", "runtime", "checkpoint.every", "batch_size", "model.d_model", "model.num_layers",
               "model.num_heads", "model.context", "data.path", "data.languages"]:
     assert key in KEYS, key
 
@@ -93,7 +93,7 @@ def test_allowed_methods_and_presets_are_listed():
 
 def test_sections_group_the_keys():
   titles = [line for line in TEXT.splitlines() if line and not line.startswith(" ")]
-  assert [t.split(":")[0] for t in titles] == ["run", "budget", "model", "data", "inner",
+  assert [t.split(":")[0] for t in titles] == ["run", "budget", "checkpoint", "model", "data", "inner",
                                                "outer", "devices", "distributed",
                                                "ray", "comm", "streaming", "compression",
                                                "syncer", "chaos"]

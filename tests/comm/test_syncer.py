@@ -85,7 +85,7 @@ def test_a_group_merges_its_deltas_with_the_weights_against_numpy():
 
 def _run(method="heloco", keys=None, **options):
   """The tiny run at close paces (1, 1.3, 1.7 s per step: arrivals interleave)."""
-  config = tiny.config(method, **{"budget.tokens": 1600, "eval_every_tokens": 800,
+  config = tiny.config(method, **{"budget.tokens": 1600, "budget.eval_every_tokens": 800,
                                   "speeds": [1.0, 1.3, 1.7], **(keys or {})})
   return tiny.simulate(config, **options)
 
@@ -101,7 +101,7 @@ def test_quorum_one_and_token_weights_are_todays_runs_bit_for_bit(method):
 
 
 def test_grace_window_is_the_syncers_grace_window():
-  summary, rows = _run(keys={"grace_window": 1.0})  # the CLI's key
+  summary, rows = _run(keys={"syncer.grace_window": 1.0})  # the CLI's key
   again, rows_again = _run(syncer=hj.Syncer(grace_window=1.0))
   assert rows == rows_again and summary["final_val_loss"] == again["final_val_loss"]
   per_update = collections.Counter(r["outer_updates"] for r in rows if r["event"] == "arrival")

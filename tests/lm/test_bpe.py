@@ -15,8 +15,8 @@ pytestmark = pytest.mark.xdist_group("bpe_corpus")
 
 TINY = ["--config.num_workers=2", "--config.model.d_model=32", "--config.model.num_layers=1",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
-        "--config.data.val_sequences_per_language=8", "--config.eval_every_tokens=1000",
-        "--config.budget.tokens=4000", "--config.checkpoint_every=0", "--config.speeds=mild"]
+        "--config.data.val_sequences_per_language=8", "--config.budget.eval_every_tokens=1000",
+        "--config.budget.tokens=4000", "--config.checkpoint.every=0", "--config.speeds=mild"]
 
 
 @pytest.fixture(scope="module")

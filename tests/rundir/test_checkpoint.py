@@ -153,8 +153,8 @@ _dataset = tiny.dataset
 def _config(method, **overrides):
   """Token budget, evals, checkpoints every 2 updates (all kept), severe speeds with jitter
   (which exercises the clock's generator state)."""
-  return tiny.config(method, **{"budget.tokens": 5_000, "eval_every_tokens": 700,
-                                "checkpoint_every": 2, "keep_checkpoints": 100,
+  return tiny.config(method, **{"budget.tokens": 5_000, "budget.eval_every_tokens": 700,
+                                "checkpoint.every": 2, "checkpoint.keep": 100,
                                 "speeds": "severe", "jitter": 0.3, **overrides})
 
 
@@ -198,7 +198,7 @@ def _resume(config, workdir, step):
 
 @pytest.mark.parametrize("method,overrides", [
     ("heloco", {}),
-    ("heloco", {"grace_window": 3.0, "dylu": True}),
+    ("heloco", {"syncer.grace_window": 3.0, "dylu": True}),
     ("mla", {}),
     ("async_nesterov", {"outer.weighting": "polynomial"}),
     ("delayed_nesterov", {}),

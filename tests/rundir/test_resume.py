@@ -21,7 +21,7 @@ from heloco_jax.rundir import checkpoint
 TINY = ["--config.num_workers=3", "--config.model.d_model=32", "--config.model.num_layers=1",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
         "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
-        "--config.eval_every_tokens=1000", "--config.inner.warmup_steps=2"]
+        "--config.budget.eval_every_tokens=1000", "--config.inner.warmup_steps=2"]
 WALL_CLOCK = ("wall_seconds", "tokens_per_second")
 
 
@@ -57,34 +57,34 @@ def _kill_after_second_checkpoint(args, workdir, timeout=300):
 
 @pytest.mark.parametrize("method,extra", [
     ("heloco", ["--config.speeds=severe", "--config.jitter=0.2", "--config.budget.tokens=8000",
-                "--config.checkpoint_every=3"]),
+                "--config.checkpoint.every=3"]),
     # (the default suite's time, < 15 min: test_checkpoint.py resumes these in-process)
     pytest.param("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
-                            "--config.checkpoint_every=2"], marks=pytest.mark.slow),
+                            "--config.checkpoint.every=2"], marks=pytest.mark.slow),
     pytest.param("palsgd", ["--config.speeds=mild", "--config.budget.tokens=12000",
-                            "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"],
+                            "--config.checkpoint.every=2", "--config.palsgd_warmup_steps=4"],
                  marks=pytest.mark.slow),
     # Error-feedback residuals: in flight with the asynchronous work, stacked in rounds.
     pytest.param("heloco", ["--config.speeds=severe", "--config.jitter=0.2",
-                            "--config.budget.tokens=8000", "--config.checkpoint_every=3",
+                            "--config.budget.tokens=8000", "--config.checkpoint.every=3",
                             "--config.compression.kind=int4",
                             "--config.compression.error_feedback=true"],
                  marks=pytest.mark.slow),
     pytest.param("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
-                            "--config.checkpoint_every=2", "--config.compression.kind=top_k",
+                            "--config.checkpoint.every=2", "--config.compression.kind=top_k",
                             "--config.compression.fraction=0.05",
                             "--config.compression.error_feedback=true"],
                  marks=pytest.mark.slow),
     # Fragments in flight with their residuals, anchors and overlapped syncs.
     pytest.param("heloco", ["--config.speeds=severe", "--config.jitter=0.2",
-                            "--config.budget.tokens=8000", "--config.checkpoint_every=3",
+                            "--config.budget.tokens=8000", "--config.checkpoint.every=3",
                             "--config.inner_steps=4", "--config.streaming.fragments=2",
                             "--config.streaming.overlap_steps=1", "--config.streaming.alpha=0.5",
                             "--config.compression.kind=int4",
                             "--config.compression.error_feedback=true"],
                  marks=pytest.mark.slow),
     pytest.param("diloco", ["--config.speeds=mild", "--config.budget.tokens=12000",
-                            "--config.checkpoint_every=2", "--config.inner_steps=4",
+                            "--config.checkpoint.every=2", "--config.inner_steps=4",
                             "--config.streaming.fragments=2",
                             "--config.streaming.overlap_steps=1",
                             "--config.streaming.alpha=0.5"], marks=pytest.mark.slow),
@@ -92,7 +92,7 @@ def _kill_after_second_checkpoint(args, workdir, timeout=300):
     # after it (4 workers: worker 3 is away from the start; resumed in-process by
     # test_checkpoint.py in the default suite).
     pytest.param("mla", ["--config.num_workers=4", "--config.speeds=[1.0,1.3,1.7,2.0]",
-                         "--config.budget.tokens=8000", "--config.checkpoint_every=3",
+                         "--config.budget.tokens=8000", "--config.checkpoint.every=3",
                          "--config.chaos.schedule=1@5-30,2@8,3@0-20,0@40-45"],
                  marks=pytest.mark.slow),
 ])
@@ -129,7 +129,7 @@ def _finished_then_reopened(tmp_path, args):
 
 
 BASE = [*TINY, "--config.method=mla", "--config.budget.tokens=4000",
-        "--config.checkpoint_every=4"]
+        "--config.checkpoint.every=4"]
 
 
 def test_a_different_config_is_refused_naming_the_keys(tmp_path, capsys):
@@ -161,6 +161,33 @@ def test_a_key_added_since_the_run_began_resumes_at_its_default_and_matches(tmp_
   assert _outputs(workdir) == reference
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["ray"]["replacements"] == 0  # the resumed config, key and all
+
+
+def test_a_config_json_under_the_former_key_names_resumes_and_matches(tmp_path, capsys):
+  """Keys renamed since (``schema.RENAMED``: e.g. ``checkpoint_every`` -> ``checkpoint.every``):
+  a workdir whose config.json has the former names resumes to the uninterrupted run and
+  is rewritten under the new ones; the former flag is refused in one line naming the new."""
+  workdir, reference = _finished_then_reopened(tmp_path, BASE)
+  path = os.path.join(workdir, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["eval_every_tokens"] = config["budget"].pop("eval_every_tokens")
+  config["grace_window"] = config["syncer"].pop("grace_window")
+  checkpoint = config.pop("checkpoint")
+  config["checkpoint_every"], config["keep_checkpoints"] = checkpoint["every"], checkpoint["keep"]
+  with open(path, "w") as f:
+    json.dump(config, f)
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *BASE, "--config.budget.eval_every_tokens=2000"]) == 2
+  assert "differing keys: budget.eval_every_tokens (1000 -> 2000)." in capsys.readouterr().err
+  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert _outputs(workdir) == reference
+  with open(path) as f:
+    assert json.load(f)["checkpoint"] == checkpoint
+  capsys.readouterr()
+  assert train.main([f"--workdir={tmp_path / 'new'}", "--config.checkpoint_every=2"]) == 2
+  assert capsys.readouterr().err.startswith(
+      "heloco-jax train: --config.checkpoint_every was renamed: --config.checkpoint.every\n")
 
 
 def test_a_key_added_since_the_run_began_but_set_off_its_default_is_refused(tmp_path, capsys):
@@ -247,7 +274,7 @@ def test_without_a_checkpoint_a_workdir_starts_over(tmp_path, capsys):
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "metrics.jsonl").write_text('{"event": "stale"}\n')
-  args = [*BASE, "--config.checkpoint_every=0"]
+  args = [*BASE, "--config.checkpoint.every=0"]
   assert train.main([f"--workdir={workdir}", *args]) == 0
   reference = str(tmp_path / "reference")
   assert train.main([f"--workdir={reference}", *args]) == 0
@@ -259,7 +286,7 @@ def test_without_a_checkpoint_a_workdir_starts_over(tmp_path, capsys):
 def test_ctrl_c_stops_with_status_130_and_names_the_checkpoint_to_resume_from(tmp_path):
   workdir = str(tmp_path / "run")
   args = [f"--workdir={workdir}", *BASE, "--config.budget.tokens=20000",
-          "--config.checkpoint_every=2"]
+          "--config.checkpoint.every=2"]
   process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *args],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 300
@@ -275,7 +302,7 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_ends_as_an_unint
     tmp_path):
   """Preemption (Cloud TPU, spot VMs): SIGTERM → checkpoint at the end of the arrival in
   progress, exit 143 naming it; the same command then resumes exactly."""
-  args = [*BASE, "--config.budget.tokens=8000", "--config.checkpoint_every=50"]
+  args = [*BASE, "--config.budget.tokens=8000", "--config.checkpoint.every=50"]
   reference = str(tmp_path / "reference")
   assert train.main([f"--workdir={reference}", *args]) == 0
   workdir = str(tmp_path / "run")
@@ -371,11 +398,11 @@ def test_a_row_that_cannot_be_written_stops_in_one_line_and_the_run_resumes(
 # (signal, method) pair four times, at rows drawn from a seeded generator.
 TRIAL_METHODS = {
     "heloco": ["--config.speeds=severe", "--config.jitter=0.2", "--config.budget.tokens=8000",
-               "--config.checkpoint_every=3"],
+               "--config.checkpoint.every=3"],
     "diloco": ["--config.speeds=mild", "--config.budget.tokens=8000",
-               "--config.checkpoint_every=2"],
+               "--config.checkpoint.every=2"],
     "palsgd": ["--config.speeds=mild", "--config.budget.tokens=8000",
-               "--config.checkpoint_every=2", "--config.palsgd_warmup_steps=4"],
+               "--config.checkpoint.every=2", "--config.palsgd_warmup_steps=4"],
 }
 TRIAL_SIGNALS = {"SIGKILL": -signal.SIGKILL, "SIGTERM": 143, "SIGINT": 130}
 TRIALS = [(s, m, t) for s in TRIAL_SIGNALS for m in TRIAL_METHODS for t in range(4)]

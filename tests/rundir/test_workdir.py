@@ -28,7 +28,7 @@ def _one_line(err):
 
 
 def test_a_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path, capsys):
-  args = [*BASE, "--config.budget.tokens=400000", "--config.checkpoint_every=2"]
+  args = [*BASE, "--config.budget.tokens=400000", "--config.checkpoint.every=2"]
   workdir = str(tmp_path / "run")
   lock = os.path.join(workdir, "lock")
   first = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}",
@@ -50,7 +50,7 @@ def test_a_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path
     first.communicate()
   # The kernel dropped the dead owner's lock; its record is still there.
   assert json.loads(open(lock).read())["pid"] == first.pid
-  shorter = [*BASE, "--config.checkpoint_every=2"]
+  shorter = [*BASE, "--config.checkpoint.every=2"]
   assert train.main([f"--workdir={workdir}", *shorter, "--allow_config_change"]) == 0
   err = capsys.readouterr().err
   assert f"warning: took over the lock of pid {first.pid}" in err

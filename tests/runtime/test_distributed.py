@@ -18,7 +18,7 @@ import tiny
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.context=16",
         "--config.batch_size=4", "--config.inner_steps=2", "--config.speeds=homogeneous",
         "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
-        "--config.eval_every_tokens=512", "--config.checkpoint_every=0"]
+        "--config.budget.eval_every_tokens=512", "--config.checkpoint.every=0"]
 
 
 def _free_port() -> int:
@@ -121,7 +121,7 @@ def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, dev
   coordinator port, resume it and end with the uninterrupted run's rows, on process 0 and in
   process 1's copy."""
   args = [f"--config.method={method}", "--config.num_workers=2", "--config.budget.tokens=3072",
-          *TINY[:-1], "--config.checkpoint_every=4", *extra]
+          *TINY[:-1], "--config.checkpoint.every=4", *extra]
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(devices),
          "JAX_PLATFORMS": "cpu"}
   codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
@@ -150,7 +150,7 @@ def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
   recorded: both processes resume from checkpoint 4 (process 0 says process 1 cannot use 8)
   and end with the uninterrupted run's evaluations."""
   args = ["--config.method=diloco", "--config.num_workers=2", "--config.budget.tokens=3072",
-          *TINY[:-1], "--config.checkpoint_every=4"]
+          *TINY[:-1], "--config.checkpoint.every=4"]
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(2),
          "JAX_PLATFORMS": "cpu"}
   codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
@@ -234,8 +234,8 @@ def test_a_killed_peer_stops_the_other_process_in_one_line_and_the_run_resumes(t
   """Issue 61: kill -9 of process 1 mid-run. Before: about 100 s later process 0 aborted
   (rc 134, a C++ stack dump, no message). Now it stops within processes.PEER_TIMEOUT_S (30 s)
   and a few seconds, naming process 1, and the same commands resume the run to its end."""
-  args = [*_DILOCO[:-len(TINY)], *TINY[:-1], "--config.checkpoint_every=2",
-          "--config.budget.tokens=30000", "--config.eval_every_tokens=10000"]
+  args = [*_DILOCO[:-len(TINY)], *TINY[:-1], "--config.checkpoint.every=2",
+          "--config.budget.tokens=30000", "--config.budget.eval_every_tokens=10000"]
   run = tmp_path / "run"
   env = {**os.environ, **_CPU2}
   procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -99,8 +99,8 @@ def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrup
   budget = 12_000
   overrides = _config_overrides([
       "--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=3",
-      f"--config.budget.tokens={budget}", "--config.eval_every_tokens=4000",
-      "--config.checkpoint_every=20", *TINY])
+      f"--config.budget.tokens={budget}", "--config.budget.eval_every_tokens=4000",
+      "--config.checkpoint.every=20", *TINY])
   _python(["-c", KILL_SCRIPT.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
            str(tmp_path), json.dumps(overrides)])
   summary = json.loads((tmp_path / "summary.json").read_text())
@@ -143,8 +143,8 @@ def test_an_actor_killed_for_good_gets_a_new_one_and_the_loss_stays_within_noise
   within noise of an undisturbed one (Ray's arrival order is real time's: no replay)."""
   # A budget that outlasts a new actor's start (its JAX import and compile: ~10–20 s here).
   flags = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=3",
-           "--config.budget.tokens=96000", "--config.eval_every_tokens=32000",
-           "--config.checkpoint_every=0", *TINY]
+           "--config.budget.tokens=96000", "--config.budget.eval_every_tokens=32000",
+           "--config.checkpoint.every=0", *TINY]
   _train([f"--workdir={tmp_path / 'undisturbed'}", *flags])
   overrides = _config_overrides([*flags, "--config.ray.max_restarts=0",
                                  "--config.ray.replacements=1"])
@@ -255,7 +255,7 @@ def test_worker_actors_killed_from_outside_are_restarted_and_healthy_ones_untouc
   _train_while_killing(thread, run_ended, [
       f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
       "--config.num_workers=2", "--config.budget.tokens=24000",
-      "--config.eval_every_tokens=8000", "--config.checkpoint_every=0", *TINY])
+      "--config.budget.eval_every_tokens=8000", "--config.checkpoint.every=0", *TINY])
   assert len(killed) == 2
   rows = _rows(tmp_path)
   restarted = [r for r in rows if r["event"] == "actor_restarted"]
@@ -275,8 +275,8 @@ def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_
   line naming the cause and the checkpoint to resume from, and the same command finishes it."""
   args = [f"--workdir={tmp_path}", "--config.runtime=ray", "--config.ray.num_cpus=2",
           "--config.num_workers=2", "--config.ray.max_restarts=0",
-          "--config.budget.tokens=24000", "--config.eval_every_tokens=8000",
-          "--config.checkpoint_every=2", *TINY]
+          "--config.budget.tokens=24000", "--config.budget.eval_every_tokens=8000",
+          "--config.checkpoint.every=2", *TINY]
   thread, killed, run_ended = _kill_actors_from_outside(tmp_path / "metrics.jsonl", kills=2,
                                                         num_actors=2, first=6, gap=0)
   try:
@@ -302,8 +302,8 @@ def test_every_worker_actor_dead_stops_the_run_in_one_line_and_the_same_command_
 @pytest.mark.slow
 def test_eight_workers_survive_three_random_actor_kills_within_seed_noise(tmp_path):
   args = ["--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=8",
-          "--config.budget.tokens=160000", "--config.eval_every_tokens=40000",
-          "--config.checkpoint_every=0", *TINY]
+          "--config.budget.tokens=160000", "--config.budget.eval_every_tokens=40000",
+          "--config.checkpoint.every=0", *TINY]
   clean = tmp_path / "clean"
   _train([f"--workdir={clean}", *args])
   faulty = tmp_path / "faulty"

@@ -147,8 +147,8 @@ def test_dylu_gives_slow_workers_fewer_steps():
 
 
 def test_grace_window_combines_arrivals_into_one_update():
-  summary, rows = _run(_config(speeds=[1.0, 1.0, 1.0], grace_window=0.5,
-                               **{"budget.sim_seconds": 2.0}))
+  summary, rows = _run(_config(speeds=[1.0, 1.0, 1.0],
+                               **{"syncer.grace_window": 0.5, "budget.sim_seconds": 2.0}))
   assert sum(r["event"] == "arrival" for r in rows) == 3
   assert summary["outer_updates"] == 1
 
@@ -214,7 +214,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, {tests!r})
 import asyncio, jax, numpy as np, tiny
 from heloco_jax.lm import harness
-config = tiny.config("heloco", 3, jitter=0.2, **{{"budget.tokens": 3000, "eval_every_tokens": 1000}})
+config = tiny.config("heloco", 3, jitter=0.2, **{{"budget.tokens": 3000, "budget.eval_every_tokens": 1000}})
 engine, _ = harness.engine_of_config(config, tiny.dataset(3))
 asyncio.run(engine.run())
 where = sorted({{d.id for w in engine.state.workers for x in jax.tree.leaves(w)

@@ -75,7 +75,7 @@ def test_the_cli_sets_the_flag_before_jax_starts(tmp_path):
           "--config.model.context=8", "--config.batch_size=2", "--config.inner_steps=1",
           "--config.budget.tokens=64", "--config.num_workers=2",
           "--config.data.max_bytes_per_language=20000",
-          "--config.data.val_sequences_per_language=2", "--config.checkpoint_every=0"]
+          "--config.data.val_sequences_per_language=2", "--config.checkpoint.every=0"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   for name, extra, expected in (("unset", [], True),
                                 ("false", ["--config.deterministic=false"], False)):

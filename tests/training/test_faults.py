@@ -214,8 +214,8 @@ def test_rows_before_the_fault_equal_those_of_a_clean_run():
 
 def test_grace_window_applies_the_others_when_one_arrival_is_rejected():
   # All three arrive at t = 2 and form one group; worker 1's pseudo-gradient is bad.
-  run = _Traced(_config("heloco", 3, speeds=[1.0, 1.0, 1.0], grace_window=0.5,
-                        **{"budget.sim_seconds": 2.0}),
+  run = _Traced(_config("heloco", 3, speeds=[1.0, 1.0, 1.0],
+                        **{"syncer.grace_window": 0.5, "budget.sim_seconds": 2.0}),
                 fault=dict(worker=1, arrival=1, value="nan"))
   events = [(row["event"], row.get("worker"), row["outer_updates"]) for row in run.rows]
   assert events[1:-1] == [("rejected", 1, 0), ("arrival", 0, 1), ("arrival", 2, 1)]
@@ -232,8 +232,8 @@ ROUND_TOKENS = 3 * DISPATCH_TOKENS  # three workers' H steps
 
 def test_diloco_round_applies_the_other_workers_mean():
   rounds = 4
-  run = _Traced(_config("diloco", 3, eval_every_tokens=ROUND_TOKENS,
-                        **{"budget.tokens": rounds * ROUND_TOKENS}),
+  run = _Traced(_config("diloco", 3, **{"budget.eval_every_tokens": ROUND_TOKENS,
+                        "budget.tokens": rounds * ROUND_TOKENS}),
                 fault=dict(worker=2, arrival=3, value="nan"))
   rows, summary = run.rows, run.summary
   rejected = run.index("rejected")
@@ -264,8 +264,8 @@ def test_diloco_round_applies_the_other_workers_mean():
 
 
 def test_local_sgd_round_is_the_mean_of_the_accepted_workers_only():
-  run = _Traced(_config("local_sgd", 3, eval_every_tokens=ROUND_TOKENS,
-                        **{"budget.tokens": 2 * ROUND_TOKENS}),
+  run = _Traced(_config("local_sgd", 3, **{"budget.eval_every_tokens": ROUND_TOKENS,
+                        "budget.tokens": 2 * ROUND_TOKENS}),
                 fault=dict(worker=1, arrival=2, value="inf"))
   r = run.index("rejected")[0]
   assert (run.rows[r]["worker"], run.rows[r]["reason"], run.rows[r]["outer_updates"]) == (
@@ -289,8 +289,8 @@ def test_local_sgd_round_is_the_mean_of_the_accepted_workers_only():
 
 def test_single_worker_diloco_skips_the_update_of_a_rejected_round():
   rounds = 4
-  run = _Traced(_config("diloco", 1, eval_every_tokens=DISPATCH_TOKENS,
-                        **{"budget.tokens": rounds * DISPATCH_TOKENS}),
+  run = _Traced(_config("diloco", 1, **{"budget.eval_every_tokens": DISPATCH_TOKENS,
+                        "budget.tokens": rounds * DISPATCH_TOKENS}),
                 # worker 0's shard; shares the evaluator's program with the others
                 dataset=_dataset(3), fault=dict(worker=0, arrival=2, value="nan"))
   rows = run.rows
@@ -315,8 +315,8 @@ def test_single_worker_diloco_skips_the_update_of_a_rejected_round():
 
 def test_palsgd_rejects_a_fault_after_its_ddp_warmup():
   # An eval row after every round (PALSGD rounds read fewer tokens than H steps).
-  run = _Traced(_config("palsgd", 3, eval_every_tokens=1,
-                        **{"budget.tokens": 5 * ROUND_TOKENS}),
+  run = _Traced(_config("palsgd", 3, **{"budget.eval_every_tokens": 1,
+                        "budget.tokens": 5 * ROUND_TOKENS}),
                 fault=dict(worker=0, arrival=1, value="nan"))
   rows = run.rows
   rejected = run.index("rejected")

@@ -19,7 +19,7 @@ SCHEDULE = hj.Membership(((1, 5.0, 20.0), (2, 8.0, math.inf), (3, 0.0, 12.0)))
 
 def _run(method="heloco", membership=SCHEDULE, **keys):
   config = tiny.config(method, num_workers=4, **{
-      "budget.tokens": 3200, "eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0], **keys})
+      "budget.tokens": 3200, "budget.eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0], **keys})
   return tiny.simulate(config, membership=membership)
 
 
@@ -177,7 +177,7 @@ def test_groups_take_membership_events_in_their_stride(syncer):
   """With a syncer that groups arrivals, events inside an open group are handled at their
   time; the accounting holds, the new worker's work arrives, and the run replays."""
   config = tiny.config("heloco", num_workers=4, **{
-      "budget.tokens": 3200, "eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0]})
+      "budget.tokens": 3200, "budget.eval_every_tokens": 800, "speeds": [1.0, 1.3, 1.7, 2.0]})
   summary, rows = tiny.simulate(config, membership=SCHEDULE, syncer=syncer)
   assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
                                           + summary["in_flight_tokens"])

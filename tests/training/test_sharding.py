@@ -165,7 +165,7 @@ CLI_TINY = ["--config.model.d_model=32", "--config.model.num_layers=1",
             "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
             "--config.data.max_bytes_per_language=40000",
             "--config.data.val_sequences_per_language=8", "--config.budget.tokens=6000",
-            "--config.num_workers=3", "--config.checkpoint_every=10"]
+            "--config.num_workers=3", "--config.checkpoint.every=10"]
 
 
 def _cli(workdir, *args):
@@ -195,7 +195,7 @@ def test_the_cli_gpt_sharded_over_4_devices_ends_as_the_unsharded_run(tmp_path):
 
 RAY_SHARDED = ["--config.model.sharding=fsdp", "--config.runtime=ray", "--config.ray.num_cpus=2",
                "--config.num_workers=1", "--config.budget.tokens=3000",
-               "--config.checkpoint_every=5", "--config.eval_every_tokens=512"]
+               "--config.checkpoint.every=5", "--config.budget.eval_every_tokens=512"]
 
 
 def _eval_losses(workdir):

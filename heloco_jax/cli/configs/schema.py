@@ -123,18 +123,10 @@ KEYS: tuple[Key, ...] = (
         "relative per-step jitter of the simulated clock"),
     Key("batch_size", 8, integer(1, note=" (runtime=devices: a multiple of every group's size)"),
         "sequences per inner step per worker"),
-    Key("eval_every_tokens", 100_000, integer(0),
-        "tokens between validation evaluations (also at start and end); 0 = those only"),
     Key("metrics_fetch_every", 16, integer(1), "arrival rows whose diagnostics are fetched "
         "from the device together (1 = a host read per arrival)"),
     Key("runtime", "simulated", one_of(RUNTIMES, " (ray: asynchronous methods only)"),
         "where compute runs: simulated clock, real devices, or Ray actors"),
-    Key("checkpoint_every", 10, integer(0),
-        "outer updates (DDP: steps) between checkpoints; 0 = off"),
-    Key("keep_checkpoints", 3, integer(1), "the newest checkpoints kept in DIR/checkpoints"),
-    Key("grace_window", 0.0, number(0.0),
-        "seconds: arrivals this close to the first (with a quorum: to its closing) are "
-        "combined"),
     Key("dylu", False, BOOLEAN,
         "DyLU: worker i runs H_i = max(1, floor(v_i / v_ref * H)) steps (async methods)"),
     Key("lookahead_dispatch", None, optional(BOOLEAN, "the method's default"),
@@ -158,6 +150,12 @@ KEYS: tuple[Key, ...] = (
         "tokens of all applied inner steps together; 0 = none"),
     Key("budget.sim_seconds", 0.0, number(0.0),
         "simulated seconds (real seconds on devices and ray); 0 = none"),
+    Key("budget.eval_every_tokens", 100_000, integer(0),
+        "tokens between validation evaluations (also at start and end); 0 = those only"),
+    # checkpoint
+    Key("checkpoint.every", 10, integer(0),
+        "outer updates (DDP: steps) between checkpoints; 0 = off"),
+    Key("checkpoint.keep", 3, integer(1), "the newest checkpoints kept in DIR/checkpoints"),
     # model
     Key("model.d_model", 128, integer(1, 65536), "width of the residual stream"),
     Key("model.num_layers", 4, integer(1, 1024), "transformer blocks"),
@@ -303,16 +301,18 @@ KEYS: tuple[Key, ...] = (
     Key("compression.error_feedback", False, BOOLEAN,
         "keep what the compression drops and add it to the next pseudo-gradient"),
     Key("compression.download", False, BOOLEAN,
-        "compress θ's downloads too, with the same kind (asynchronous methods; on "
-        "runtime=ray θ whole)"),
+        "compress θ's downloads too, with the same kind (asynchronous methods)"),
     # syncer
+    Key("syncer.grace_window", 0.0, number(0.0),
+        "seconds: arrivals this close to the first (with a quorum: to its closing) are "
+        "combined"),
     Key("syncer.quorum", 1, integer(1, note=" and <= num_workers"),
         "q: arrivals an outer update waits for (asynchronous methods)"),
     Key("syncer.timeout", None, optional(number(0.0, low_open=True), "none"),
         "seconds after a group's first arrival at which it applies short of q", type=float),
     Key("syncer.adaptive_grace", 0.0, number(0.0),
         "κ > 0: the grace window is κ × the mean gap between arrivals (instead of "
-        "grace_window)"),
+        "syncer.grace_window)"),
     Key("syncer.weights", "mean", one_of(syncer.WEIGHTS),
         "how a group's pseudo-gradients merge: mean, or weighted by the tokens each trained on"),
     # chaos
@@ -327,10 +327,19 @@ KEYS: tuple[Key, ...] = (
 
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
 
+# Keys renamed since: a workdir's config.json may hold the former names (``RunDirectory``'s
+# ``renamed``), and the command line names the new one for a former flag.
+RENAMED: dict[str, str] = {"eval_every_tokens": "budget.eval_every_tokens",
+                           "grace_window": "syncer.grace_window",
+                           "checkpoint_every": "checkpoint.every",
+                           "keep_checkpoints": "checkpoint.keep"}
+
 # What each section is for; the top-level keys come first, as "run".
 SECTIONS: dict[str, str] = {
     "": "run: method, workers, schedule, outputs",
-    "budget": "budget: when the run ends (work still in flight then is not applied)",
+    "budget": "budget: when the run ends (work still in flight then is not applied) and "
+              "how often it is evaluated",
+    "checkpoint": "checkpoint: how often DIR/checkpoints is written and how many are kept",
     "model": "model: the CLI's TinyGPT (flax.nnx decoder-only GPT)",
     "data": "data: the CLI's corpus, its partition over workers and the validation set",
     "inner": "inner: the workers' AdamW with warm-up + cosine schedule; PALSGD's pull",

@@ -150,7 +150,8 @@ def _check_fits(config: ml_collections.ConfigDict, model_config: Any) -> None:
 # ``fragments.refusal``'s names -> config keys.
 _STREAMING_KEYS = {"fragments": "streaming.fragments", "overlap_steps": "streaming.overlap_steps",
                    "fragment_alpha": "streaming.alpha", "reset_optimizer": "inner.reset_optimizer",
-                   "quorum": "syncer.quorum", "adaptive_grace": "syncer.adaptive_grace"}
+                   "quorum": "syncer.quorum", "adaptive_grace": "syncer.adaptive_grace",
+                   "grace_window": "syncer.grace_window"}
 
 
 def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
@@ -159,7 +160,7 @@ def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
   refused = harness.syncer(config).refusal(config.num_workers)
   if refused:
     name, value, allowed = refused
-    _fail("grace_window" if name == "grace_window" else f"syncer.{name}", value, allowed)
+    _fail(f"syncer.{name}", value, allowed)
   for name, default in (("quorum", 1), ("timeout", None), ("adaptive_grace", 0.0),
                         ("weights", "mean")):
     if c[name] != default and method.synchrony != "async":
@@ -232,7 +233,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
       inner_steps=config.inner_steps,
       sharded=config.model.sharding != "none", reset_optimizer=config.inner.reset_optimizer,
-      grace_window=config.grace_window, dylu=config.dylu, quorum=config.syncer.quorum,
+      grace_window=config.syncer.grace_window, dylu=config.dylu, quorum=config.syncer.quorum,
       adaptive_grace=config.syncer.adaptive_grace)
   if refused:
     name, value, allowed = refused
