@@ -106,7 +106,7 @@ class Workdir:
   config_json: Optional[str] = None
   flag: str = "workdir"
   defaults_json: Optional[str] = None
-  renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  renamed: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
 
 @dataclasses.dataclass(frozen=True)
