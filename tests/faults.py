@@ -38,13 +38,21 @@ class FaultyExecutor:
 
   def run_worker(self, worker, previous, start, batches, key):
     state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+    return state, self._fault(worker, delta), loss
+
+  def run_fragment(self, worker, previous, steps, batches, key):
+    state, delta, loss = self._executor.run_fragment(worker, previous, steps, batches, key)
+    return state, self._fault(worker, delta), loss
+
+  def _fault(self, worker, delta):
+    """``delta``, poisoned (or its worker's actor killed) at the ``arrival``-th hit."""
     if worker == self.worker and self._hit():
       if self.kill:
         import ray  # pylint: disable=g-import-not-at-top
         ray.kill(self._executor.actor_of(worker), no_restart=False)
       else:
         delta = rejection.poison(self._executor.fetch(delta, "delta"), self.value)
-    return state, delta, loss
+    return delta
 
   def run_round(self, states, batches, keys, anchor):
     states, metrics = self._executor.run_round(states, batches, keys, anchor)

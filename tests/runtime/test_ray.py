@@ -81,10 +81,13 @@ finally:
 
 
 def _config_overrides(args):
-  """``--config.KEY=VALUE`` flags as {KEY: value} (numbers parsed)."""
+  """``--config.KEY=VALUE`` flags as {KEY: value} (numbers and true/false parsed)."""
   overrides = {}
   for arg in args:
     key, value = arg.removeprefix("--config.").split("=", 1)
+    if value in ("true", "false"):
+      overrides[key] = value == "true"
+      continue
     try:
       overrides[key] = int(value)
     except ValueError:
@@ -93,14 +96,24 @@ def _config_overrides(args):
       except ValueError:
         overrides[key] = value
   return overrides
+
+
 @needs_ray
 @pytest.mark.slow  # 60–80 s on 2 cores: the default suite stays under 15 minutes
-def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrupts_it(tmp_path):
+@pytest.mark.parametrize("extra", [
+    [],
+    # θ in 2 fragments (H/P = 2 steps each), int8 + error feedback both ways: the killed
+    # actor's retried task rebuilds its start from the anchors its previous dispatch returned
+    ["--config.streaming.fragments=2", "--config.inner_steps=4", "--config.compression.kind=int8",
+     "--config.compression.error_feedback=true", "--config.compression.download=true"],
+], ids=["whole", "fragments_int8_both_ways"])
+def test_heloco_on_ray_learns_and_a_killed_worker_actor_neither_stops_nor_corrupts_it(
+    tmp_path, extra):
   budget = 12_000
   overrides = _config_overrides([
       "--config.runtime=ray", "--config.ray.num_cpus=2", "--config.num_workers=3",
       f"--config.budget.tokens={budget}", "--config.budget.eval_every_tokens=4000",
-      "--config.checkpoint.every=20", *TINY])
+      "--config.checkpoint.every=20", *TINY, *extra])
   _python(["-c", KILL_SCRIPT.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
            str(tmp_path), json.dumps(overrides)])
   summary = json.loads((tmp_path / "summary.json").read_text())
