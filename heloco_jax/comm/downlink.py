@@ -87,8 +87,15 @@ class Downlink:
     x̂ + D(C(θ_p − x̂)) with x̂ its anchor of p."""
     del worker
     fragments = self._split()
+    payload = self.message(server.fragment_point(p), fragments.take(anchors, p))
+    return self.received(fragments, anchors, p, payload)
+
+  def received(self, fragments: fragments_lib.Fragments, anchors: Any, p: int,
+               payload: Any) -> tuple[Any, Any]:
+    """The worker's side of ``fragment``: its anchors with fragment ``p`` at its anchor +
+    D(``payload``), and that fragment (where server and worker are apart, runtime="ray")."""
     held = fragments.take(anchors, p)
-    arrived = self.apply(held, self.message(server.fragment_point(p), held))
+    arrived = self.apply(held, payload)
     return fragments.put(anchors, arrived, p), arrived
 
   def anchor(self, anchors: Any, p: int) -> Any:

@@ -121,14 +121,12 @@ class ServerActor(server_lib.OuterServer):
   def get(self) -> tuple[Any, Any]:
     return sharding.to_host(super().get())
 
-  def download(self, worker: int, pickled: Optional[bytes], held: Any = None) -> Any:
+  def download(self, worker: int, pickled: Optional[bytes]) -> Any:
     """Worker ``worker``'s download (docs/ALGORITHMS.md, "Compressed downloads"): the dispatch
     point θ_d whole (``pickled`` None) or the message C(θ_d − x̂) of the pickled compressor;
-    x̂ (this actor's copy; ``held``: its value restored from a checkpoint) takes the start
-    the worker builds, which ``WorkerActor.run`` builds alike."""
+    x̂ (this actor's copy; ``hold`` restores it from a checkpoint) takes the start the worker
+    builds, which ``WorkerActor.run`` builds alike."""
     point = super().dispatch_point()
-    if held is not None:
-      self._held[worker] = self._place(held)
     if pickled is None:
       self._held[worker] = point
       return sharding.to_host(point)
@@ -274,9 +272,8 @@ class WorkerActor:
     else:
       p = plan.received
       assert p is not None
-      held = fragments.take(anchors, p)
-      arrived = self._downlinks(pickled, held).apply(held, message)
-      anchors = fragments.put(anchors, arrived, p)
+      link = self._downlinks(pickled, fragments.take(anchors, p))
+      anchors, arrived = link.received(fragments, anchors, p, message)
       plan = dataclasses.replace(plan, arrived=arrived)
     return dataclasses.replace(plan, anchor=fragments.take(anchors, plan.sent)), anchors
 
@@ -400,12 +397,11 @@ class RayDownlink(downlink_lib.Downlink):
 
   def start(self, worker: int, point_of: Callable[[], Any], held: Any) -> Download:
     del point_of  # the server actor takes its own dispatch point
-    restored = held is not None and not isinstance(held, Download)
-    if restored:  # x̂ from a checkpoint: to both actors, once
+    if held is not None and not isinstance(held, Download):  # from a checkpoint: to both actors
       held = sharding.to_host(held)
+      self._server.actor.hold.remote(worker, held)  # (an actor runs its calls in order)
     return Download(self._server.actor.download.remote(
-        worker, None if held is None else self._pickled, held if restored else None), held,
-        self._pickled)
+        worker, None if held is None else self._pickled), held, self._pickled)
 
   # With fragments each fragment's server actor keeps its x̂ per worker (the worker's anchor
   # of it), and the worker actor keeps the anchors (``WorkerActor._received``).
