@@ -469,6 +469,9 @@ import cnn
 options = dict(method="heloco", inner_steps=4, budget=hj.Budget(steps=32, eval_every_steps=16),
                inner_tx=optax.adam(1e-2), eval_fn=cnn.cnn_eval, model_state=cnn.STATS,
                streaming=hj.Streaming(fragments=2))
+if sys.argv[2] == "int8":  # both ways: the worker actor keeps its anchors (x̂)
+  int8 = hj.compress.int8()
+  options["compress"] = hj.Compression(up=hj.compress.error_feedback(int8), down=int8)
 data = cnn.cnn_data(1)
 # θ packed on the server actor (docs/ALGORITHMS.md, "Packed outer state"): conv kernels too
 on_ray = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data,
@@ -489,13 +492,16 @@ print("RESULT", json.dumps({
 
 
 @needs_ray
-@pytest.mark.slow  # a Ray run, ~40 s: the default suite stays under 15 minutes
-def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation():
+@pytest.mark.slow  # a Ray run, ~40 s each: the default suite stays under 15 minutes
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation(compression):
   """A loss_fn with ``state`` and ``rng`` on Ray (the worker actor steps them, the driver merges
   the state): one worker equals the simulated runtime bit for bit, params, BatchNorm's
-  statistics and the rows' metrics, with θ in 2 fragments, packed on the server actor."""
+  statistics and the rows' metrics, with θ in 2 fragments, packed on the server actor; also
+  with int8 + error feedback up and int8 down."""
   tests = os.path.dirname(os.path.dirname(__file__))
-  out = subprocess.run([sys.executable, "-c", MODEL_STATE_SCRIPT, tests], capture_output=True,
+  out = subprocess.run([sys.executable, "-c", MODEL_STATE_SCRIPT, tests, compression],
+                       capture_output=True,
                        text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(next(line for line in out.stdout.splitlines()
