@@ -5,14 +5,13 @@ the state of an ``optax.chain``), on device, with no host sync. Like
 ``optax.contrib.schedule_free_eval_params(state, params)``, the readers take
 the state first.
 
-A loop that reads a state at every arrival finds the sub-state once
-(``state_getter``) and indexes it afterwards, instead of walking the whole
-state tree each time (``find_state``).
+A loop that reads a state at every arrival reads it inside a compiled program
+(``find_state`` then walks the tree once, when the program is traced).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,8 @@ def _find_with_path(state: Any, types: tuple[type, ...], fn: str) -> tuple[Any, 
   return found[0]
 
 
-def _holds_one(tree: Any, types: tuple[type, ...]) -> bool:
+def holds_one(tree: Any, types: tuple[type, ...]) -> bool:
+  """Whether ``tree`` holds exactly one sub-state of one of ``types``."""
   try:
     find_state(tree, types, "")
   except ValueError:
@@ -50,40 +50,6 @@ def _holds_one(tree: Any, types: tuple[type, ...]) -> bool:
 def find_state(state: Any, types: tuple[type, ...], fn: str) -> Any:
   """The single sub-state of one of ``types`` inside ``state`` (walks the whole tree)."""
   return _find_with_path(state, types, fn)[1]
-
-
-def _child(tree: Any, key: Any) -> Any:
-  """One step of a key path (``jax.tree_util`` keys)."""
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return tree[key.idx]
-  if isinstance(key, jax.tree_util.DictKey):
-    return tree[key.key]
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return getattr(tree, key.name)
-  raise TypeError(f"no direct index for key {key!r}")
-
-
-def state_getter(state: Any, types: tuple[type, ...], fn: str) -> Callable[[Any], Any]:
-  """Finds the sub-state of one of ``types`` once; returns a function that indexes it.
-
-  The function takes any state with ``state``'s structure (e.g. the same
-  rule's state after later updates) and follows the key path found here,
-  without walking the rest of the tree. A pytree node without named or
-  numbered children on the path (``FlattenedIndexKey``) falls back to
-  ``find_state`` on every call.
-
-  Raises:
-    ValueError: ``state`` holds no (or several) sub-states of ``types``.
-  """
-  path, _ = _find_with_path(state, types, fn)
-  if any(isinstance(key, jax.tree_util.FlattenedIndexKey) for key in path):
-    return lambda tree: find_state(tree, types, fn)
-
-  def get(tree: Any) -> Any:
-    for key in path:
-      tree = _child(tree, key)
-    return tree
-  return get
 
 
 def lookahead_params(state: Any, params: Any) -> Any:
@@ -122,7 +88,7 @@ def lookahead_params(state: Any, params: Any) -> Any:
   try:
     outer = find_state(state, LOOKAHEAD_STATES, "lookahead_params")
   except ValueError:
-    if _holds_one(params, LOOKAHEAD_STATES):  # the order before optax's
+    if holds_one(params, LOOKAHEAD_STATES):  # the order before optax's
       raise ValueError("lookahead_params: the arguments are (state, params), the state "
                        "first as in optax.contrib.schedule_free_eval_params; got the params "
                        "first and the state second.") from None

@@ -8,7 +8,7 @@ the look-ahead point θ − η·μ·m, docs/ALGORITHMS.md "MLA"), and applies on
 arrival meets, combines a grace window's arrivals and applies the rule.
 HeLoCo's diagnostics come from the HeLoCo state wherever it sits in the chain
 (``hj.heloco_diagnostics(state, per_block=False)``); the sub-states the server
-reads are found once, when it is built, and indexed at every arrival.
+reads are found inside the compiled programs that read them, when they are traced.
 
 For a loop of your own, ``dispatch(worker)`` and ``arrive(delta, worker)`` do
 the version and staleness bookkeeping::
@@ -87,13 +87,26 @@ def _copy(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), tree)
 
 
+def _reading(types: tuple[type, ...], fn: str, read: Callable[..., Any]) -> Callable[..., Any]:
+  """``read(sub_state, *args)`` of the one sub-state of ``types`` in an outer state, jitted:
+  the sub-state is found when the program is traced (once per state structure), not at
+  every arrival."""
+  return jax.jit(lambda state, *args: read(lookahead_lib.find_state(state, types, fn), *args))
+
+
 # The look-ahead point θ − η·μ·m as two compiled programs per tree structure (η·μ·m, then
 # θ − that), not two eager ops per leaf at every dispatch. Not one program: XLA would fuse
 # the multiply and the subtract into an FMA, and the single rounding changes θ's last bits
 # against the eager hj.lookahead_params (the README's example then ends at val loss 0.0020
 # instead of 0.054); two programs round as the eager ops do, bit for bit.
-_scaled_momentum = jax.jit(lookahead_lib.scaled_momentum)
+_scaled_momentum = _reading(lookahead_lib.LOOKAHEAD_STATES, "lookahead_params",
+                            lookahead_lib.scaled_momentum)
 _subtract = jax.jit(lookahead_lib.subtract)
+# cos(Δ, m) with the momentum an arrival meets, and HeLoCo's row: one program each.
+_alignment = _reading(lookahead_lib.MOMENTUM_STATES, "outer_momentum",
+                      lambda sub_state, delta: alignment(delta,
+                                                         lookahead_lib.momentum_of(sub_state)))
+_heloco_row = _reading((outer.HeLoCoState,), "heloco_diagnostics", heloco_row)
 _pack = jax.jit(packing.pack)
 _unpack = jax.jit(packing.unpack)
 _unpack_all = jax.jit(packing.unpack_all)
@@ -146,14 +159,6 @@ def packs_outer(outer_layout: OuterLayout, *, rule: bool, user_rule: bool, shard
   return not user_rule and not sharded and (platform or jax.default_backend()) != "cpu"
 
 
-def _getter(state: Any, types: tuple[type, ...], fn: str) -> Optional[Callable[[Any], Any]]:
-  """``lookahead.state_getter``, or None when ``state`` holds no (or several) ``types``."""
-  try:
-    return lookahead_lib.state_getter(state, types, fn)
-  except ValueError:
-    return None
-
-
 class OuterServer:
   """θ, the outer state and an outer rule.
 
@@ -195,19 +200,16 @@ class OuterServer:
     self._state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self._params))
                    if outer_tx is not None else None)
     self.lookahead = lookahead
-    # The sub-states read at every dispatch and arrival, found once from the state's
-    # structure (no method names); each is then indexed, not searched for.
-    self._lookahead_state = _getter(self._state, lookahead_lib.LOOKAHEAD_STATES,
-                                    "lookahead_params")
-    if lookahead and self._lookahead_state is None:
+    reads = lookahead_lib.holds_one
+    if lookahead and not reads(self._state, lookahead_lib.LOOKAHEAD_STATES):
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
     # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
     self._arrival_weight = weighting_lib.arrival_weighting(self._state)
     self._step = jit_outer_step(outer_tx, constrain) if outer_tx is not None else None
-    self._heloco_state = _getter(self._state, (outer.HeLoCoState,), "heloco_diagnostics")
-    self._momentum_state = None if self._heloco_state is not None else _getter(
-        self._state, lookahead_lib.MOMENTUM_STATES, "outer_momentum")
+    # HeLoCo logs its own cosines, per block; another rule with a momentum, cos(Δ, m).
+    self._heloco = reads(self._state, (outer.HeLoCoState,))
+    self._aligns = not self._heloco and reads(self._state, lookahead_lib.MOMENTUM_STATES)
     self.version = 0
     self._dispatched: dict[int, int] = {}
 
@@ -247,7 +249,7 @@ class OuterServer:
     simulated runtime runs a worker's steps when its arrival comes up.
     """
     if self.lookahead:
-      point = _subtract(self._params, _scaled_momentum(self._lookahead_state(self._state)))
+      point = _subtract(self._params, _scaled_momentum(self._state))
       return _unpack(point) if self.packed else point
     return self.params if self.packed else _copy(self._params)
 
@@ -288,10 +290,9 @@ class OuterServer:
       return results
     if self.packed:  # once: the cosine check, a group's mean and the step read the buffers
       deltas = tuple(_pack(d) if i in applied else d for i, d in enumerate(deltas))
-    if self._momentum_state is not None:  # HeLoCo logs its own cosines, per block
-      momentum = lookahead_lib.momentum_of(self._momentum_state(self._state))
+    if self._aligns:
       for i in applied:
-        results[i]["cosine_mean"] = alignment(deltas[i], momentum)
+        results[i]["cosine_mean"] = _alignment(self._state, deltas[i])
     taus_applied = [taus[i] for i in applied]
     if len(applied) == 1:
       self._apply(deltas[applied[0]], taus_applied[0])
@@ -300,8 +301,8 @@ class OuterServer:
       self._apply(self._combine([deltas[i] for i in applied], taus_applied, omegas),
                  max(taus_applied))
     self.version += 1
-    if self._heloco_state is not None:
-      diagnostics = heloco_row(self._heloco_state(self._state))
+    if self._heloco:
+      diagnostics = _heloco_row(self._state)
       for i in applied:
         results[i].update(diagnostics)
     return to_host(results) if fetch else results

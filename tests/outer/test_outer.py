@@ -188,18 +188,26 @@ def test_lookahead_params_inside_a_chain_and_errors():
     hj.lookahead_params(params, state)
 
 
-def test_state_getter_follows_the_path_found_once():
+def test_the_servers_readers_find_the_sub_state_when_traced_and_equal_the_eager_readers():
   from heloco_jax.outer import lookahead  # pylint: disable=g-import-not-at-top
+  from heloco_jax.training import server as server_lib  # pylint: disable=g-import-not-at-top
   params, arrivals, _ = _arrivals(21, n=2)
   tx = optax.chain(optax.clip_by_global_norm(100.0),
                    optax.inject_hyperparams(hj.heloco)(learning_rate=0.5, num_workers=2))
   state = tx.init(params)
-  get = lookahead.state_getter(state, (hj.HeLoCoState,), "test")  # chain index, inner_state
-  for delta in arrivals:
+  for delta in arrivals:  # the heloco state sits at chain index 1, in inject's inner_state
     _, state = tx.update(delta, state, params, staleness=0)
-    assert get(state) is lookahead.find_state(state, (hj.HeLoCoState,), "test")
-  with pytest.raises(ValueError, match="test: .* holds 0 MLAState"):
-    lookahead.state_getter(state, (hj.MLAState,), "test")
+    row = jax.device_get(server_lib._heloco_row(state))
+    eager = jax.device_get(hj.heloco_diagnostics(state, per_block=False))
+    assert row.keys() == eager.keys() - {"staleness"}
+    for name, value in row.items():
+      np.testing.assert_array_equal(value, eager[name], err_msg=name)
+    scaled = lookahead.scaled_momentum(lookahead.find_state(state, (hj.HeLoCoState,), "test"))
+    for ours, theirs in zip(jax.tree.leaves(server_lib._scaled_momentum(state)),
+                            jax.tree.leaves(scaled)):
+      np.testing.assert_array_equal(ours, theirs)
+  with pytest.raises(ValueError, match="outer_momentum: .* holds 0"):
+    server_lib._alignment(optax.sgd(0.1).init(params), params)
 
 
 def test_weight_orders_agree_when_weight_is_one():
