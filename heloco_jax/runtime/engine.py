@@ -163,8 +163,9 @@ class Engine:
         downlink=downlink, fragments=fragments,
         arrivals=lambda: runtime.arrivals(clock, executor, recorder.emit),
         streams=streams, recorder=recorder,
-        state=RunState(next_checkpoint=spec.checkpoint_every), features=state_lib.Features(),
-        streak=rejection.RejectionStreak(spec.num_workers, spec.rejection_limit),
+        state=RunState(next_checkpoint=spec.checkpoint_every),
+        features=state_lib.Features(rejection=rejection.RejectionState(
+            limit=spec.rejection_limit or rejection.default_limit(spec.num_workers))),
         key=jax.random.key(spec.seed),
         model_states=model_state_lib.ModelStates(
             executor.to_server(model_state) if model_state is not None else None,
@@ -332,7 +333,6 @@ class Engine:
       run.model_states.merged = run.executor.to_server(arrays["model_state"])
     if run.features.downlink.held is not None and self.layout is None:  # where θ is
       run.features.downlink.held = run.executor.to_server(run.features.downlink.held)
-    run.streak.set_state(run.features.rejection.rejected_in_a_row)
     run.clock.set_state(meta["clock"])
     for stream, position in zip(run.streams, meta["streams"], strict=True):
       stream.set_state(position)
@@ -357,7 +357,6 @@ class Engine:
       s.next_checkpoint = (s.version // every + 1) * every
     self._run.recorder.flush()  # the checkpoint's rows are all written before it
     if self._on_checkpoint is not None:
-      self._run.features.rejection.rejected_in_a_row = self._run.streak.get_state()
       self._on_checkpoint(self)
     if self.stop_requested:
       raise Stopped(self.stop_requested, checkpointed=self._on_checkpoint is not None)
@@ -444,7 +443,7 @@ class Engine:
         self._evaluate()
         self._maybe_checkpoint()
         await asyncio.sleep(0)
-      run.streak.check_end(s.version)
+      run.features.rejection.check_end(s.version)
       gone = self.spec.membership.everyone_gone(self.spec.num_workers)
       if s.version == 0 and s.units == 0:
         if gone is not None:
@@ -539,7 +538,7 @@ def _check_download(spec: RunSpec, executor: base.Executor) -> None:
                      "methods (async_nesterov, delayed_nesterov, mla, heloco, cgad)")
   if not getattr(executor, "compresses_downloads", False):
     raise ValueError(f"{refused} on {executor.describe()}; allowed: the simulated runtime, "
-                     "runtime=devices in one process, and Ray with θ unsharded")
+                     "runtime=devices in one process, and Ray")
 
 
 def require_no_event_loop(call: str, instead: str) -> None:

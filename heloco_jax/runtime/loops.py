@@ -231,7 +231,7 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
       run.emit({"event": "arrival", "worker": w, "staleness": tau, spec.unit: s.units,
                 "sim_time": now, "outer_updates": s.version, "fragment": p, "bytes_up": up,
                 "bytes_down": down, **run.train_loss(job.train_loss), **result})
-  run.streak.update(reasons, group)
+  f.rejection.update(reasons, group)
 
 
 def _dispatch_seconds(clock: base.Clock, count: int,
@@ -403,7 +403,7 @@ def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray
   for i in workers:
     if reasons[i] is not None:
       run.reject(i, reasons[i], 0, int(real_steps[i]) * run.spec.units_per_step)
-  run.streak.update([reasons[i] for i in workers], workers)
+  run.features.rejection.update([reasons[i] for i in workers], workers)
   return np.array([reasons[i] is None and i in workers for i in range(len(reasons))])
 
 

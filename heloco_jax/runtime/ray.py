@@ -229,16 +229,18 @@ class WorkerActor:
     if download is not None and fragment is not None:  # the worker keeps its anchors (x̂)
       fragment, held = self._received(fragment, start, download, held)
     elif download is not None and held is not None:  # ALGORITHMS.md, "Compressed downloads"
+      if self._layout is not None:  # x̂ on θ's mesh, as the server actor keeps it
+        held = self._layout.from_host(held)
       start = self._downlinks(download, held).apply(held, start)
     if model_state is not None and previous is not None:
       previous = previous._replace(model_state=model_state)
     if self._layout is not None:  # (fragments run with θ unsharded)
       put = self._layout.from_host
-      previous = put(previous)
+      previous, start = put(previous), put(start)
       if fresh and previous is not None:
         previous = self._inner.fresh_moments(previous)
       state, delta, loss = simulated.compute_worker(
-          self._inner, previous, put(start), put(batches), put(key))
+          self._inner, previous, start, put(batches), put(key))
       to_host = sharding.to_host
     else:
       if fresh and previous is not None:
@@ -258,7 +260,7 @@ class WorkerActor:
       delta, compression = to_host(delta), None
     held = held if fragment is not None else start  # the worker's next x̂
     return (to_host(state), delta, jax.device_get(loss), os.getpid(), compression,
-            to_host(state.model_state), None if download is None else jax.device_get(held))
+            to_host(state.model_state), None if download is None else to_host(held))
 
   def _received(self, plan: streaming.FragmentSteps, message: Any, pickled: bytes,
                 anchors: Any) -> tuple[streaming.FragmentSteps, Any]:
@@ -582,11 +584,8 @@ class RayExecutor(base.OneProcess):
     return RayServer(actor, self.layout)
 
   synchronies = frozenset({"async"})
-  compresses = True
+  compresses = compresses_downloads = True
 
-  @property
-  def compresses_downloads(self) -> bool:  # (with θ sharded, each actor would rebuild x̂'s mesh)
-    return self.layout is None
 
   def make_downlink(self, compressor: compress.Compressor, params: Any, server: Any,
                     fragments: Any) -> RayDownlink:
@@ -729,8 +728,8 @@ class RayExecutor(base.OneProcess):
     waiting for them."""
     if what == "held" and not isinstance(tree, Dispatch):
       return [self._held(d) for d in tree] if isinstance(tree, list) else self._held(tree)
-    here = (self.layout.from_host if self.layout is not None and what in ("state", "delta")
-            else lambda tree: tree)
+    here = (self.layout.from_host if self.layout is not None
+            and what in ("state", "delta", "held") else lambda tree: tree)
     def value(dispatch):
       if isinstance(dispatch, self._ray.ObjectRef):
         return self._ray.get(dispatch)
@@ -757,7 +756,8 @@ class RayExecutor(base.OneProcess):
       return self.fetch(download.dispatch, "held")
     if download.held is None:  # θ whole
       message = download.message
-      return self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
+      message = self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
+      return self.layout.from_host(message) if self.layout is not None else message
     return self._held(download.held)
 
   def fresh_moments(self, state: Any) -> Any:

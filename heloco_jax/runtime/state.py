@@ -343,7 +343,6 @@ class Run:
     recorder: the metrics rows.
     state: the engine's counters (``RunState``).
     features: each feature's own state (``Features``).
-    streak: non-finite pseudo-gradients in a row (``rejection.RejectionStreak``).
     key: the run's PRNG key stream.
     model_states: the server's copy of the model state and the workers' keys
       (``heloco_jax.training.model_state``; inactive for a plain ``loss_fn``).
@@ -361,7 +360,6 @@ class Run:
   recorder: Recorder
   state: RunState
   features: Features
-  streak: Any
   key: jax.Array
   model_states: Any = None
   downlink: Optional[downlink_lib.Downlink] = None

@@ -55,70 +55,68 @@ def default_limit(num_workers: int) -> int:
   return max(2, num_workers)
 
 
+def _no_streak() -> dict[str, Any]:
+  return {"count": 0, "kinds": [], "workers": []}
+
+
 @dataclasses.dataclass
 class RejectionState:
-  """What the rejection policy counted (a checkpoint's "rejection" entry): pseudo-gradients
-  rejected, the units they held, and ``RejectionStreak``'s state at the checkpoint."""
+  """The rejection policy's state (a checkpoint's "rejection" entry; docs/DESIGN.md, "Faults").
+
+  It counts the pseudo-gradients rejected and the units they held, and stops a
+  run whose workers keep sending non-finite work. A rejected worker restarts
+  from θ with a fresh optimizer state; when that fails too, the run diverges.
+  So the run stops once ``limit`` pseudo-gradients in a row were rejected with
+  no update applied between them (asynchronous arrivals, or whole rounds in
+  which every worker was rejected), and at its end if every arrival was
+  rejected (``check_end``).
+
+  Attributes:
+    rejected: pseudo-gradients rejected.
+    rejected_units: the units they held.
+    rejected_in_a_row: the streak since the last applied update: its ``count``, the
+      ``kinds`` ("nan", "inf") and the ``workers`` that sent them.
+    limit: rejections in a row that stop the run; 0 = ``default_limit(K)`` (the run's
+      setting, set by the engine: not saved).
+  """
   rejected: int = 0
   rejected_units: int = 0
-  rejected_in_a_row: Any = 0
+  rejected_in_a_row: Any = dataclasses.field(default_factory=_no_streak)
+  limit: int = dataclasses.field(default=2, metadata={"setting": True})
+
+  def restored(self) -> None:
+    if isinstance(self.rejected_in_a_row, int):  # checkpoints that kept the count only
+      self.rejected_in_a_row = {**_no_streak(), "count": self.rejected_in_a_row}
 
   def reject(self, units: int) -> None:
     self.rejected += 1
     self.rejected_units += units
 
-
-class RejectionStreak:
-  """Stops a run whose workers keep sending non-finite work (docs/DESIGN.md, "Faults").
-
-  A rejected worker restarts from θ with a fresh optimizer state; when that
-  fails too, the run diverges. So the run stops once ``limit`` pseudo-gradients
-  in a row were rejected with no update applied between them (asynchronous
-  arrivals, or whole rounds in which every worker was rejected), and at its end
-  if every arrival was rejected (``check_end``).
-
-  Args:
-    num_workers: K.
-    limit: rejections in a row that stop the run; 0 = ``default_limit(K)``.
-  """
-
-  def __init__(self, num_workers: int, limit: int = 0):
-    self.limit = limit or default_limit(num_workers)
-    self.count = 0
-    self.kinds: set[str] = set()
-    self.workers: set[int] = set()
-
   def update(self, rejected: list[Optional[str]], workers: Optional[list[int]] = None) -> None:
     """Counts a group's reasons (of ``workers``, default 0..n-1); raises
     ``DivergenceError`` when the streak reaches the limit."""
     if any(reason is None for reason in rejected):
-      self.count = 0
-      self.kinds, self.workers = set(), set()
+      self.rejected_in_a_row = _no_streak()
       return
-    self.count += len(rejected)
-    self.kinds.update(rejected)
-    self.workers.update(range(len(rejected)) if workers is None else workers)
-    if self.count >= self.limit:
-      raise DivergenceError(self._message(f"the last {self.count} pseudo-gradients"))
+    streak = self.rejected_in_a_row
+    streak["count"] += len(rejected)
+    streak["kinds"] = sorted(set(streak["kinds"]).union(rejected))
+    streak["workers"] = sorted(set(streak["workers"]).union(
+        range(len(rejected)) if workers is None else workers))
+    if streak["count"] >= self.limit:
+      raise DivergenceError(self._message(f"the last {streak['count']} pseudo-gradients"))
 
   def check_end(self, applied_updates: int) -> None:
     """Raises ``DivergenceError`` when a run ends with rejections and no update applied."""
-    if applied_updates == 0 and self.count > 0:
-      raise DivergenceError(self._message(f"all {self.count} pseudo-gradients of the run"))
-
-  def get_state(self) -> dict[str, Any]:
-    return {"count": self.count, "kinds": sorted(self.kinds), "workers": sorted(self.workers)}
-
-  def set_state(self, state: Any) -> None:
-    if isinstance(state, int):  # checkpoints that kept the count only
-      state = {"count": state, "kinds": [], "workers": []}
-    self.count = state["count"]
-    self.kinds, self.workers = set(state["kinds"]), set(state["workers"])
+    count = self.rejected_in_a_row["count"]
+    if applied_updates == 0 and count > 0:
+      raise DivergenceError(self._message(f"all {count} pseudo-gradients of the run"))
 
   def _message(self, which: str) -> str:
-    workers = ", ".join(str(w) for w in sorted(self.workers)) or "?"
-    return (f"{which} (from worker{'s' if len(self.workers) != 1 else ''} {workers}) were "
-            f"non-finite ({', '.join(sorted(self.kinds)) or 'nan or inf'}) and were rejected: "
+    kinds, workers = self.rejected_in_a_row["kinds"], self.rejected_in_a_row["workers"]
+    named = ", ".join(str(w) for w in workers) or "?"
+    return (f"{which} (from worker{'s' if len(workers) != 1 else ''} {named}) were "
+            f"non-finite ({', '.join(kinds) or 'nan or inf'}) and were rejected: "
             "the training diverges; likely fixes: a lower inner learning rate (or outer "
             "learning rate, when outer updates came first), gradient clipping, or data the "
             "model can take (e.g. no token id outside the vocabulary)")

@@ -99,7 +99,8 @@ def test_a_checkpoint_written_before_the_entries_restores_from_its_flat_meta():
   features = state_lib.Features()
   for name, feature in features.items():
     state_lib.load_entry(feature, flat, {})
-  assert features.rejection == rejection.RejectionState(2, 40, 0)
+  assert features.rejection == rejection.RejectionState(2, 40, {"count": 0, "kinds": [],
+                                                                "workers": []})
   assert features.traffic == cost.Traffic(10, 5, 0.5)
   assert features.syncer == syncer.SyncerState(1.5, 9.0)
   assert features.membership.away == {1: [3.0, "join", 0]}  # JSON's string keys as workers

@@ -198,43 +198,62 @@ RAY_SHARDED = ["--config.model.sharding=fsdp", "--config.runtime=ray", "--config
                "--config.checkpoint.every=5", "--config.budget.eval_every_tokens=512"]
 
 
-def _eval_losses(workdir):
+def _rows(workdir):
   with open(workdir / "metrics.jsonl") as f:
-    return [row["val_loss"] for row in map(json.loads, f) if row["event"] == "eval"]
+    return [json.loads(line) for line in f]
+
+
+def _eval_losses(workdir):
+  return [row["val_loss"] for row in _rows(workdir) if row["event"] == "eval"]
+
+
+# int8 + error feedback up, int8 down: both actors keep x̂ on their mesh (issue 58).
+COMPRESSED = ["--config.compression.kind=int8", "--config.compression.download=True"]
 
 
 @pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
-def test_the_cli_gpt_sharded_on_ray_actors_equals_the_sharded_simulated_run(tmp_path):
+@pytest.mark.parametrize("compression", [[], COMPRESSED], ids=["none", "int8_both_ways"])
+def test_the_cli_gpt_sharded_on_ray_actors_equals_the_sharded_simulated_run(tmp_path,
+                                                                            compression):
   """HeLoCo with θ FSDP-sharded over 4 devices in the driver, in the server actor and in the
   worker actor (one worker: the arrival order is the simulated one) gives the sharded
-  simulated run's evaluations bit for bit; checkpoints are written (by the driver, from θ's
-  shards)."""
+  simulated run's evaluations bit for bit, uncompressed and with compressed syncs both ways;
+  checkpoints are written (by the driver, from θ's shards, x̂ among them)."""
   pytest.importorskip("ray")
-  ray_run = _cli(tmp_path / "ray", *RAY_SHARDED)
+  ray_run = _cli(tmp_path / "ray", *RAY_SHARDED, *compression)
   assert ray_run.returncode == 0, ray_run.stderr[-3000:]
   assert "θ sharded over {'fsdp': 4} in each actor" in ray_run.stderr
-  simulated = _cli(tmp_path / "simulated", RAY_SHARDED[0], *RAY_SHARDED[3:])
+  simulated = _cli(tmp_path / "simulated", RAY_SHARDED[0], *RAY_SHARDED[3:], *compression)
   assert simulated.returncode == 0, simulated.stderr[-3000:]
   ray_losses, simulated_losses = _eval_losses(tmp_path / "ray"), _eval_losses(tmp_path / "simulated")
   assert len(ray_losses) == len(simulated_losses) > 3
   assert ray_losses == simulated_losses  # the same programs on a mesh of the same shape
   assert ray_losses[-1] < ray_losses[0] - 1.0
+  downs = [[row["bytes_down"] for row in _rows(tmp_path / name) if row["event"] == "arrival"]
+           for name in ("ray", "simulated")]
+  assert downs[0] == downs[1]
+  if compression:  # θ whole first, then the message: about a quarter of float32's
+    assert max(downs[0][1:]) < downs[0][0] / 3.9, downs[0]
   assert sorted(os.listdir(tmp_path / "ray" / "checkpoints"))
 
 
 @pytest.mark.slow
-def test_a_sharded_ray_run_stopped_after_a_checkpoint_resumes_to_the_same_end(tmp_path):
+@pytest.mark.parametrize("compression", [[], COMPRESSED], ids=["none", "int8_both_ways"])
+def test_a_sharded_ray_run_stopped_after_a_checkpoint_resumes_to_the_same_end(tmp_path,
+                                                                             compression):
   """SIGTERM after the first checkpoint stops the run at its next arrival (exit 143); the same
   command resumes it (θ and the outer state back into the server actor, the worker's state
-  into its actor, shard by shard) and it ends with the uninterrupted run's evaluations."""
+  and, with compressed downloads, its x̂ into both actors, shard by shard) and it ends with
+  the uninterrupted run's evaluations."""
   pytest.importorskip("ray")
-  whole = _cli(tmp_path / "whole", *RAY_SHARDED)
+  whole = _cli(tmp_path / "whole", *RAY_SHARDED, *compression)
   assert whole.returncode == 0, whole.stderr[-3000:]
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4),
          "JAX_PLATFORMS": "cpu"}
   stopped = tmp_path / "stopped"
   proc = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={stopped}",
-                           *CLI_TINY, *RAY_SHARDED], env=env, stdout=subprocess.DEVNULL,
+                           *CLI_TINY, *RAY_SHARDED, *compression], env=env,
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   try:
     deadline = time.monotonic() + 600
@@ -246,7 +265,7 @@ def test_a_sharded_ray_run_stopped_after_a_checkpoint_resumes_to_the_same_end(tm
   finally:
     proc.kill()
   assert not (stopped / "summary.json").exists()
-  resumed = _cli(stopped, *RAY_SHARDED)
+  resumed = _cli(stopped, *RAY_SHARDED, *compression)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "resuming from checkpoint" in resumed.stderr
   assert _eval_losses(stopped) == _eval_losses(tmp_path / "whole")
