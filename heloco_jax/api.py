@@ -469,7 +469,7 @@ def make_engine(
   refused = fragments_lib.refusal(
       method=spec_method, fragments=streaming.fragments, overlap_steps=streaming.overlap_steps,
       alpha=streaming.alpha, inner_steps=inner_steps,
-      sharded=sharding.layout_of(params) is not None, reset_optimizer=reset_optimizer,
+      reset_optimizer=reset_optimizer,
       grace_window=syncer.grace_window, dylu=dylu, quorum=syncer.quorum,
       adaptive_grace=syncer.adaptive_grace)
   if refused:

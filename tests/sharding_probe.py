@@ -74,10 +74,14 @@ def sharded_params():
 
 
 def options(method):
+  """``method``'s run; "heloco_fragments": HeLoCo with θ in 2 fragments (1 step of overlap)."""
   inner_tx = (hj.palsgd_inner(optax.scale_by_adam(), 1e-2, pseudo_sync_prob=0.25)
               if method == "palsgd" else optax.adamw(1e-2))
+  streaming = {}
+  if method == "heloco_fragments":
+    method, streaming = "heloco", dict(streaming=hj.Streaming(fragments=2, overlap_steps=1))
   return dict(method=method, inner_tx=inner_tx, inner_steps=4, speeds=[1.0, 2.0],
-              budget=hj.Budget(steps=48))
+              budget=hj.Budget(steps=48), **streaming)
 
 
 def full_copies(tree):
@@ -109,7 +113,8 @@ def compare(method):
     summary = asyncio.run(engine.run())
     live = {"params": engine.params, "outer_state": engine.outer_state,
             "workers": engine.state.workers,
-            "pending": [job.delta for job in engine.state.jobs.values()]}
+            "pending": [job.delta for job in engine.state.jobs.values()],
+            "anchors": engine._run.features.streaming.anchors}  # with fragments
     result_shardings = [str(x.sharding.spec) for x in jax.tree.leaves(engine.params)]
     sharded = leaves(engine.params)
   finally:
@@ -253,8 +258,10 @@ def main(out, method=None, workdir=None):
       resumed = stopped_and_resumed_on_devices(os.path.join(directory, "run"))
     result = {"num_devices": jax.device_count(), "checkpoint": saved,
               "devices_resumed": resumed,
-              **{m: compare(m) for m in ("heloco", "diloco")},
-              "devices_heloco": on_devices("heloco"), "devices_diloco": rounds_on_devices("diloco"),
+              **{m: compare(m) for m in ("heloco", "diloco", "heloco_fragments")},
+              "devices_heloco": on_devices("heloco"),
+              "devices_heloco_fragments": on_devices("heloco_fragments"),
+              "devices_diloco": rounds_on_devices("diloco"),
               "devices_palsgd": rounds_on_devices("palsgd")}
   else:
     result = in_workdir(method, workdir)

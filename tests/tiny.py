@@ -5,6 +5,8 @@ CLI's engine, ``harness.engine_of_config``), and a warning filter two checkpoint
 import asyncio
 import functools
 import os
+import socket
+import subprocess
 from typing import Optional
 
 import jax.numpy as jnp
@@ -22,6 +24,25 @@ def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a subprocess on ``devices`` host CPU devices, with the suite's own
   (tests/conftest.py: LLVM -O0 for the tiny programs, deterministic GPU ops)."""
   return os.environ["XLA_FLAGS"] + f" --xla_force_host_platform_device_count={devices}"
+
+def free_port() -> int:
+  """A TCP port free on this host now (a jax.distributed coordinator's)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(commands, env=None, timeout=300):
+  """Runs ``commands`` (one per jax.distributed process) at once; (return codes, outputs)."""
+  procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for command in commands]
+  try:
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return [p.returncode for p in procs], outputs
+
 
 # Reading a truncated checkpoint fails in one of orbax's concurrent tensorstore reads; orbax
 # then closes its event loop while the others are in flight, and when one of them finishes,

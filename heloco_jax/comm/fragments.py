@@ -193,7 +193,7 @@ def split(params: Any, num: int, layout: Layout = "contiguous") -> Fragments:
 
 
 def refusal(*, method: Any, fragments: Any, overlap_steps: Any, alpha: Any,
-            inner_steps: int, sharded: bool, reset_optimizer: Any,
+            inner_steps: int, reset_optimizer: Any,
             grace_window: float, dylu: bool, quorum: int = 1, adaptive_grace: float = 0.0
             ) -> Optional[tuple[str, Any, str]]:
   """The first fragment setting a run cannot take, as (name, value, what is allowed), or None.
@@ -220,8 +220,6 @@ def refusal(*, method: Any, fragments: Any, overlap_steps: Any, alpha: Any,
                                             f"{inner_steps}/{fragments})")
   if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha <= 1:
     return "fragment_alpha", alpha, "a number in (0, 1]"
-  if sharded:
-    return "fragments", fragments, "1 with sharded params (fragments need θ on one device)"
   for name, value, default in (("reset_optimizer", reset_optimizer, None),
                                ("grace_window", grace_window, 0.0), ("quorum", quorum, 1),
                                ("adaptive_grace", adaptive_grace, 0.0), ("dylu", dylu, False)):

@@ -318,7 +318,7 @@ class Engine:
     run.key = jax.random.wrap_key_data(arrays["key"])
     arrays = dict(arrays)
     if self.layout is not None:  # back where an uninterrupted run holds them
-      for name in ("pending", "workers", "compression", "downlink"):
+      for name in ("pending", "workers", "compression", "downlink", "anchors"):
         if name in arrays:
           arrays[name] = self.layout.put(arrays[name])
     elif "compression" in arrays:  # on the host, as ``Uplink.init`` makes them

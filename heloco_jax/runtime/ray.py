@@ -226,21 +226,30 @@ class WorkerActor:
     (``held`` None) or the received fragment's message, ``held`` the worker's anchors, and
     the seventh its next anchors (``_received``)."""
     key = jax.random.wrap_key_data(key_data)
+    # θ sharded: every array on θ's mesh here (x̂ too, as the server actor keeps it).
+    put = self._layout.from_host if self._layout is not None else lambda tree: tree
+    if download is not None and held is not None:
+      held = put(held)
     if download is not None and fragment is not None:  # the worker keeps its anchors (x̂)
       fragment, held = self._received(fragment, start, download, held)
     elif download is not None and held is not None:  # ALGORITHMS.md, "Compressed downloads"
-      if self._layout is not None:  # x̂ on θ's mesh, as the server actor keeps it
-        held = self._layout.from_host(held)
       start = self._downlinks(download, held).apply(held, start)
     if model_state is not None and previous is not None:
       previous = previous._replace(model_state=model_state)
-    if self._layout is not None:  # (fragments run with θ unsharded)
-      put = self._layout.from_host
-      previous, start = put(previous), put(start)
+    if self._layout is not None:
+      previous = put(previous)
       if fresh and previous is not None:
         previous = self._inner.fresh_moments(previous)
-      state, delta, loss = simulated.compute_worker(
-          self._inner, previous, start, put(batches), put(key))
+
+      def run_worker(worker, previous, start, batches, key):
+        del worker
+        return simulated.compute_worker(self._inner, previous, put(start), put(batches),
+                                        put(key))
+      if fragment is None:
+        start = put(start)
+        state, delta, loss = run_worker(worker, previous, start, batches, key)
+      else:
+        state, delta, loss = put(fragment).run(run_worker, worker, previous, batches, key)
       to_host = sharding.to_host
     else:
       if fresh and previous is not None:
@@ -726,10 +735,10 @@ class RayExecutor(base.OneProcess):
     (``"train_loss"``), a worker's compressor state (``"compression"``), a server actor's
     dispatch point (``"point"``, an object ref) or a worker's x̂ (``"held"``) as values,
     waiting for them."""
-    if what == "held" and not isinstance(tree, Dispatch):
-      return [self._held(d) for d in tree] if isinstance(tree, list) else self._held(tree)
     here = (self.layout.from_host if self.layout is not None
             and what in ("state", "delta", "held") else lambda tree: tree)
+    if what == "held" and not isinstance(tree, Dispatch):  # (the driver's: host shards)
+      return here([self._held(d) for d in tree] if isinstance(tree, list) else self._held(tree))
     def value(dispatch):
       if isinstance(dispatch, self._ray.ObjectRef):
         return self._ray.get(dispatch)
@@ -756,8 +765,7 @@ class RayExecutor(base.OneProcess):
       return self.fetch(download.dispatch, "held")
     if download.held is None:  # θ whole
       message = download.message
-      message = self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
-      return self.layout.from_host(message) if self.layout is not None else message
+      return self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
     return self._held(download.held)
 
   def fresh_moments(self, state: Any) -> Any:

@@ -363,8 +363,6 @@ class FragmentServers:
       the servers are actors that return handles).
   """
 
-  layout = None  # fragments run with θ on one device
-
   def __init__(self, make_server: Callable[..., OuterServer], outer_tx: Any, params: Any,
                fragments: Any, *, lookahead: bool = False,
                fetch: Callable[[Any], Any] = lambda point: point):
@@ -372,6 +370,11 @@ class FragmentServers:
     self._fetch = fetch
     self.servers = [make_server(outer_tx, fragments.take(params, p), lookahead=lookahead)
                     for p in range(fragments.num)]
+
+  @property
+  def layout(self) -> Optional[sharding.Layout]:
+    """θ's layout (every fragment's server holds its leaves of θ with θ's specs)."""
+    return self.servers[0].layout
 
   @property
   def params(self) -> Any:

@@ -117,6 +117,10 @@ def put(params: Any, mesh: Mesh, specs: Any) -> Any:
   return jax.device_put(params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
 
 
+def _is_none(node: Any) -> bool:
+  return node is None
+
+
 def _shape(leaf: Any) -> tuple[int, ...]:
   return tuple(getattr(leaf, "shape", np.shape(leaf)))
 
@@ -144,19 +148,25 @@ class Layout:
 
   def _stacking(self, node: Any) -> Optional[int]:
     """0 when ``node`` is shaped like θ, 1 when like K copies of θ stacked on a leading axis,
-    None otherwise."""
-    if jax.tree.structure(node) != jax.tree.structure(self.specs):
+    None otherwise. A fragment of θ (``heloco_jax.comm.fragments``: θ's structure with the
+    other fragments' leaves None) is shaped like θ where it has leaves."""
+    if node is None or (jax.tree.structure(node, is_leaf=_is_none)
+                        != jax.tree.structure(self.specs)):
       return None
-    shapes = [_shape(leaf) for leaf in jax.tree.leaves(node)]
-    if shapes == list(self.shapes):
+    pairs = [(_shape(leaf), shape) for leaf, shape in zip(
+        jax.tree.leaves(node, is_leaf=_is_none), self.shapes) if leaf is not None]
+    if not pairs:
+      return None
+    if all(have == want for have, want in pairs):
       return 0
-    if len({s[:1] for s in shapes}) == 1 and [s[1:] for s in shapes] == list(self.shapes):
+    if (len({have[:1] for have, _ in pairs}) == 1
+        and all(have[1:] == want for have, want in pairs)):
       return 1
     return None
 
   def shardings(self, tree: Any) -> Any:
-    """``tree``'s shardings: θ's on θ-shaped subtrees (stacked ones split over
-    ``stack_axis`` on their leading axis), replicated on every other leaf."""
+    """``tree``'s shardings: θ's on θ-shaped subtrees and fragments of θ (stacked ones split
+    over ``stack_axis`` on their leading axis), replicated on every other leaf."""
     replicated = NamedSharding(self.mesh, P())
 
     def place(node: Any) -> Any:
@@ -164,8 +174,9 @@ class Layout:
       if stacked is None:
         return replicated
       return jax.tree.map(
-          lambda spec: NamedSharding(self.mesh, P(*[self.stack_axis] * stacked, *spec)),
-          self.specs)
+          lambda spec, leaf: None if leaf is None else NamedSharding(
+              self.mesh, P(*[self.stack_axis] * stacked, *spec)),
+          self.specs, node, is_leaf=_is_none)
     return jax.tree.map(place, tree, is_leaf=lambda node: self._stacking(node) is not None)
 
   def constrain(self, tree: Any) -> Any:

@@ -21,24 +21,6 @@ TINY = ["--config.model.d_model=32", "--config.model.num_layers=1", "--config.mo
         "--config.budget.eval_every_tokens=512", "--config.checkpoint.every=0"]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def run_processes(commands, env=None, timeout=300):
-  """Runs ``commands`` (one per jax.distributed process) at once; (return codes, outputs)."""
-  procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for command in commands]
-  try:
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  return [p.returncode for p in procs], outputs
-
-
 def _rows(workdir, event="eval"):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [row for row in map(json.loads, f) if row["event"] == event]
@@ -47,7 +29,8 @@ def _rows(workdir, event="eval"):
 def _commands(workdir, args):
   """The commands of the 2 processes of a jax.distributed run of ``args`` in ``workdir``."""
   common = [sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}", *args,
-            "--config.runtime=devices", f"--config.distributed.coordinator=127.0.0.1:{_free_port()}",
+            "--config.runtime=devices",
+            f"--config.distributed.coordinator=127.0.0.1:{tiny.free_port()}",
             "--config.distributed.num_processes=2"]
   return [[*common, f"--config.distributed.process_id={i}"] for i in range(2)]
 
@@ -70,7 +53,7 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
   # below runs there too, so that both sides compute on the same platform.
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(2),
          "JAX_PLATFORMS": "cpu"}
-  codes, outputs = run_processes(_commands(dist, args), env)
+  codes, outputs = tiny.run_processes(_commands(dist, args), env)
   assert codes == [0, 0], outputs
   assert "workers on devices (" in outputs[0] and "done:" in outputs[0]
 
@@ -124,13 +107,13 @@ def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, dev
           *TINY[:-1], "--config.checkpoint.every=4", *extra]
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(devices),
          "JAX_PLATFORMS": "cpu"}
-  codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
+  codes, outputs = tiny.run_processes(_commands(tmp_path / "whole", args), env)
   assert codes == [0, 0], outputs
 
   killed = tmp_path / "killed"
   _kill_after_checkpoint(killed, args, env, 4)
   assert not (killed / "summary.json").exists()  # stopped mid-run
-  codes, outputs = run_processes(_commands(killed, args), env)
+  codes, outputs = tiny.run_processes(_commands(killed, args), env)
   assert codes == [0, 0], outputs
   assert all("resuming from checkpoint" in output for output in outputs), outputs
 
@@ -153,13 +136,13 @@ def test_a_checkpoint_one_process_cannot_use_is_passed_over_by_both(tmp_path):
           *TINY[:-1], "--config.checkpoint.every=4"]
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(2),
          "JAX_PLATFORMS": "cpu"}
-  codes, outputs = run_processes(_commands(tmp_path / "whole", args), env)
+  codes, outputs = tiny.run_processes(_commands(tmp_path / "whole", args), env)
   assert codes == [0, 0], outputs
   killed = tmp_path / "killed"
   _kill_after_checkpoint(killed, args, env, 8)
   copy = killed / "process_1" / "metrics.jsonl"
   copy.write_bytes(b"".join(copy.read_bytes().splitlines(keepends=True)[:8]))
-  codes, outputs = run_processes(_commands(killed, args), env)
+  codes, outputs = tiny.run_processes(_commands(killed, args), env)
   assert codes == [0, 0], outputs
   assert "checkpoint 8: process 1 cannot resume from it" in outputs[0], outputs[0]
   assert all("resuming from checkpoint 4" in output for output in outputs), outputs
@@ -187,7 +170,7 @@ def test_a_link_at_process_1s_folder_stops_both_processes_and_writes_nothing_thr
   run.mkdir()
   os.symlink(outside, run / "process_1")
   start = time.monotonic()
-  codes, outputs = run_processes(_commands(run, _DILOCO), {**os.environ, **_CPU2}, timeout=200)
+  codes, outputs = tiny.run_processes(_commands(run, _DILOCO), {**os.environ, **_CPU2}, timeout=200)
   assert codes == [2, 2], outputs
   assert time.monotonic() - start < 120  # process 0 does not wait for a peer that stopped
   assert "process_1 is a symbolic link" in outputs[1]
@@ -199,7 +182,7 @@ def test_a_link_at_process_1s_folder_stops_both_processes_and_writes_nothing_thr
 def test_processes_started_with_other_configs_are_refused_before_any_step(tmp_path):
   commands = _commands(tmp_path / "run", _DILOCO)
   commands[1].append("--config.inner_steps=3")  # before: gloo aborted ("Received data size")
-  codes, outputs = run_processes(commands, {**os.environ, **_CPU2}, timeout=200)
+  codes, outputs = tiny.run_processes(commands, {**os.environ, **_CPU2}, timeout=200)
   assert codes == [2, 2], outputs
   for output in outputs:
     assert "the processes' resolved configs differ: process 1 against process 0" in output
@@ -260,7 +243,7 @@ def test_a_killed_peer_stops_the_other_process_in_one_line_and_the_run_resumes(t
   assert ("checkpoint 2 is intact" in output or "checkpoint 4 is intact" in output
           or "process 1 of 2 sent no heartbeat for 30 s" in output), output
   assert "Terminating process" not in output and "coordination_service" not in output
-  codes, outputs = run_processes(_commands(run, args), env, timeout=400)
+  codes, outputs = tiny.run_processes(_commands(run, args), env, timeout=400)
   assert codes == [0, 0], outputs
   assert "resuming from checkpoint" in outputs[0]
   assert (run / "summary.json").exists()

@@ -15,7 +15,6 @@ import numpy as np
 import optax
 import pytest
 import tiny
-import test_distributed
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -47,6 +46,16 @@ def test_theta_shaped_subtrees_take_theta_specs_and_every_other_leaf_is_replicat
       "w": P(None, None, "fsdp"), "b": P(None, "fsdp")}
   other = {"w": jnp.ones((4, 8)), "b": jnp.ones((8,))}  # θ's structure, other shapes
   assert jax.tree.map(lambda s: s.spec, layout.shardings(other)) == {"w": P(), "b": P()}
+  # A fragment of θ (the other fragments' leaves None), alone, stacked, in Adam's state.
+  fragment = {"w": None, "b": PARAMS["b"]}
+  assert jax.tree.map(lambda s: s.spec, layout.shardings(fragment)) == {"w": None,
+                                                                       "b": P("fsdp")}
+  assert jax.tree.map(lambda s: s.spec, layout.shardings(
+      {"w": None, "b": jnp.stack([PARAMS["b"]] * 3)})) == {"w": None, "b": P(None, "fsdp")}
+  assert jax.tree.map(lambda s: s.spec, layout.shardings(optax.adam(1e-3).init(fragment)))[
+      0].mu == {"w": None, "b": P("fsdp")}
+  assert jax.tree.map(lambda s: s.spec, layout.shardings({"w": None, "b": jnp.ones(3)})) == {
+      "w": None, "b": P()}  # other shapes: replicated
 
 
 def _probe(*args, timeout=600):
@@ -63,14 +72,18 @@ def probe(tmp_path_factory):
     return json.load(f)
 
 
-@pytest.mark.parametrize("method", ["heloco", "diloco"])
+@pytest.mark.parametrize("method", ["heloco", "diloco", "heloco_fragments"])
 def test_no_device_holds_a_full_copy_and_the_result_equals_the_unsharded_run(probe, method):
+  """heloco_fragments (issue 58): θ in 2 fragments, each fragment's server holding its leaves
+  with θ's specs, the workers' anchors and pending fragment Δs too."""
   assert probe["num_devices"] == 8
   run = probe[method]
   # θ, the outer state and the workers' states are spread, leaf by leaf, on the live arrays.
   assert run["full_copies"] == []
   assert run["spread"]["params"] == 3 and run["spread"]["outer_state"] >= 3
   assert run["spread"]["workers"] >= 9  # θ and Adam's two moments per worker
+  if method == "heloco_fragments":  # the 2 workers' anchors: a θ each
+    assert run["spread"]["anchors"] == 6
   # result.params keeps the user's shardings (not gathered to the host).
   assert sorted(run["result_shardings"]) == sorted(
       ["P('fsdp',)", "P('fsdp', None)", "P(None, 'fsdp')"])
@@ -90,7 +103,8 @@ def _without_wall_clock(rows):
           for row in rows]
 
 
-@pytest.mark.parametrize("method", ["heloco", pytest.param("diloco", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["heloco", pytest.param("diloco", marks=pytest.mark.slow),
+                                    pytest.param("heloco_fragments", marks=pytest.mark.slow)])
 def test_a_sharded_run_killed_mid_run_resumes_exactly(tmp_path, method):
   reference = tmp_path / "reference.json"
   _probe(str(reference), method, str(tmp_path / "uninterrupted"))
@@ -114,8 +128,9 @@ def test_a_sharded_run_killed_mid_run_resumes_exactly(tmp_path, method):
   assert got["shardings"] == expected["shardings"]
 
 
-def test_on_devices_each_worker_is_sharded_over_its_own_group_and_the_run_learns(probe):
-  run = probe["devices_heloco"]
+@pytest.mark.parametrize("method", ["heloco", "heloco_fragments"])
+def test_on_devices_each_worker_is_sharded_over_its_own_group_and_the_run_learns(probe, method):
+  run = probe[f"devices_{method}"]
   assert run["worker_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # sub-meshes of θ's shape
   assert run["server_devices"] == [0, 1, 2, 3]  # θ where the user put it
   assert run["full_copies"] == []
@@ -149,8 +164,8 @@ def test_two_processes_checkpoint_their_own_shards_and_restore_onto_two_meshes(t
   8-device mesh and onto a 4 × 2 one, the values equal what was saved."""
   probe = os.path.join(os.path.dirname(PROBE), "multiprocess_checkpoint_probe.py")
   out = tmp_path / "out.json"
-  coordinator = f"127.0.0.1:{test_distributed._free_port()}"
-  codes, outputs = test_distributed.run_processes(
+  coordinator = f"127.0.0.1:{tiny.free_port()}"
+  codes, outputs = tiny.run_processes(
       [[sys.executable, probe, coordinator, str(i), str(tmp_path / "checkpoints"), str(out)]
        for i in range(2)])
   assert codes == [0, 0], [o[-2000:] for o in outputs]
@@ -207,18 +222,22 @@ def _eval_losses(workdir):
   return [row["val_loss"] for row in _rows(workdir) if row["event"] == "eval"]
 
 
-# int8 + error feedback up, int8 down: both actors keep x̂ on their mesh (issue 58).
+# int8 + error feedback up, int8 down: both actors keep x̂ on their mesh (issue 58); and θ in
+# 2 fragments, each fragment's server actor holding its leaves with θ's specs.
 COMPRESSED = ["--config.compression.kind=int8", "--config.compression.download=True"]
+FRAGMENTS = ["--config.streaming.fragments=2", *COMPRESSED]
+RAY_VARIANTS = dict(argvalues=[[], COMPRESSED, FRAGMENTS],
+                    ids=["none", "int8_both_ways", "fragments_int8_both_ways"])
 
 
 @pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
-@pytest.mark.parametrize("compression", [[], COMPRESSED], ids=["none", "int8_both_ways"])
+@pytest.mark.parametrize("compression", **RAY_VARIANTS)
 def test_the_cli_gpt_sharded_on_ray_actors_equals_the_sharded_simulated_run(tmp_path,
                                                                             compression):
   """HeLoCo with θ FSDP-sharded over 4 devices in the driver, in the server actor and in the
   worker actor (one worker: the arrival order is the simulated one) gives the sharded
-  simulated run's evaluations bit for bit, uncompressed and with compressed syncs both ways;
-  checkpoints are written (by the driver, from θ's shards, x̂ among them)."""
+  simulated run's evaluations bit for bit, uncompressed, with compressed syncs both ways, and
+  so in 2 fragments; checkpoints are written (by the driver, from θ's shards, x̂ among them)."""
   pytest.importorskip("ray")
   ray_run = _cli(tmp_path / "ray", *RAY_SHARDED, *compression)
   assert ray_run.returncode == 0, ray_run.stderr[-3000:]
@@ -232,13 +251,15 @@ def test_the_cli_gpt_sharded_on_ray_actors_equals_the_sharded_simulated_run(tmp_
   downs = [[row["bytes_down"] for row in _rows(tmp_path / name) if row["event"] == "arrival"]
            for name in ("ray", "simulated")]
   assert downs[0] == downs[1]
-  if compression:  # θ whole first, then the message: about a quarter of float32's
+  if compression == COMPRESSED:  # θ whole first, then the message: about a quarter of θ's
     assert max(downs[0][1:]) < downs[0][0] / 3.9, downs[0]
+  if compression == FRAGMENTS:  # θ whole first, then a fragment's message
+    assert max(downs[0][1:]) < downs[0][0] / 3.9 and len(set(downs[0][1:])) == 2, downs[0]
   assert sorted(os.listdir(tmp_path / "ray" / "checkpoints"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", [[], COMPRESSED], ids=["none", "int8_both_ways"])
+@pytest.mark.parametrize("compression", **RAY_VARIANTS)
 def test_a_sharded_ray_run_stopped_after_a_checkpoint_resumes_to_the_same_end(tmp_path,
                                                                              compression):
   """SIGTERM after the first checkpoint stops the run at its next arrival (exit 143); the same

@@ -232,7 +232,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       method=method, fragments=config.streaming.fragments,
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
       inner_steps=config.inner_steps,
-      sharded=config.model.sharding != "none", reset_optimizer=config.inner.reset_optimizer,
+      reset_optimizer=config.inner.reset_optimizer,
       grace_window=config.syncer.grace_window, dylu=config.dylu, quorum=config.syncer.quorum,
       adaptive_grace=config.syncer.adaptive_grace)
   if refused:
