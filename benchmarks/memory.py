@@ -9,7 +9,10 @@ run with θ on one device (replicated: every device of a data-parallel layout ho
 Also: the largest of these models whose run state fits a per-device budget, and the median
 wall time between arrivals (after the first two, which compile) sharded / replicated.
 
-  python -m benchmarks.memory [--budget_gib 16] [--sizes small,medium,large]
+  python -m benchmarks.memory [--budget_gib 16] [--sizes small,medium,large] [--fragments P]
+
+With ``--fragments P`` θ syncs in P streaming fragments (each fragment's server holds its
+leaves with θ's specs), and the workers' anchors (a θ each) count too.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from heloco_jax.training import sharding  # pylint: disable=g-import-not-at-top
 SIZES = {"small": dict(d_model=64, num_layers=2), "medium": dict(d_model=128, num_layers=4),
          "large": dict(d_model=256, num_layers=4)}
 CONTEXT, BATCH, K, H, VOCAB = 64, 8, 2, 2, 2048
-PARTS = ("θ", "outer state", "worker states", "in-flight Δ")
+PARTS = ("θ", "outer state", "worker states", "in-flight Δ", "anchors")
 
 
 class Tokens:
@@ -58,7 +61,7 @@ def _fullest_device(tree) -> int:
   return max(per_device.values(), default=0)
 
 
-def _engine(size: str, devices: int, arrivals: int):
+def _engine(size: str, devices: int, arrivals: int, fragments: int):
   config = model_lib.ModelConfig(vocab_size=VOCAB, context=CONTEXT, num_heads=4, **SIZES[size])
   graphdef, params = model_lib.init(config, seed=0)
   if devices > 1:
@@ -70,15 +73,16 @@ def _engine(size: str, devices: int, arrivals: int):
   return hj.make_engine(lambda p, batch: model_lib.loss(graphdef, p, batch), params,
                         [Tokens(i) for i in range(K)], method="heloco", inner_steps=H,
                         speeds=[1.0, 1.5], budget=hj.Budget(steps=arrivals * H), runtime=runtime,
+                        streaming=hj.Streaming(fragments=fragments),
                         metrics_fetch_every=1)  # each arrival row as it happens
 
 
-def measure(size: str, devices: int) -> tuple[dict[str, int], float, int]:
+def measure(size: str, devices: int, fragments: int = 1) -> tuple[dict[str, int], float, int]:
   """(bytes on the fullest device per part, the most any arrival saw; the median wall
   seconds between arrivals after the first two (compilation); parameters)."""
   parts = dict.fromkeys(PARTS, 0)
   times = []
-  engine = _engine(size, devices, arrivals=8)
+  engine = _engine(size, devices, arrivals=8 * fragments, fragments=fragments)
   try:
     def look(row):  # the live arrays, at every row: workers in flight, their pending Δ
       if row.get("event") != "arrival":
@@ -89,7 +93,8 @@ def measure(size: str, devices: int) -> tuple[dict[str, int], float, int]:
       now = {"θ": _fullest_device(engine.params),
              "outer state": _fullest_device(engine.outer_state),
              "worker states": _fullest_device(s.workers),
-             "in-flight Δ": _fullest_device([job.delta for job in s.jobs.values()])}
+             "in-flight Δ": _fullest_device([job.delta for job in s.jobs.values()]),
+             "anchors": _fullest_device(engine.features.streaming.anchors)}
       for part, value in now.items():
         parts[part] = max(parts[part], value)
     asyncio.run(engine.run(on_row=look))
@@ -104,20 +109,21 @@ def main() -> None:
   parser.add_argument("--budget_gib", type=float, default=16.0,
                       help="per-device memory budget for the 'largest model that fits' line")
   parser.add_argument("--sizes", default="small,medium,large")
+  parser.add_argument("--fragments", type=int, default=1, help="streaming fragments P")
   args = parser.parse_args()
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices; HeLoCo, K={K}, "
-        f"H={H}, batch {BATCH}×{CONTEXT}; bytes on the fullest device\n")
+        f"H={H}, P={args.fragments}, batch {BATCH}×{CONTEXT}; bytes on the fullest device\n")
   print(f"| model | D | {' | '.join(PARTS)} | total | replicated total | ratio | 1/D + 5% "
         "| s/arrival sharded / replicated |")
   print("|---|---|" + "---|" * (len(PARTS) + 5))
   per_param = {}
   for size in args.sizes.split(","):
-    replicated, replicated_seconds, num_params = measure(size, 1)
+    replicated, replicated_seconds, num_params = measure(size, 1, args.fragments)
     total_replicated = sum(replicated.values())
     per_param[size] = (num_params, total_replicated / num_params)
     for d in (1, 2, 4, 8):
       parts, seconds, _ = (replicated, replicated_seconds, num_params) if d == 1 else measure(
-          size, d)
+          size, d, args.fragments)
       total = sum(parts.values())
       ratio = total / total_replicated
       goal = "holds" if ratio <= 1 / d + 0.05 else "misses"

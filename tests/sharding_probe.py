@@ -114,7 +114,7 @@ def compare(method):
     live = {"params": engine.params, "outer_state": engine.outer_state,
             "workers": engine.state.workers,
             "pending": [job.delta for job in engine.state.jobs.values()],
-            "anchors": engine._run.features.streaming.anchors}  # with fragments
+            "anchors": engine.features.streaming.anchors}  # with fragments
     result_shardings = [str(x.sharding.spec) for x in jax.tree.leaves(engine.params)]
     sharded = leaves(engine.params)
   finally:

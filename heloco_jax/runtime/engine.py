@@ -222,6 +222,11 @@ class Engine:
     return self._run.state
 
   @property
+  def features(self) -> state_lib.Features:
+    """Each feature's own state (streaming's anchors, the compressors' residuals, ...)."""
+    return self._run.features
+
+  @property
   def rows(self) -> list[Row]:
     return self._run.recorder.rows
 
