@@ -440,6 +440,7 @@ def make_engine(
   run_budget, eval_every, units_per_step, unit = _budget(budget)
   model_state_lib.check_params_are_trained(params)
   checks.check_params(params)
+  params = sharding.on_auto_axes(params)
   contract = inner_lib.LossContract.of(loss_fn)
   model_state_lib.check_model_state(model_state, contract)
   model_state_lib.check_merge(model_state_merge)
@@ -589,9 +590,12 @@ def simulate(loss_fn: Callable[..., Any], params: Any, data: Sequence[Iterable[A
     if summary.get("stopped"):  # before its budget: not a normal-looking end
       warnings.warn(f"the run stopped before its budget: {summary['stopped']} "
                     f"(summary['stopped'])", stacklevel=2)
-    params = engine.params  # sharded θ stays where it is, with its shardings
-    return RunResult(params if engine.layout is not None else jax.device_get(params),
-                     engine.rows, summary, engine.model_state)
+    if engine.layout is None:
+      return RunResult(jax.device_get(engine.params), engine.rows, summary, engine.model_state)
+    # Sharded θ stays where it is, with the user's shardings (their mesh's axis types too).
+    result = jax.tree.map(lambda x, given: jax.device_put(x, given.sharding), engine.params,
+                          params)
+    return RunResult(result, engine.rows, summary, engine.model_state)
   finally:
     engine.close()
 

@@ -129,6 +129,24 @@ def compare(method):
                      summary["outer_updates"]]}
 
 
+def explicit_axes():
+  """θ on a mesh of Explicit axes (``jax.make_mesh``'s default) runs as on the same mesh's
+  Auto axes, bit for bit, and comes back on the user's mesh."""
+  explicit = jax.make_mesh((4,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,),
+                           devices=jax.devices()[:4])
+  params = jax.tree.map(
+      lambda x: jax.device_put(x, jax.sharding.NamedSharding(explicit, x.sharding.spec)),
+      sharded_params())
+  streams = [Stream(i) for i in range(K)]
+  on_explicit = hj.simulate(loss_fn, params, streams, **options("heloco"))
+  on_auto = hj.simulate(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
+                        **options("heloco"))
+  return {"equal": leaves(on_explicit.params) == leaves(on_auto.params),
+          "axis_types": sorted({str(x.sharding.mesh.axis_types)
+                                for x in jax.tree.leaves(on_explicit.params)}),
+          "full_copies": full_copies(on_explicit.params)}
+
+
 def on_devices(method):
   """runtime=devices: each of the 2 workers FSDP-sharded over its own 4 devices."""
   import asyncio  # pylint: disable=g-import-not-at-top
@@ -259,6 +277,7 @@ def main(out, method=None, workdir=None):
     result = {"num_devices": jax.device_count(), "checkpoint": saved,
               "devices_resumed": resumed,
               **{m: compare(m) for m in ("heloco", "diloco", "heloco_fragments")},
+              "explicit_axes": explicit_axes(),
               "devices_heloco": on_devices("heloco"),
               "devices_heloco_fragments": on_devices("heloco_fragments"),
               "devices_diloco": rounds_on_devices("diloco"),

@@ -69,6 +69,21 @@ def layout_of(params: Any) -> Optional["Layout"]:
                 tuple(tuple(x.shape) for x in jax.tree.leaves(params)))
 
 
+def on_auto_axes(tree: Any) -> Any:
+  """``tree`` with every leaf placed on a mesh of Explicit axes (``jax.make_mesh``'s default)
+  moved to the same devices, axis names and specs with ``AxisType.Auto`` axes: the engine's
+  programs let XLA partition them (docs/DESIGN.md, "Scaling out"). Other leaves as they are."""
+  def place(x: Any) -> Any:
+    where = getattr(x, "sharding", None)
+    if not isinstance(where, NamedSharding) or all(
+        t == jax.sharding.AxisType.Auto for t in where.mesh.axis_types):
+      return x
+    mesh = Mesh(where.mesh.devices, where.mesh.axis_names,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(where.mesh.axis_names))
+    return jax.device_put(x, NamedSharding(mesh, where.spec))
+  return jax.tree.map(place, tree)
+
+
 def fsdp_specs(params: Any, axis: str, size: int) -> Any:
   """FSDP partition specs: each leaf split over ``axis`` (of ``size`` devices) along its
   largest dimension that ``size`` divides; a leaf with none is replicated."""

@@ -92,6 +92,15 @@ def test_no_device_holds_a_full_copy_and_the_result_equals_the_unsharded_run(pro
     assert np.linalg.norm(sharded - unsharded) <= 1e-5 * np.linalg.norm(unsharded)
 
 
+def test_a_mesh_of_explicit_axes_runs_as_its_auto_axes_and_the_result_stays_on_it(probe):
+  """``jax.make_mesh`` gives Explicit axes; the engine runs θ on the same devices and specs
+  with Auto axes (its outer rules' dot products need XLA to partition them) and hands θ back
+  on the user's mesh."""
+  run = probe["explicit_axes"]
+  assert run["equal"] and run["full_copies"] == []
+  assert run["axis_types"] == ["(Explicit,)"]
+
+
 def _steps(workdir):
   directory = os.path.join(workdir, "checkpoints")
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(
