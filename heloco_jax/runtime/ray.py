@@ -595,7 +595,6 @@ class RayExecutor(base.OneProcess):
   synchronies = frozenset({"async"})
   compresses = compresses_downloads = True
 
-
   def make_downlink(self, compressor: compress.Compressor, params: Any, server: Any,
                     fragments: Any) -> RayDownlink:
     return RayDownlink(compressor, params, server, self._pickled(compressor), fragments)

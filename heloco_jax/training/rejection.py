@@ -76,8 +76,8 @@ class RejectionState:
     rejected_units: the units they held.
     rejected_in_a_row: the streak since the last applied update: its ``count``, the
       ``kinds`` ("nan", "inf") and the ``workers`` that sent them.
-    limit: rejections in a row that stop the run; 0 = ``default_limit(K)`` (the run's
-      setting, set by the engine: not saved).
+    limit: rejections in a row that stop the run (the engine's, from
+      ``RunSpec.rejection_limit`` or ``default_limit(K)``; a setting, not saved).
   """
   rejected: int = 0
   rejected_units: int = 0

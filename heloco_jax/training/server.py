@@ -200,16 +200,16 @@ class OuterServer:
     self._state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self._params))
                    if outer_tx is not None else None)
     self.lookahead = lookahead
-    reads = lookahead_lib.holds_one
-    if lookahead and not reads(self._state, lookahead_lib.LOOKAHEAD_STATES):
+    holds = lookahead_lib.holds_one
+    if lookahead and not holds(self._state, lookahead_lib.LOOKAHEAD_STATES):
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
                        "(the look-ahead point θ − η·μ·m reads its η, μ and m)")
     # ρ(τ) as the rule defines it (its states' ``ArrivalWeighting``s), for a grace window.
     self._arrival_weight = weighting_lib.arrival_weighting(self._state)
     self._step = jit_outer_step(outer_tx, constrain) if outer_tx is not None else None
     # HeLoCo logs its own cosines, per block; another rule with a momentum, cos(Δ, m).
-    self._heloco = reads(self._state, (outer.HeLoCoState,))
-    self._aligns = not self._heloco and reads(self._state, lookahead_lib.MOMENTUM_STATES)
+    self._heloco = holds(self._state, (outer.HeLoCoState,))
+    self._aligns = not self._heloco and holds(self._state, lookahead_lib.MOMENTUM_STATES)
     self.version = 0
     self._dispatched: dict[int, int] = {}
 
