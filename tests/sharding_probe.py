@@ -137,8 +137,7 @@ def explicit_axes():
   params = jax.tree.map(
       lambda x: jax.device_put(x, jax.sharding.NamedSharding(explicit, x.sharding.spec)),
       sharded_params())
-  streams = [Stream(i) for i in range(K)]
-  on_explicit = hj.simulate(loss_fn, params, streams, **options("heloco"))
+  on_explicit = hj.simulate(loss_fn, params, [Stream(i) for i in range(K)], **options("heloco"))
   on_auto = hj.simulate(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
                         **options("heloco"))
   return {"equal": leaves(on_explicit.params) == leaves(on_auto.params),

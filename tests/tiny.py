@@ -25,6 +25,7 @@ def xla_flags(devices: int) -> str:
   (tests/conftest.py: LLVM -O0 for the tiny programs, deterministic GPU ops)."""
   return os.environ["XLA_FLAGS"] + f" --xla_force_host_platform_device_count={devices}"
 
+
 def free_port() -> int:
   """A TCP port free on this host now (a jax.distributed coordinator's)."""
   with socket.socket() as s:

@@ -246,7 +246,6 @@ class WorkerActor:
         return simulated.compute_worker(self._inner, previous, put(start), put(batches),
                                         put(key))
       if fragment is None:
-        start = put(start)
         state, delta, loss = run_worker(worker, previous, start, batches, key)
       else:
         state, delta, loss = put(fragment).run(run_worker, worker, previous, batches, key)

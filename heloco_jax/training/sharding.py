@@ -78,9 +78,8 @@ def on_auto_axes(tree: Any) -> Any:
     if not isinstance(where, NamedSharding) or all(
         t == jax.sharding.AxisType.Auto for t in where.mesh.axis_types):
       return x
-    mesh = Mesh(where.mesh.devices, where.mesh.axis_names,
-                axis_types=(jax.sharding.AxisType.Auto,) * len(where.mesh.axis_names))
-    return jax.device_put(x, NamedSharding(mesh, where.spec))
+    auto = (jax.sharding.AxisType.Auto,) * len(where.mesh.axis_names)
+    return jax.device_put(x, NamedSharding(where.mesh.update(axis_types=auto), where.spec))
   return jax.tree.map(place, tree)
 
 
