@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import fragments as fragments_lib
@@ -54,6 +55,7 @@ class Uplink:
                        for part in parts]
       self._init = jax.jit(compressor.init)
       self._round = jax.jit(functools.partial(_compressed_round_delta, compressor))
+      self._exchanges: dict[jax.sharding.Mesh, Callable[..., Any]] = {}
 
   def init(self, params: Any, num_workers: int, stacked: bool) -> Any:
     """The K workers' first compressor states, per fragment (None without a compressor):
@@ -84,11 +86,25 @@ class Uplink:
     """The server's half, where ``message`` is: fragment ``fragment``'s Δ as received."""
     return self._receive[fragment](message)
 
-  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray,
-                  states: Any) -> tuple[Any, Any]:
+  def round_delta(self, params: Any, ends: Any, accepted: np.ndarray, states: Any,
+                  mesh: Optional[jax.sharding.Mesh] = None) -> tuple[Any, Any]:
     """A round in which every worker sends its compressed Δ_i = θ − end_i: (the mean of the
-    accepted workers' received Δ_i, the workers' next states, stacked on axis 0)."""
-    return self._round(params, ends, accepted, states)
+    accepted workers' received Δ_i, the workers' next states, stacked on axis 0).
+
+    ``mesh``: None, one program where the K ends are (the simulated runtime); or a mesh
+    whose ``workers`` axis holds the K workers one each (``runtime="devices"``, across
+    processes too), where each worker sends on its own devices and only the messages cross,
+    gathered over ``workers`` (ALGORITHMS.md, "Compression in a run"). The same bits.
+    """
+    if mesh is None:
+      return self._round(params, ends, accepted, states)
+    if mesh.shape["workers"] != len(accepted):
+      raise ValueError(f"Uplink.round_delta: a mesh of {mesh.shape['workers']} workers for "
+                       f"{len(accepted)} workers' ends; allowed: one worker per slice of "
+                       "``workers``")
+    if mesh not in self._exchanges:
+      self._exchanges[mesh] = _exchange(self.compressor, mesh)
+    return self._exchanges[mesh](params, ends, accepted, states)
 
 
 def _compressed_round_delta(compressor: compress_lib.Compressor, params: Any, ends: Any,
@@ -102,8 +118,48 @@ def _compressed_round_delta(compressor: compress_lib.Compressor, params: Any, en
   # Worker by worker, not jax.vmap: batched, XLA rounds the quantizers' scaling differently
   # (a few ulps off the unbatched compressor and the NumPy reference).
   received, states = jax.tree.map(lambda *xs: jnp.stack(xs), *sent)
+  return _accepted_mean(received, accepted), states
+
+
+def _accepted_mean(received: Any, accepted: jax.Array) -> Any:
+  """The mean of the accepted workers' received Δ_i (stacked on axis 0)."""
   weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
   def mean(r):  # a rejected worker's Δ may hold NaN: 0·NaN is NaN, so it is dropped first
     kept = jnp.where(accepted.reshape((-1,) + (1,) * (r.ndim - 1)), r, 0)
     return jnp.tensordot(weights.astype(r.dtype), kept, axes=1)
-  return jax.tree.map(mean, received), states
+  return jax.tree.map(mean, received)
+
+
+def _gather_bits(x: jax.Array) -> jax.Array:
+  """``x`` of every worker (stacked on axis 0), moved as its bits: a float payload crosses in
+  its own width (XLA would otherwise widen bf16 to float32 before the gather)."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return jax.lax.all_gather(x, "workers")
+  bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+  return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, "workers"), x.dtype)
+
+
+def _exchange(compressor: compress_lib.Compressor,
+              mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+  """``Uplink.round_delta`` on ``mesh``: each worker (a slice of the ``workers`` axis)
+  sends its Δ_i where its end is; the messages are all-gathered over ``workers`` (what
+  crosses: the payloads and their flags) and every worker receives them all; the other
+  axes (θ's, ``data``) stay with XLA."""
+  spread = P("workers")
+
+  def exchange(params, ends, accepted, states):
+    take = functools.partial(jax.tree.map, lambda x: x[0])  # this worker's slice
+    delta = jax.tree.map(lambda theta, end: theta - end, params, take(ends))
+    message, state = compress_lib.send(compressor, delta, take(states))
+    messages = jax.tree.map(_gather_bits, message)
+    like = jax.eval_shape(lambda t: t, delta)
+    received = [compress_lib.receive(compressor, jax.tree.map(lambda m, i=i: m[i], messages),
+                                     like) for i in range(len(accepted))]
+    received = jax.tree.map(lambda *xs: jnp.stack(xs), *received)
+    return _accepted_mean(received, accepted), jax.tree.map(lambda x: x[None], state)
+
+  # check_vma=False: the mean is computed from the gathered messages alike on every worker
+  # (replicated), which jax 0.10's all_gather does not mark.
+  return jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P(), spread, P(), spread),
+                               out_specs=(P(), spread), axis_names={"workers"},
+                               check_vma=False))

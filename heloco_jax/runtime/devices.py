@@ -242,12 +242,13 @@ class DeviceExecutor(base.OneProcess):
     self._by_worker = NamedSharding(self._round_mesh, P("workers"))
     self._ddp_batches = NamedSharding(self._round_mesh, P(None, "workers"))  # (H, K·B, ...)
 
-  @property
-  def compresses(self) -> bool:
-    """Workers compress their Δ in one process; across processes Δ is all-reduced SPMD."""
-    return not self.multiprocess
+  compresses = True  # on each worker's devices; only the messages cross (ALGORITHMS.md)
 
-  compresses_downloads = compresses  # the engine sends θ; the worker's devices receive it
+  @property
+  def compresses_downloads(self) -> bool:
+    """The engine sends θ and the worker's devices receive it: asynchronous methods, which
+    run in one process."""
+    return not self.multiprocess
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
     layout = self._server_layout if self.layout is not None else None
@@ -381,11 +382,12 @@ class DeviceExecutor(base.OneProcess):
         self._round_delta(self.to_rounds(params), ends, self.to_rounds(accepted)))
 
   def compressed_round_delta(self, uplink, params, ends, accepted, states):
-    """Each worker's compressor state on its own group (the round mesh's ``workers``)."""
+    """Each worker sends on its own group (the round mesh's ``workers``), where its compressor
+    state stays; only the messages cross, to every worker (``Uplink.round_delta``)."""
     self.require_round_mesh()
     states = self._put(states, NamedSharding(self._round_mesh, P("workers")))
     delta, states = uplink.round_delta(self.to_rounds(params), ends, self.to_rounds(accepted),
-                                       states)
+                                       states, mesh=self._round_mesh)
     return self.to_server(delta), states
 
 

@@ -122,13 +122,9 @@ class Engine:
                        "allowed: methods that send pseudo-gradients (all but ddp)")
     if compressor is not None and not getattr(executor, "compresses", False):
       raise ValueError(f"compression is not allowed on {executor.describe()}; allowed: the "
-                       "simulated runtime, runtime=devices in one process, and Ray")
+                       "simulated runtime, runtime=devices and Ray")
     if download_compressor is not None:
       _check_download(spec, executor)
-    if spec.streaming and getattr(executor, "multiprocess", False):
-      raise ValueError(f"streaming.fragments={spec.fragments} is not allowed across "
-                       f"{jax.process_count()} processes; allowed: 1 (fragments run in one "
-                       "process)")
     self.spec = spec
     self.method = spec.method
     self.on_row = on_row

@@ -75,6 +75,48 @@ def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra
 
 
 
+STREAMED_INT8 = ["--config.streaming.fragments=2", "--config.inner_steps=4",
+                 "--config.streaming.overlap_steps=1", "--config.compression.kind=int8",
+                 "--config.compression.error_feedback=True"]
+
+
+@pytest.mark.parametrize("extra", [
+    [],  # θ replicated
+    # θ FSDP-sharded over each worker's 2 devices (its process's)
+    pytest.param(["--config.model.sharding=fsdp"], marks=pytest.mark.slow),
+])
+def test_fragments_and_compressed_deltas_across_two_processes_equal_one_process(extra,
+                                                                               tmp_path):
+  """Issue 58: Streaming DiLoCo (2 fragments, τ = 1) with int8 + error feedback across 2
+  processes. Each worker compresses on its own devices and only the messages cross (an
+  all-gather over ``workers``: tests/comm/test_uplink.py). Before: refused in one line. The
+  evaluations equal ``runtime=devices`` in one process on the same 2 × 2 devices bit for bit,
+  and the simulated runtime's within float tolerance (the batch split over 2 devices
+  reorders sums; int8 codes amplify the ulps)."""
+  args = ["--config.method=diloco", "--config.num_workers=2", "--config.budget.tokens=3072",
+          *TINY, *STREAMED_INT8, *extra]
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(2), "JAX_PLATFORMS": "cpu"}
+  codes, outputs = tiny.run_processes(_commands(tmp_path / "dist", args), env)
+  assert codes == [0, 0], outputs
+  for name, runtime, devices in (("one", "devices", 4), ("simulated", "simulated", 1)):
+    subprocess.run([sys.executable, "-m", "heloco_jax.cli.train",
+                    f"--workdir={tmp_path / name}", *args, f"--config.runtime={runtime}"],
+                   env={**env, "XLA_FLAGS": tiny.xla_flags(devices)}, check=True,
+                   capture_output=True, timeout=300)
+  rows = {name: _rows(tmp_path / name) for name in ("dist", "one", "simulated")}
+  assert [r["val_loss"] for r in rows["dist"]] == [r["val_loss"] for r in rows["one"]]
+  assert [r["val_loss"] for r in _rows(tmp_path / "dist" / "process_1")] == [
+      r["val_loss"] for r in rows["dist"]]
+  np.testing.assert_allclose([r["val_loss"] for r in rows["dist"]],
+                             [r["val_loss"] for r in rows["simulated"]], rtol=3e-3)
+  trained = _rows(tmp_path / "dist", "train")
+  assert {r["fragment"] for r in trained} == {0, 1}
+  summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
+  assert summary["bytes_sent"] == json.loads(
+      (tmp_path / "simulated" / "summary.json").read_text())["bytes_sent"]
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3
+
+
 def _kill_after_checkpoint(workdir, args, env, step):
   """Starts the 2 processes of a run of ``args`` in ``workdir`` and SIGKILLs both once
   checkpoint ``step`` is complete."""
@@ -96,6 +138,9 @@ def _kill_after_checkpoint(workdir, args, env, step):
     # 185 s on 2 idle cores: -m slow keeps the default suite under 15 minutes
     pytest.param("palsgd", 4, ["--config.model.sharding=fsdp"], marks=pytest.mark.slow),
     pytest.param("diloco", 2, [], marks=pytest.mark.slow),  # θ replicated, replicas over workers
+    # 2 fragments (τ = 1), int8 + error feedback: the residuals are checkpointed by worker
+    pytest.param("diloco", 2, ["--config.model.sharding=fsdp", *STREAMED_INT8],
+                 marks=pytest.mark.slow),
 ])
 def test_a_two_process_run_killed_after_a_checkpoint_resumes_exactly(method, devices, extra,
                                                                      tmp_path):

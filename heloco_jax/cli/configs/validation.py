@@ -225,9 +225,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if method.synchrony != "async":
       _fail("compression.download", True, f"False with method={config.method!r}; compressed "
             "downloads run the asynchronous methods")
-  if compressing and config.distributed.coordinator:
-    _fail(key, value, f"{off} across processes (distributed.coordinator="
-          f"{config.distributed.coordinator!r}); compression runs in one process")
   refused = fragments.refusal(
       method=method, fragments=config.streaming.fragments,
       overlap_steps=config.streaming.overlap_steps, alpha=config.streaming.alpha,
