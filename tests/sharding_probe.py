@@ -15,13 +15,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cnn.py
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import optax  # pylint: disable=g-import-not-at-top
 from flax import nnx  # pylint: disable=g-import-not-at-top
-from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
 import heloco_jax as hj  # pylint: disable=g-import-not-at-top
 
@@ -255,6 +257,60 @@ def stopped_and_resumed_on_devices(workdir):
           "losses": [summary["initial_val_loss"], summary["final_val_loss"]]}
 
 
+def _cnn_spec(x):
+  """tests/cnn.py's leaves FSDP-sharded: the conv kernel and BatchNorm's (4,) vectors over
+  their 4 channels, the linear kernel over its 144 inputs, the 3-class bias replicated."""
+  if x.ndim == 4:
+    return P(None, None, None, "fsdp")
+  return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
+
+
+def _cnn_placed(tree):
+  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(MESH, _cnn_spec(x))), tree)
+
+
+def _cnn_run(method, sharded, runtime=None):
+  """tests/cnn.py's flax.nnx CNN (Conv, BatchNorm, Dropout, accuracy in aux) with 2 fragments
+  (τ = 1) and SGD (Adam would turn the ulps of near-zero gradients into steps of its learning
+  rate): the engine, its live arrays, and the summary."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import cnn  # pylint: disable=g-import-not-at-top
+  place = _cnn_placed if sharded else (lambda tree: tree)
+  engine = hj.make_engine(
+      cnn.cnn_loss, place(cnn.PARAMS), cnn.cnn_data(), model_state=place(cnn.STATS),
+      method=method, inner_steps=4, inner_tx=optax.sgd(0.1), eval_fn=cnn.cnn_eval,
+      budget=hj.Budget(steps=48), speeds=[1.0, 2.0],
+      streaming=hj.Streaming(fragments=2, overlap_steps=1),
+      **({} if runtime is None else {"runtime": runtime}))
+  try:
+    summary = asyncio.run(engine.run())
+    live = {"params": engine.params, "outer_state": engine.outer_state,
+            "workers": engine.state.workers, "model_state": engine.model_state,
+            **({"anchors": engine.features.streaming.anchors} if method == "heloco" else {})}
+    copies = {"full_copies": full_copies(live), "spread": {k: spread_leaves(v)
+                                                           for k, v in live.items()},
+              "single_device": sum(not isinstance(x.sharding, NamedSharding)
+                                   for x in jax.tree.leaves(live))} if sharded else {}
+    return {**copies, "params": leaves(engine.params), "model_state": leaves(engine.model_state),
+            "losses": [summary["initial_val_loss"], summary["final_val_loss"]],
+            "outer_updates": summary["outer_updates"]}
+  finally:
+    engine.close()
+
+
+def flax_cnn():
+  """The CNN with θ and BatchNorm's statistics FSDP-sharded over 4 devices: HeLoCo in
+  fragments (simulated) and Streaming DiLoCo on runtime=devices (the replicas on a workers ×
+  fsdp mesh), each against the same run unsharded; and the unsharded HeLoCo with its workers
+  spread over the 8 host devices (the test runs it on 1 device in its own process)."""
+  devices = hj.devices_runtime(batch_size=16)
+  return {"heloco_sharded": _cnn_run("heloco", True),
+          "heloco_unsharded": _cnn_run("heloco", False),
+          "diloco_devices_sharded": _cnn_run("diloco", True, devices),
+          "diloco_sharded": _cnn_run("diloco", True),
+          "diloco_unsharded": _cnn_run("diloco", False)}
+
+
 def evaluate(params):
   x = np.random.default_rng(99).normal(0.5, 1.0, (64, D_IN)).astype(np.float32)
   return loss_fn(params, (x, x @ W_TRUE))
@@ -280,7 +336,8 @@ def main(out, method=None, workdir=None):
               "devices_heloco": on_devices("heloco"),
               "devices_heloco_fragments": on_devices("heloco_fragments"),
               "devices_diloco": rounds_on_devices("diloco"),
-              "devices_palsgd": rounds_on_devices("palsgd")}
+              "devices_palsgd": rounds_on_devices("palsgd"),
+              "flax_cnn": flax_cnn()}
   else:
     result = in_workdir(method, workdir)
   with open(out, "w") as f:

@@ -443,6 +443,12 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
   while True:
     j = f.streaming.syncs[0] + 1
     p = j % spec.fragments
+    units = s.units + k * steps * spec.units_per_step
+    # Checked before the round, which donates the workers' states (the real clock's seconds
+    # are known after it only).
+    ahead = run.clock.fragment_round_seconds(steps, p, s.sim_time) if run.clock.simulated else 0
+    if spec.budget.over(units, s.sim_time + ahead):
+      return
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, steps) for i in range(k)])
     keys = jnp.stack([run.next_key()] * k)
     if tau == 0 or j == 1:
@@ -455,9 +461,10 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
                                           keys, None)
       loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps,
                           inner_lib.train_loss(first), inner_lib.train_loss(second))
-    units = s.units + k * steps * spec.units_per_step
-    duration = run.clock.fragment_round_seconds(steps, p, s.sim_time)
-    if spec.budget.over(units, s.sim_time + duration):
+    duration = ahead if run.clock.simulated else run.clock.fragment_round_seconds(steps, p,
+                                                                                 s.sim_time)
+    if spec.budget.over(units, s.sim_time + duration):  # the real clock ran out during it
+      s.workers = states  # the steps were taken; the fragment's sync was not
       return
     s.units, s.sim_time = units, s.sim_time + duration
     accepted = _screen_round(run, states, np.full(k, steps))
@@ -495,7 +502,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
   if s.phase != "ddp":
     s.phase, s.workers = "ddp", run.executor.inner.start_jit(
         run.executor.to_rounds(run.server.params),  # where DDP steps run
-        run.model_states.for_dispatch(0, None))
+        run.model_states.for_ddp())
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
     present = membership.present(k, s.sim_time)

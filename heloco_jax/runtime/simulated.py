@@ -168,7 +168,10 @@ class LocalExecutor(base.OneProcess):
                                   **options)
 
   def to_server(self, tree: Any) -> Any:
-    return tree if self.layout is None else self.layout.put(tree)
+    if self.layout is not None:
+      return self.layout.put(tree)
+    # θ's device: a worker's results come back from its own (``run_worker``)
+    return tree if len(self.devices) == 1 else jax.device_put(tree, self.devices[0])
 
   def to_rounds(self, tree: Any) -> Any:
     return self.to_server(tree)

@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import optax
 
 from heloco_jax.training import sharding
@@ -391,7 +392,8 @@ class InnerLoop:
     self._vmap = functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name)
     self.run_jit = jax.jit(self.run, donate_argnums=0)
     self.start_jit = jax.jit(self.start)  # one program instead of eager per-leaf copies and zeros
-    self.run_many = jax.jit(self._vmap(self.run, in_axes=(0, 0, 0, None)), donate_argnums=0)
+    self.run_many = jax.jit(self._vmap(self.run, in_axes=(0, 0, 0, None)) if spmd_axis_name is None
+                            else self._run_per_slice(spmd_axis_name), donate_argnums=0)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)
 
@@ -418,6 +420,25 @@ class InnerLoop:
                   spmd_axis_name: Optional[str] = None) -> "InnerLoop":
     """The same loop compiled for ``layout`` (a worker group's or a round's mesh)."""
     return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout, spmd_axis_name)
+
+  def _run_per_slice(self, axis: str) -> Callable[..., tuple[InnerState, InnerMetrics]]:
+    """``run`` for K stacked workers split over the mesh axis ``axis``, one worker per slice:
+    each slice runs one worker's program (``jax.shard_map`` over ``axis``; θ's axes stay with
+    XLA). Not ``jax.vmap``: a vmapped convolution whose kernel is split over ``axis`` and over
+    its output features is miscompiled by XLA's Shardy partitioner (jax 0.10–0.12: wrong
+    values, tests/training/test_sharding.py)."""
+    assert self.layout is not None
+
+    def run_one(states, batches, keys, anchor):
+      # θ's specs on the mesh as seen inside (``axis`` manual)
+      inner = self.with_layout(self.layout.on(jax.sharding.get_abstract_mesh()))
+      take = functools.partial(jax.tree.map, lambda x: x[0])
+      out = inner.run(take(states), take(batches), take(keys), anchor)
+      return jax.tree.map(lambda x: x[None], out)
+
+    split = P(axis)
+    return jax.shard_map(run_one, mesh=self.layout.mesh, in_specs=(split, split, split, P()),
+                         out_specs=split, axis_names={axis})
 
   def fresh_moments(self, state: InnerState) -> InnerState:
     """``state`` with a fresh optimizer state (its step counts kept): after a rejected Δ."""

@@ -28,7 +28,7 @@ worker, the same on a replay, and exact on a resume (the step count is checkpoin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -141,12 +141,17 @@ class ModelStates:
     num_workers: K.
     seed: the run's seed (the workers' keys).
     rng: whether the ``loss_fn`` takes ``rng``.
+    to_server: moves a tree to where the server's copy lives (the executor's): workers'
+      copies come back from their devices before they are merged.
+    to_rounds: moves a tree to where a round's (or DDP's) states live (the executor's).
   """
   merged: Any
   merge: str
   num_workers: int
   seed: int
   rng: bool
+  to_server: Callable[[Any], Any] = lambda tree: tree
+  to_rounds: Callable[[Any], Any] = lambda tree: tree
 
   @property
   def active(self) -> bool:
@@ -178,11 +183,15 @@ class ModelStates:
     if not self.active:
       return states
     if states is None:
-      return self.seed_states()
-    merged = (None if self.merged is None else
-              jax.tree.map(lambda x, y: jnp.broadcast_to(x, y.shape), self.merged,
-                           states.model_state))
+      return self.to_rounds(self.seed_states())
+    merged = (None if self.merged is None else self.to_rounds(
+        jax.tree.map(lambda x, y: jnp.broadcast_to(x, y.shape), self.merged,
+                     states.model_state)))
     return states._replace(model_state=merged)
+
+  def for_ddp(self) -> Optional[inner_lib.InnerState]:
+    """What DDP's one state starts from besides θ (worker 0's seed state), where it runs."""
+    return self.to_rounds(self.seed_state(0)) if self.active else None
 
   def keyed(self, states: inner_lib.InnerState) -> inner_lib.InnerState:
     """K stacked copies of one state (PALSGD's warm-up → rounds) with each worker's own key."""
@@ -195,11 +204,12 @@ class ModelStates:
     """An accepted asynchronous arrival's model state merged into the server's copy."""
     if self.merged is None:
       return
+    arriving = self.to_server(state.model_state)
     if self.merge == "latest":
-      self.merged = state.model_state
+      self.merged = arriving
     else:
-      self.merged = _toward(self.merged, state.model_state,
-                            jnp.asarray(1.0 / self.num_workers, jnp.float32))
+      self.merged = _toward(self.merged, arriving, jnp.asarray(1.0 / self.num_workers,
+                                                               jnp.float32))
 
   def round(self, states: inner_lib.InnerState, accepted: Any) -> None:
     """A round's accepted workers' model states (stacked) merged into the server's copy."""
@@ -207,9 +217,9 @@ class ModelStates:
       return
     if self.merge == "latest":
       accepted = np.arange(self.num_workers) == int(np.argmax(np.asarray(accepted)))
-    self.merged = _round_mean(states.model_state, jnp.asarray(accepted))
+    self.merged = self.to_server(_round_mean(states.model_state, jnp.asarray(accepted)))
 
   def ddp(self, state: inner_lib.InnerState) -> None:
     """DDP's one state is the model state."""
     if self.merged is not None:
-      self.merged = state.model_state
+      self.merged = self.to_server(state.model_state)

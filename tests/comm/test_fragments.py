@@ -171,6 +171,25 @@ def test_streaming_diloco_against_numpy(tau, alpha):
   assert result.summary["outer_updates"] == rounds
 
 
+def test_a_streaming_run_that_ends_on_its_budget_keeps_the_workers_states():
+  """The budget is checked before a round, which donates the workers' states to its program
+  (vmapped rounds: the default on accelerators). Before: a run that ended there left
+  ``engine.state.workers`` deleted ("Array has been deleted" on a later read)."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  engine = hj.make_engine(
+      _loss, {"b": jnp.zeros(1), "w": jnp.zeros((3, 1))}, [_batches(i, 40) for i in range(K)],
+      method="diloco", inner_steps=H, speeds=[1.0, 1.0], budget=hj.Budget(steps=5 * K * H // P),
+      inner_tx=optax.sgd(LR), streaming=hj.Streaming(fragments=P, overlap_steps=1),
+      runtime=hj.simulated_runtime(worker_batching="vmap"))
+  try:
+    summary = asyncio.run(engine.run())
+    assert summary["outer_updates"] == 5
+    assert not any(x.is_deleted() for x in jax.tree.leaves(engine.state.workers))
+    assert engine.state.workers.step.tolist() == [5 * H // P] * K
+  finally:
+    engine.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # asynchronous methods with fragments
 # ---------------------------------------------------------------------------------------------

@@ -210,7 +210,9 @@ def test_a_checkpoint_whose_metadata_lost_its_checksum_is_not_trusted(tmp_path):
   data["units"] = 10 ** 6
   with open(meta, "w") as f:
     json.dump(data, f)
-  with pytest.warns(UserWarning, match=f"checkpoint {steps[-1]}: its metadata fails its checksum"):
+  with (pytest.warns(UserWarning, match=f"checkpoint {steps[-1]}: its metadata fails its checksum"),
+        pytest.warns(UserWarning, match=f"resuming from checkpoint {steps[-2]} drops checkpoint "
+                     f"{steps[-1]}")):
     resumed = _simulate(run)
   assert resumed.summary["steps"] <= 40
 
