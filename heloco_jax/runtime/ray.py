@@ -585,6 +585,11 @@ class RayExecutor(base.OneProcess):
     self._clock: Callable[[], float] = lambda: 0.0
     self._pickles: dict[int, tuple[compress.Compressor, bytes]] = {}  # id -> its bytes
 
+  def to_server(self, tree: Any) -> Any:
+    """A value the driver keeps beside θ (the model state's server copy): with θ sharded, on
+    θ's layout here, host shards from an actor included."""
+    return tree if self.layout is None else self.layout.from_host(tree)
+
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
     actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
         outer_tx, sharding.to_host(params), options,

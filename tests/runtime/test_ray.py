@@ -473,11 +473,22 @@ if sys.argv[2] == "int8":  # both ways: the worker actor keeps its anchors (x̂)
   int8 = hj.compress.int8()
   options["compress"] = hj.Compression(up=hj.compress.error_feedback(int8), down=int8)
 data = cnn.cnn_data(1)
+params, layout = cnn.PARAMS, "packed"
+if sys.argv[2] == "sharded":  # θ and the statistics over 4 devices, in every actor too
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  def spec(x):  # the conv kernel and BatchNorm's vectors over 4 channels, the linear kernel
+    if x.ndim == 4:
+      return P(None, None, None, "fsdp")
+    return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
+  place = lambda tree: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))),
+                                    tree)
+  params, options["model_state"], layout = place(params), place(cnn.STATS), "tree"
 # θ packed on the server actor (docs/ALGORITHMS.md, "Packed outer state"): conv kernels too
-on_ray = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data,
-                     runtime=hj.ray_runtime(num_cpus=2, outer_layout="packed"), **options)
-simulated = hj.simulate(cnn.cnn_loss, cnn.PARAMS, data,
-                        runtime=hj.simulated_runtime(outer_layout="packed"), **options)
+on_ray = hj.simulate(cnn.cnn_loss, params, data,
+                     runtime=hj.ray_runtime(num_cpus=2, outer_layout=layout), **options)
+simulated = hj.simulate(cnn.cnn_loss, params, data,
+                        runtime=hj.simulated_runtime(outer_layout=layout), **options)
 def equal(a, b):
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 def rows(result):
@@ -493,16 +504,18 @@ print("RESULT", json.dumps({
 
 @needs_ray
 @pytest.mark.slow  # a Ray run, ~40 s each: the default suite stays under 15 minutes
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation(compression):
+@pytest.mark.parametrize("variant", ["none", "int8", "sharded"])
+def test_a_flax_models_statistics_keys_and_metrics_on_ray_equal_the_simulation(variant):
   """A loss_fn with ``state`` and ``rng`` on Ray (the worker actor steps them, the driver merges
   the state): one worker equals the simulated runtime bit for bit, params, BatchNorm's
   statistics and the rows' metrics, with θ in 2 fragments, packed on the server actor; also
-  with int8 + error feedback up and int8 down."""
+  with int8 + error feedback up and int8 down; and with θ and the statistics sharded over 4
+  devices (before: the statistics came back as host shards and the merge failed)."""
   tests = os.path.dirname(os.path.dirname(__file__))
-  out = subprocess.run([sys.executable, "-c", MODEL_STATE_SCRIPT, tests, compression],
-                       capture_output=True,
-                       text=True, timeout=900, check=False)
+  env = {**os.environ, **({"XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
+                          if variant == "sharded" else {})}
+  out = subprocess.run([sys.executable, "-c", MODEL_STATE_SCRIPT, tests, variant],
+                       capture_output=True, env=env, text=True, timeout=900, check=False)
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(next(line for line in out.stdout.splitlines()
                            if line.startswith("RESULT "))[7:])
