@@ -36,8 +36,9 @@ def _commands(workdir, args):
 
 
 @pytest.mark.parametrize("method, num_workers, extra", [
-    ("diloco", 2, []),  # a worker per process, its batch split over the process's 2 devices
-    # (the default suite's time, < 15 min: the other cases run under -m slow)
+    # a worker per process, its batch split over the process's 2 devices (the default suite
+    # runs it with fragments and int8 below: < 15 min; these run under -m slow)
+    pytest.param("diloco", 2, [], marks=pytest.mark.slow),
     # 2 workers per process: the workers axis spans the processes
     pytest.param("palsgd", 4, [], marks=pytest.mark.slow),
     pytest.param("ddp", 4, [], marks=pytest.mark.slow),
