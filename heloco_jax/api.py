@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, ParamSpec, Sequen
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import cost
@@ -592,9 +593,13 @@ def simulate(loss_fn: Callable[..., Any], params: Any, data: Sequence[Iterable[A
                     f"(summary['stopped'])", stacklevel=2)
     if engine.layout is None:
       return RunResult(jax.device_get(engine.params), engine.rows, summary, engine.model_state)
-    # Sharded θ stays where it is, with the user's shardings (their mesh's axis types too).
-    result = jax.tree.map(lambda x, given: jax.device_put(x, given.sharding), engine.params,
-                          params)
+    # Sharded θ stays where it is, with the user's shardings (their mesh's axis types too);
+    # across processes through the host (JAX moves arrays between processes no other way).
+    def back(x: jax.Array, given: jax.Array) -> jax.Array:
+      if not x.is_fully_addressable:
+        x = multihost_utils.process_allgather(x, tiled=True)
+      return jax.device_put(x, given.sharding)
+    result = jax.tree.map(back, engine.params, params)
     return RunResult(result, engine.rows, summary, engine.model_state)
   finally:
     engine.close()

@@ -1,9 +1,11 @@
 """One of 2 jax.distributed processes (2 host CPU devices each), or the reference in one
 process: tests/cnn.py's flax.nnx CNN (Conv, BatchNorm, Dropout) trained with DiLoCo, a worker
-per process on runtime=devices; writes θ and the BatchNorm statistics as JSON from process 0
-(tests/runtime/test_distributed.py compares them).
+per process on runtime=devices; with SHARDED "sharded", θ and the statistics given FSDP-sharded
+over process 0's 2 devices. Writes θ (and the devices it came back on) and the BatchNorm
+statistics as JSON from process 0 (tests/runtime/test_distributed.py compares them).
 
-  python tests/multiprocess_cnn_probe.py COORDINATOR PROCESS_ID OUT.json   # PROCESS_ID -1: simulated
+  python tests/multiprocess_cnn_probe.py COORDINATOR PROCESS_ID OUT.json [SHARDED]
+  (PROCESS_ID -1: the simulated runtime in one process)
 """
 
 import json
@@ -18,7 +20,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cnn.py
 import jax  # pylint: disable=g-import-not-at-top
 
 
-def main(coordinator, process_id, out):
+def _sharded(tree):
+  """``tree`` over process 0's 2 devices: the conv kernel and BatchNorm's vectors over their 4
+  channels, the linear kernel over its 144 inputs (every process places the same values)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  def spec(x):
+    if x.ndim == 4:
+      return P(None, None, None, "fsdp")
+    return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, spec(x))),
+                      tree)
+
+
+def main(coordinator, process_id, out, sharded=""):
   process_id = int(process_id)
   if process_id >= 0:
     jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
@@ -28,13 +45,17 @@ def main(coordinator, process_id, out):
 
   import heloco_jax as hj  # pylint: disable=g-import-not-at-top
   runtime = {"runtime": hj.devices_runtime(batch_size=16)} if process_id >= 0 else {}
-  result = hj.simulate(cnn.cnn_loss, cnn.PARAMS, cnn.cnn_data(), model_state=cnn.STATS,
+  place = _sharded if sharded == "sharded" else (lambda tree: tree)
+  result = hj.simulate(cnn.cnn_loss, place(cnn.PARAMS), cnn.cnn_data(),
+                       model_state=place(cnn.STATS),
                        method="diloco", inner_steps=4, inner_tx=optax.sgd(0.1),
                        eval_fn=cnn.cnn_eval, budget=hj.Budget(steps=48), **runtime)
   if process_id <= 0:
-    values = lambda tree: [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(tree))]
+    values = lambda tree: [np.asarray(x).tolist() for x in jax.tree.leaves(tree)]
     with open(out, "w") as f:
       json.dump({"params": values(result.params), "model_state": values(result.model_state),
+                 "devices": sorted({d.id for x in jax.tree.leaves(result.params)
+                                    for d in getattr(x, "devices", lambda: ())()}),
                  "losses": [result.summary["initial_val_loss"],
                             result.summary["final_val_loss"]]}, f)
 

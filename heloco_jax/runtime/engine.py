@@ -166,8 +166,8 @@ class Engine:
         model_states=model_state_lib.ModelStates(
             executor.to_server(model_state) if model_state is not None else None,
             model_state_merge, spec.num_workers, spec.seed, executor.inner.contract.rng,
-            to_server=executor.to_server,  # Ray's executor runs no rounds:
-            to_rounds=getattr(executor, "to_rounds", executor.to_server)))
+            to_server=executor.to_server,
+            to_rounds=getattr(executor, "to_rounds", executor.to_server)))  # Ray: no rounds
     self._on_checkpoint: Optional[Callable[[Engine], None]] = None
     self.stop_requested: Optional[str] = None
     self.stopped: Optional[str] = None  # why the run ended before its budget (every worker left)

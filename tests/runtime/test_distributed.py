@@ -118,22 +118,28 @@ def test_fragments_and_compressed_deltas_across_two_processes_equal_one_process(
   assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3
 
 
-@pytest.mark.slow  # 25 s: the default suite stays under 15 minutes
-def test_a_flax_cnn_with_batchnorm_across_two_processes_equals_the_simulated_run(tmp_path):
+@pytest.mark.slow  # 20 s each: the default suite stays under 15 minutes
+@pytest.mark.parametrize("sharded", ["", "sharded"])
+def test_a_flax_cnn_with_batchnorm_across_two_processes_equals_the_simulated_run(sharded,
+                                                                                tmp_path):
   """tests/cnn.py's CNN (Conv, BatchNorm, Dropout keyed per step) with DiLoCo, a worker per
-  process (tests/multiprocess_cnn_probe.py): θ and the averaged BatchNorm statistics equal the
-  simulated run's within float tolerance (the batch split over each process's 2 devices)."""
+  process (tests/multiprocess_cnn_probe.py), θ and its statistics given whole or FSDP-sharded
+  over process 0's 2 devices: θ and the averaged BatchNorm statistics equal the simulated
+  run's within float tolerance (the batch split over each process's 2 devices); sharded θ
+  comes back on the user's devices (before: hj.simulate failed there, "cross-host reshard")."""
   probe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "multiprocess_cnn_probe.py")
   coordinator = f"127.0.0.1:{tiny.free_port()}"
   codes, outputs = tiny.run_processes(
-      [[sys.executable, probe, coordinator, str(i), str(tmp_path / "dist.json")]
+      [[sys.executable, probe, coordinator, str(i), str(tmp_path / "dist.json"), sharded]
        for i in range(2)])
   assert codes == [0, 0], [o[-2000:] for o in outputs]
   subprocess.run([sys.executable, probe, "-", "-1", str(tmp_path / "one.json")], check=True,
                  capture_output=True, timeout=300)
   dist, one = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("dist", "one"))
   assert dist["losses"][1] < 0.3 * dist["losses"][0]
+  if sharded:
+    assert dist["devices"] == [0, 1]  # process 0's, where the user put θ
   for key in ("params", "model_state"):
     a, b = (np.concatenate([np.ravel(x) for x in run[key]]) for run in (dist, one))
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), key
