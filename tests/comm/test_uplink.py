@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+# One worker process runs this module, so the 4-device probe runs once.
+pytestmark = pytest.mark.xdist_group("uplink_probe")
 # kind, options, whether the codes cross as the payload counts them (int4: one byte per
 # 4-bit code, unpacked; nbytes counts them packed)
 CASES = [("int8", {"block": 64}, True), ("fp8", {}, True), ("bf16", {}, True),
