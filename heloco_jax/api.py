@@ -247,16 +247,14 @@ def _workdir(workdir: Union[None, str, os.PathLike, Workdir]) -> Optional[Workdi
 
 
 def _membership(membership: Optional[membership_lib.Membership], num_workers: int,
-                fragments: int, simulated: bool, asynchronous: bool
-                ) -> membership_lib.Membership:
+                simulated: bool) -> membership_lib.Membership:
   """The run's failure schedule (a one-line ValueError where it cannot run)."""
   if membership is None:
     return membership_lib.Membership()
   if not isinstance(membership, membership_lib.Membership):
     raise ValueError(f"membership={membership!r} is not allowed; allowed: None or "
                      "hj.Membership(...)")
-  why = membership_lib.refusal(membership, num_workers=num_workers, simulated=simulated,
-                               fragments=fragments, asynchronous=asynchronous)
+  why = membership_lib.refusal(membership, num_workers=num_workers, simulated=simulated)
   if why:
     raise ValueError(f"membership={membership!r} is not allowed: {why}")
   return membership
@@ -364,7 +362,7 @@ def make_engine(
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
       every worker stays. The simulated clock only; synchronous methods run elastic
-      rounds and steps, and not with fragments (Streaming DiLoCo).
+      rounds and steps (Streaming DiLoCo too: a worker that missed a round takes θ whole).
     comm: message and all-reduce costs (``hj.CommModel``).
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     model_state: the initial model state besides θ (e.g. ``nnx.state(model,
@@ -436,8 +434,7 @@ def make_engine(
     workdir = dataclasses.replace(workdir, checkpoint_every=int(workdir.checkpoint_every))
   streaming = _streaming(streaming)
   syncer = _syncer(syncer, spec_method, num_workers)
-  membership = _membership(membership, num_workers, streaming.fragments,
-                           factory.simulated_clock, spec_method.synchrony == "async")
+  membership = _membership(membership, num_workers, factory.simulated_clock)
   run_budget, eval_every, units_per_step, unit = _budget(budget)
   model_state_lib.check_params_are_trained(params)
   checks.check_params(params)

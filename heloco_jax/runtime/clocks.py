@@ -209,10 +209,13 @@ class SimulatedClock:
     (at the slowest worker's speed) do not hide: all of it without overlap."""
     return max(0.0, self.allreduces[fragment] - self.overlap_steps * self._slowest)
 
-  def fragment_round_seconds(self, steps: int, fragment: int, start: float) -> float:
-    """A round of ``steps`` steps that ends in fragment ``fragment``'s exposed all-reduce."""
+  def fragment_round_seconds(self, steps: int, fragment: int, start: float,
+                             present: Optional[np.ndarray] = None) -> float:
+    """A round of ``steps`` steps of the ``present`` workers (default all) that ends in
+    fragment ``fragment``'s exposed all-reduce."""
     del start  # the round's seconds are simulated
-    compute = max(self.steps.duration(i, steps) for i in range(self.num_workers))
+    compute = max(self.steps.duration(i, steps if present is None or present[i] else 0)
+                  for i in range(self.num_workers))
     return compute + self.exposed_allreduce(fragment)
 
   def plan_ddp(self, chunk: int, start: float, limit: float,
@@ -274,8 +277,9 @@ class RealClock:
     del worker, steps, received, sent
     return now  # the arrivals queue reads the time when the devices finish
 
-  def fragment_round_seconds(self, steps: int, fragment: int, start: float) -> float:
-    del steps, fragment
+  def fragment_round_seconds(self, steps: int, fragment: int, start: float,
+                             present: Optional[np.ndarray] = None) -> float:
+    del steps, fragment, present
     return self.now() - start
 
   def plan_ddp(self, chunk: int, start: float, limit: float,

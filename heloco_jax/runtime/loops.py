@@ -378,6 +378,16 @@ def _membership_row(run: Run, kind: str, worker: int, at: float,
   return {**row, "outer_updates": run.state.version}
 
 
+def _with_theta(run: Run, states: inner_lib.InnerState, which: np.ndarray
+                ) -> inner_lib.InnerState:
+  """K stacked states with θ's params where ``which`` (per worker), the rest as they are."""
+  theta = run.executor.to_rounds(run.server.params)
+  keep = run.executor.to_rounds(~which)
+  return states._replace(params=jax.tree.map(
+      lambda x, t: jnp.where(keep.reshape((-1,) + (1,) * t.ndim), x, t[None]),
+      states.params, theta))
+
+
 def _where_part(run: Run, part: np.ndarray, new: Any, old: Any) -> Any:
   """Per worker (axis 0): ``new`` for those that took part in the round, ``old`` for the
   others."""
@@ -421,16 +431,20 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
   """Streaming DiLoCo (ALGORITHMS.md, "Fragments"): every H/P steps the workers all-reduce
   fragment j mod P's Δ_p = θ_p − mean_i θ_{i,p} and the outer rule of fragment p applies
   it; the new θ_p replaces (α = 1) or blends into each worker's fragment, τ steps later.
-  Workers never restart as a whole: their steps and optimizer states carry on."""
+  Workers never restart as a whole (their steps and optimizer states carry on), except one
+  that missed a round (FAILURES.md, "Synchronous methods: elastic rounds and steps"): it takes
+  θ whole at its next one."""
   s, spec, k = run.state, run.spec, run.spec.num_workers
   f = run.features
   executor, inner, fragments = run.executor, run.executor.inner, run.fragments
   steps, tau, alpha = spec.inner_steps // spec.fragments, spec.overlap_steps, spec.fragment_alpha
+  membership = spec.membership
   if s.phase != "rounds":
     s.phase = "rounds"
     s.workers = inner.start_many(executor.to_rounds(run.server.params),
                                  run.model_states.for_round(None), k)
     f.streaming.fragment_versions, f.streaming.syncs = [0] * spec.fragments, [0]
+    f.streaming.missed = [False] * k
 
   def merged(states, p):  # fragment p's new θ_p (and the merged model state) in every worker's
     local = fragments.take(states.params, p)
@@ -441,45 +455,65 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
         states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
 
   while True:
+    present = membership.present(k, s.sim_time)
+    if not present.any():  # everyone away: the next round starts when one comes back
+      if not _wait_for_a_worker(run):
+        return
+      continue
     j = f.streaming.syncs[0] + 1
     p = j % spec.fragments
-    units = s.units + k * steps * spec.units_per_step
+    start, planned = s.sim_time, np.where(present, steps, 0)
+    units = s.units + int(planned.sum()) * spec.units_per_step
     # Checked before the round, which donates the workers' states (the real clock's seconds
     # are known after it only).
-    ahead = run.clock.fragment_round_seconds(steps, p, s.sim_time) if run.clock.simulated else 0
-    if spec.budget.over(units, s.sim_time + ahead):
+    ahead = (run.clock.fragment_round_seconds(steps, p, start, present)
+             if run.clock.simulated else 0)
+    if spec.budget.over(units, start + ahead):
       return
+    returning = present & np.asarray(f.streaming.missed or [False] * k)
+    if returning.any():  # θ as a whole, their step counts and optimizer states kept
+      s.workers = _with_theta(run, s.workers, returning)
+    before = jax.tree.map(jnp.copy, s.workers) if membership.absences else None
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, steps) for i in range(k)])
     keys = jnp.stack([run.next_key()] * k)
     if tau == 0 or j == 1:
       states, metrics = executor.run_round(s.workers, batches, keys, None)
-      loss = inner_lib.train_loss(metrics)
+      metrics = [metrics]
     else:  # τ steps while fragment j − 1's sync is in flight, then it lands
       head, tail = streaming.split_steps(batches, tau, axis=1)
       states, first = executor.run_round(s.workers, head, keys, None)
       states, second = executor.run_round(merged(states, (j - 1) % spec.fragments), tail,
                                           keys, None)
-      loss = jax.tree.map(lambda a, b: (tau * a + (steps - tau) * b) / steps,
-                          inner_lib.train_loss(first), inner_lib.train_loss(second))
+      metrics = [first, second]
     duration = ahead if run.clock.simulated else run.clock.fragment_round_seconds(steps, p,
-                                                                                 s.sim_time)
-    if spec.budget.over(units, s.sim_time + duration):  # the real clock ran out during it
+                                                                                 start)
+    # ALGORITHMS.md, "Elastic membership": a worker that leaves before the barrier loses its
+    # part of the round; the others' parts are averaged.
+    lost = present & np.array([membership.next_leave(i, start) < start + duration
+                               for i in range(k)])
+    part = present & ~lost
+    units = s.units + int(planned[part].sum()) * spec.units_per_step
+    if spec.budget.over(units, start + duration):  # the real clock ran out during it
       s.workers = states  # the steps were taken; the fragment's sync was not
       return
-    s.units, s.sim_time = units, s.sim_time + duration
-    accepted = _screen_round(run, states, np.full(k, steps))
-    if not accepted.all():  # a rejected worker starts again from θ, with fresh moments
-      theta = executor.to_rounds(run.server.params)
-      keep = executor.to_rounds(accepted)
-      states = inner.reset_moments(states, executor.to_rounds(~accepted))
-      states = states._replace(params=jax.tree.map(
-          lambda x, t: jnp.where(keep.reshape((-1,) + (1,) * t.ndim), x, t[None]),
-          states.params, theta))
+    s.units, s.sim_time = units, start + duration
+    losses = [inner_lib.train_loss(m if part.all() else _only_part(m, part)) for m in metrics]
+    loss = losses[0] if len(losses) == 1 else jax.tree.map(
+        lambda a, b: (tau * a + (steps - tau) * b) / steps, *losses)
+    accepted = _screen_round(run, states, planned, part)
+    rejected = part & ~accepted
+    if rejected.any():  # a rejected worker starts again from θ, with fresh moments
+      states = _with_theta(run, inner.reset_moments(states, executor.to_rounds(rejected)),
+                           rejected)
+    if not part.all():  # the absent and the lost keep their state from before the round
+      states = _where_part(run, part, states, before)
     server = run.server.fragment(p)
     ends = fragments.take(states.params, p)
     if f.compression.states is not None:
-      delta, f.compression.states[p] = executor.compressed_round_delta(
+      delta, residuals = executor.compressed_round_delta(
           run.uplink, server.params, ends, accepted, f.compression.states[p])
+      f.compression.states[p] = (residuals if part.all() else
+                                 _where_part(run, part, residuals, f.compression.states[p]))
     elif accepted.any():
       delta = executor.round_delta(server.params, ends, accepted)
     if accepted.any():
@@ -489,7 +523,10 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
     run.model_states.round(states, accepted)
     s.workers = merged(states, p) if tau == 0 else states
     f.streaming.syncs[0] = j
-    _count_round(run, p, loss)
+    f.streaming.missed = [bool(m) for m in ~part]
+    if membership.absences:
+      _membership_rows(run, start, s.sim_time, planned, present, lost)
+    _count_round(run, p, loss, int(part.sum()))
     yield
 
 

@@ -27,11 +27,13 @@ class StreamingState:
   """A streaming run's fragments (a checkpoint's "streaming" entry): each fragment's version;
   per worker, its syncs so far (the round loop: one count) and the version of each fragment
   when it last received it; the anchors (per worker, θ as it last received each fragment:
-  the start of the fragment's Δ; saved as the "anchors" arrays)."""
+  the start of the fragment's Δ; saved as the "anchors" arrays); the round loop's workers
+  that missed a round (away: they start the next one they take part in from θ as a whole)."""
   fragment_versions: list = dataclasses.field(default_factory=list)
   syncs: list = dataclasses.field(default_factory=list)
   received: list = dataclasses.field(default_factory=list)
   anchors: Any = dataclasses.field(default=None, metadata={"array": "anchors"})
+  missed: list = dataclasses.field(default_factory=list)
 
   def start(self, fragments: int, num_workers: int) -> None:
     """The asynchronous loop's first state: every worker receives θ as a whole first."""

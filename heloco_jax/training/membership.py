@@ -133,18 +133,14 @@ class Membership:
     return cls(tuple(absences))
 
 
-def refusal(membership: Membership, *, num_workers: int, simulated: bool, fragments: int,
-            asynchronous: bool) -> Optional[str]:
+def refusal(membership: Membership, *, num_workers: int, simulated: bool) -> Optional[str]:
   """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
   None."""
   why = membership.refusal(num_workers)
   if why or not membership.absences:
     return why
-  for cannot, what in ((not simulated, "another runtime than the simulated one"),
-                       (fragments > 1 and not asynchronous,
-                        "fragments > 1 and a synchronous method (Streaming DiLoCo)")):
-    if cannot:
-      return f"not with {what} yet"
+  if not simulated:
+    return "not with another runtime than the simulated one yet"
   return None
 
 

@@ -111,10 +111,12 @@ def _batches(worker, n):
   return out
 
 
-def _numpy_streaming(rounds, tau, alpha):
+def _numpy_streaming(rounds, tau, alpha, away=()):
   """ALGORITHMS.md, "Fragments", for Streaming DiLoCo: every H/P SGD steps, fragment j mod P
   (b: 0, w: 1; contiguous) is all-reduced, θ_p takes a Nesterov step with its own momentum,
-  and the workers' θ_p blends in τ steps later."""
+  and the workers' θ_p blends in τ steps later. ``away``: (worker, round) pairs in which the
+  worker takes no part (FAILURES.md, "Synchronous methods"): its batches go unread, its state
+  stays, the mean is the others'; at the next round it takes part in it starts from θ."""
   theta = {"b": np.zeros(1, np.float64), "w": np.zeros((3, 1), np.float64)}
   momentum = {k: np.zeros_like(v) for k, v in theta.items()}
   local = [{k: v.copy() for k, v in theta.items()} for _ in range(K)]
@@ -135,6 +137,11 @@ def _numpy_streaming(rounds, tau, alpha):
       local[i][name] = alpha * theta[name] + (1 - alpha) * local[i][name]
 
   for j in range(1, rounds + 1):
+    part = [i for i in range(K) if (i, j) not in away]
+    for i in part:
+      if j > 1 and (i, j - 1) in away:  # back: θ as a whole
+        local[i] = {k: v.copy() for k, v in theta.items()}
+    before = [{k: v.copy() for k, v in local[i].items()} for i in range(K)]
     if tau == 0 or j == 1:
       for i in range(K):
         sgd(i, steps)
@@ -144,8 +151,10 @@ def _numpy_streaming(rounds, tau, alpha):
       land(frag[(j - 1) % P])
       for i in range(K):
         sgd(i, steps - tau)
+    for i in set(range(K)) - set(part):  # its steps are lost, its batches read
+      local[i] = before[i]
     name = frag[j % P]
-    delta = theta[name] - np.mean([local[i][name] for i in range(K)], axis=0)
+    delta = theta[name] - np.mean([local[i][name] for i in part], axis=0)
     momentum[name] = MU * momentum[name] + delta
     theta[name] = theta[name] - OUTER_LR * (delta + MU * momentum[name])
     if tau == 0:
@@ -169,6 +178,34 @@ def test_streaming_diloco_against_numpy(tau, alpha):
   rows = [r for r in result.history if r["event"] == "train"]
   assert [r["fragment"] for r in rows] == [1, 0, 1, 0, 1, 0]
   assert result.summary["outer_updates"] == rounds
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+def test_streaming_diloco_with_a_worker_away_against_numpy(tau):
+  """FAILURES.md, "Synchronous methods" with fragments: rounds of 2 s; worker 1 leaves at 3 s
+  (round 2: its part is lost, dropped) and is back at 7 s (round 5: it starts from θ as a
+  whole, as the NumPy reference does)."""
+  rounds = 6
+  result = hj.simulate(
+      _loss, {"b": jnp.zeros(1), "w": jnp.zeros((3, 1))},
+      [_batches(i, (rounds + 1) * H // P) for i in range(K)], method="diloco", inner_steps=H,
+      speeds=[1.0, 1.0], budget=hj.Budget(steps=18),
+      inner_tx=optax.with_extra_args_support(optax.sgd(LR)),
+      outer_tx=optax.sgd(OUTER_LR, momentum=MU, nesterov=True),
+      streaming=hj.Streaming(fragments=P, overlap_steps=tau),
+      membership=hj.Membership(((1, 3.0, 7.0),)))
+  expected = _numpy_streaming(rounds, tau, 1.0, away={(1, 2), (1, 3), (1, 4)})
+  for name in ("b", "w"):
+    np.testing.assert_allclose(result.params[name], expected[name], rtol=2e-5, atol=1e-6)
+  # Not the run without the absence: the reference tells them apart.
+  assert not np.allclose(_numpy_streaming(rounds, tau, 1.0)["w"], expected["w"], rtol=1e-3)
+  rows = [(r["event"], r["sim_time"], r.get("steps"), r.get("dropped_steps"))
+          for r in result.history if r["event"] in ("train", "left", "joined")]
+  assert rows == [("train", 2.0, 4, None), ("left", 3.0, None, 2), ("train", 4.0, 6, None),
+                  ("train", 6.0, 8, None), ("joined", 7.0, None, None),
+                  ("train", 8.0, 10, None), ("train", 10.0, 14, None),
+                  ("train", 12.0, 18, None)]
+  assert result.summary["dropped_steps"] == 2 and result.summary["outer_updates"] == rounds
 
 
 def test_a_streaming_run_that_ends_on_its_budget_keeps_the_workers_states():

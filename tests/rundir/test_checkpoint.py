@@ -215,6 +215,9 @@ def _resume(config, workdir, step):
     # (worker 3 is away from the start; test_resume.py's SIGKILL case under -m slow).
     ("mla", {"num_workers": 4, "speeds": [1.0, 1.3, 1.7, 2.0],
              "chaos.schedule": "1@5-30,2@8,3@0-20,0@40-45"}),
+    # Streaming DiLoCo's elastic rounds: the workers that missed a round (they take θ whole)
+    ("diloco", {"num_workers": 4, "speeds": [1.0, 1.3, 1.7, 2.0], "streaming.fragments": 2,
+                "chaos.schedule": "1@5-30,2@8,3@0-20,0@40-45"}),
 ])
 def test_resuming_any_checkpoint_reproduces_the_uninterrupted_run_bit_for_bit(
     tmp_path, method, overrides):

@@ -109,6 +109,23 @@ def test_synchronous_methods_run_elastic_rounds_and_steps(method):
   assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
 
 
+def test_streaming_diloco_runs_elastic_rounds_every_token_accounted_and_replayed():
+  """Rounds of one fragment's steps take the workers present at their start; a worker that
+  leaves before the barrier loses its part; the rows and the run replay bit for bit (the
+  NumPy reference: tests/comm/test_fragments.py)."""
+  summary, rows = _run("diloco", **{"streaming.fragments": 2})
+  events = [(r["event"], r["worker"], r["sim_time"]) for r in rows
+            if r["event"] in ("left", "joined")]
+  assert events == [("left", 1, 5.0), ("left", 2, 8.0), ("joined", 3, 12.0),
+                    ("joined", 1, 20.0)]
+  assert summary["in_flight_tokens"] == 0 and summary["dropped_tokens"] > 0
+  assert summary["dispatched_tokens"] == summary["tokens"] + summary["dropped_tokens"]
+  assert {r["fragment"] for r in rows if r["event"] == "train"} == {0, 1}
+  assert summary["final_val_loss"] < 0.8 * summary["initial_val_loss"]
+  again, rows_again = _run("diloco", **{"streaming.fragments": 2})
+  assert rows_again == rows and again["final_val_loss"] == summary["final_val_loss"]
+
+
 def test_fragments_lose_a_dispatch_whole_and_come_back_to_theta_as_a_whole():
   """With P = 2 fragments a worker that leaves loses the fragment it was computing; back, it
   starts again from all of θ (its first dispatch receives θ, not a fragment)."""
@@ -135,8 +152,8 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(method="diloco", streaming=hj.Streaming(fragments=2)),
-     "not with fragments > 1 and a synchronous method (Streaming DiLoCo) yet"),
+    (dict(runtime=hj.devices_runtime(batch_size=1)),
+     "not with another runtime than the simulated one yet"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
 def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):

@@ -184,9 +184,7 @@ def _validate_chaos(config: ml_collections.ConfigDict) -> None:
   if schedule is None:
     return
   why = membership.refusal(schedule, num_workers=config.num_workers,
-                           simulated=_runtime_factory(config).simulated_clock,
-                           fragments=config.streaming.fragments,
-                           asynchronous=METHODS[config.method].synchrony == "async")
+                           simulated=_runtime_factory(config).simulated_clock)
   if why:
     _fail(key, value, f"a schedule this run can take ({why})")
 
