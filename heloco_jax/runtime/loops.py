@@ -498,8 +498,8 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       return
     s.units, s.sim_time = units, start + duration
     losses = [inner_lib.train_loss(m if part.all() else _only_part(m, part)) for m in metrics]
-    loss = losses[0] if len(losses) == 1 else jax.tree.map(
-        lambda a, b: (tau * a + (steps - tau) * b) / steps, *losses)
+    loss = (None if not part.any() else losses[0] if len(losses) == 1 else jax.tree.map(
+        lambda a, b: (tau * a + (steps - tau) * b) / steps, *losses))
     accepted = _screen_round(run, states, planned, part)
     rejected = part & ~accepted
     if rejected.any():  # a rejected worker starts again from θ, with fresh moments

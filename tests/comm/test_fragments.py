@@ -208,6 +208,21 @@ def test_streaming_diloco_with_a_worker_away_against_numpy(tau):
   assert result.summary["dropped_steps"] == 2 and result.summary["outer_updates"] == rounds
 
 
+def test_a_streaming_round_every_worker_leaves_applies_nothing_and_the_run_goes_on():
+  """Both workers leave during round 2: no update, its row has no training loss; everyone
+  away until 5 s, then worker 1 alone (back from θ whole), then both."""
+  result = hj.simulate(
+      _loss, {"b": jnp.zeros(1), "w": jnp.zeros((3, 1))}, [_batches(i, 40) for i in range(K)],
+      method="diloco", inner_steps=H, speeds=[1.0, 1.0], budget=hj.Budget(steps=12),
+      inner_tx=optax.sgd(LR), streaming=hj.Streaming(fragments=P, overlap_steps=1),
+      membership=hj.Membership(((0, 3.0, 7.0), (1, 3.5, 5.0))))
+  trains = [(r["sim_time"], r["steps"], r["outer_updates"], "train_loss" not in r)
+            for r in result.history if r["event"] == "train"]
+  assert trains == [(2.0, 4, 1, False), (4.0, 4, 1, True), (7.0, 6, 2, False),
+                    (9.0, 10, 3, False)]
+  assert result.summary["dropped_steps"] == 4
+
+
 def test_a_streaming_run_that_ends_on_its_budget_keeps_the_workers_states():
   """The budget is checked before a round, which donates the workers' states to its program
   (vmapped rounds: the default on accelerators). Before: a run that ended there left
