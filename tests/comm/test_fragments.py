@@ -115,8 +115,9 @@ def _numpy_streaming(rounds, tau, alpha, away=()):
   """ALGORITHMS.md, "Fragments", for Streaming DiLoCo: every H/P SGD steps, fragment j mod P
   (b: 0, w: 1; contiguous) is all-reduced, θ_p takes a Nesterov step with its own momentum,
   and the workers' θ_p blends in τ steps later. ``away``: (worker, round) pairs in which the
-  worker takes no part (FAILURES.md, "Synchronous methods"): its batches go unread, its state
-  stays, the mean is the others'; at the next round it takes part in it starts from θ."""
+  worker takes no part (FAILURES.md, "Synchronous methods"): its batches are drawn and go
+  unused, its state stays, the mean is the others'; at the next round it takes part in it
+  starts from θ."""
   theta = {"b": np.zeros(1, np.float64), "w": np.zeros((3, 1), np.float64)}
   momentum = {k: np.zeros_like(v) for k, v in theta.items()}
   local = [{k: v.copy() for k, v in theta.items()} for _ in range(K)]
