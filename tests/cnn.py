@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 class CNN(nnx.Module):
@@ -53,6 +55,19 @@ def cnn_eval(params, *, state):
   logits = model(TEST[0])
   return {"val_loss": optax.softmax_cross_entropy_with_integer_labels(logits, TEST[1]).mean(),
           "accuracy": jnp.mean(logits.argmax(-1) == TEST[1])}
+
+
+def fsdp_placed(tree, mesh):
+  """``tree`` (PARAMS or STATS) FSDP-sharded over ``mesh``'s ``fsdp`` axis (2 or 4 devices):
+  the conv kernel and BatchNorm's vectors over their 4 channels, the linear kernel over its
+  144 inputs, the 3-class bias replicated; from host values (every process of a
+  jax.distributed run places the same)."""
+  def spec(x):
+    if x.ndim == 4:
+      return P(None, None, None, "fsdp")
+    return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, spec(x))),
+                      tree)
 
 
 def cnn_data(workers: int = 2) -> list:

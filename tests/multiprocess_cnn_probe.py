@@ -20,21 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/cnn.py
 import jax  # pylint: disable=g-import-not-at-top
 
 
-def _sharded(tree):
-  """``tree`` over process 0's 2 devices: the conv kernel and BatchNorm's vectors over their 4
-  channels, the linear kernel over its 144 inputs (every process places the same values)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
-  def spec(x):
-    if x.ndim == 4:
-      return P(None, None, None, "fsdp")
-    return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
-  return jax.tree.map(lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, spec(x))),
-                      tree)
-
-
 def main(coordinator, process_id, out, sharded=""):
   process_id = int(process_id)
   if process_id >= 0:
@@ -45,7 +30,10 @@ def main(coordinator, process_id, out, sharded=""):
 
   import heloco_jax as hj  # pylint: disable=g-import-not-at-top
   runtime = {"runtime": hj.devices_runtime(batch_size=16)} if process_id >= 0 else {}
-  place = _sharded if sharded == "sharded" else (lambda tree: tree)
+  # over process 0's 2 devices
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  place = ((lambda tree: cnn.fsdp_placed(tree, mesh)) if sharded == "sharded"
+           else (lambda tree: tree))
   result = hj.simulate(cnn.cnn_loss, place(cnn.PARAMS), cnn.cnn_data(),
                        model_state=place(cnn.STATS),
                        method="diloco", inner_steps=4, inner_tx=optax.sgd(0.1),

@@ -23,7 +23,6 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import optax  # pylint: disable=g-import-not-at-top
 from flax import nnx  # pylint: disable=g-import-not-at-top
 from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
-from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
 import heloco_jax as hj  # pylint: disable=g-import-not-at-top
 
@@ -257,25 +256,13 @@ def stopped_and_resumed_on_devices(workdir):
           "losses": [summary["initial_val_loss"], summary["final_val_loss"]]}
 
 
-def _cnn_spec(x):
-  """tests/cnn.py's leaves FSDP-sharded: the conv kernel and BatchNorm's (4,) vectors over
-  their 4 channels, the linear kernel over its 144 inputs, the 3-class bias replicated."""
-  if x.ndim == 4:
-    return P(None, None, None, "fsdp")
-  return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
-
-
-def _cnn_placed(tree):
-  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(MESH, _cnn_spec(x))), tree)
-
-
 def _cnn_run(method, sharded, runtime=None):
   """tests/cnn.py's flax.nnx CNN (Conv, BatchNorm, Dropout, accuracy in aux) with 2 fragments
   (τ = 1) and SGD (Adam would turn the ulps of near-zero gradients into steps of its learning
   rate): the engine, its live arrays, and the summary."""
   import asyncio  # pylint: disable=g-import-not-at-top
   import cnn  # pylint: disable=g-import-not-at-top
-  place = _cnn_placed if sharded else (lambda tree: tree)
+  place = (lambda tree: cnn.fsdp_placed(tree, MESH)) if sharded else (lambda tree: tree)
   engine = hj.make_engine(
       cnn.cnn_loss, place(cnn.PARAMS), cnn.cnn_data(), model_state=place(cnn.STATS),
       method=method, inner_steps=4, inner_tx=optax.sgd(0.1), eval_fn=cnn.cnn_eval,

@@ -475,15 +475,9 @@ if sys.argv[2] == "int8":  # both ways: the worker actor keeps its anchors (x̂)
 data = cnn.cnn_data(1)
 params, layout = cnn.PARAMS, "packed"
 if sys.argv[2] == "sharded":  # θ and the statistics over 4 devices, in every actor too
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
-  def spec(x):  # the conv kernel and BatchNorm's vectors over 4 channels, the linear kernel
-    if x.ndim == 4:
-      return P(None, None, None, "fsdp")
-    return {(4,): P("fsdp"), (144, 3): P("fsdp", None)}.get(x.shape, P())
-  place = lambda tree: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec(x))),
-                                    tree)
-  params, options["model_state"], layout = place(params), place(cnn.STATS), "tree"
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  params, options["model_state"], layout = (cnn.fsdp_placed(params, mesh),
+                                            cnn.fsdp_placed(cnn.STATS, mesh), "tree")
 # θ packed on the server actor (docs/ALGORITHMS.md, "Packed outer state"): conv kernels too
 on_ray = hj.simulate(cnn.cnn_loss, params, data,
                      runtime=hj.ray_runtime(num_cpus=2, outer_layout=layout), **options)
