@@ -305,8 +305,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     start, duration = s.sim_time, run.clock.round_seconds(real_steps, s.sim_time)
     # ALGORITHMS.md, "Elastic membership": a worker that leaves before the barrier loses its
     # part of the round; the others' parts are averaged.
-    lost = present & np.array([membership.next_leave(i, start) < start + duration
-                               for i in range(k)])
+    lost = membership.lost(present, start, start + duration)
     part = present & ~lost
     units = s.units + int(real_steps[part].sum()) * spec.units_per_step
     if spec.budget.over(units, start + duration):
@@ -473,7 +472,12 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
     returning = present & np.asarray(f.streaming.missed or [False] * k)
     if returning.any():  # θ as a whole, their step counts and optimizer states kept
       s.workers = _with_theta(run, s.workers, returning)
-    before = jax.tree.map(jnp.copy, s.workers) if membership.absences else None
+    # Kept for those who take no part (the round donates the states): known ahead on the
+    # simulated clock, the only one a schedule runs on.
+    before = None
+    if membership.absences and not (
+        run.clock.simulated and (present & ~membership.lost(present, start, start + ahead)).all()):
+      before = jax.tree.map(jnp.copy, s.workers)
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, steps) for i in range(k)])
     keys = jnp.stack([run.next_key()] * k)
     if tau == 0 or j == 1:
@@ -489,8 +493,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
                                                                                  start)
     # ALGORITHMS.md, "Elastic membership": a worker that leaves before the barrier loses its
     # part of the round; the others' parts are averaged.
-    lost = present & np.array([membership.next_leave(i, start) < start + duration
-                               for i in range(k)])
+    lost = membership.lost(present, start, start + duration)
     part = present & ~lost
     units = s.units + int(planned[part].sum()) * spec.units_per_step
     if spec.budget.over(units, start + duration):  # the real clock ran out during it
@@ -605,8 +608,7 @@ def _ddp_until_an_event(run: Run, present: np.ndarray, planned: list
   if steps:  # a power of two: cut chunks compile a few scan lengths, not one per length
     steps = 1 << (steps.bit_length() - 1)
     return steps, planned[:steps], np.zeros(k, bool)
-  lost = present & np.array([membership.next_leave(i, t) < ends[0] for i in range(k)])
-  return 1, planned[:1], lost
+  return 1, planned[:1], membership.lost(present, t, ends[0])
 
 
 LOOPS: dict[str, Callable[[Run], AsyncIterator[None]]] = {

@@ -85,6 +85,11 @@ class Membership:
     """Which of ``num_workers`` workers are present at ``t`` (booleans)."""
     return np.array([self.away(w, t) is None for w in range(num_workers)])
 
+  def lost(self, present: np.ndarray, start: float, end: float) -> np.ndarray:
+    """Which of the ``present`` workers (booleans) leave after ``start`` and before ``end``:
+    they lose their part of a round or step that runs from ``start`` to ``end``."""
+    return present & np.array([self.next_leave(i, start) < end for i in range(len(present))])
+
   def events(self, start: float, end: float) -> list[tuple[float, int, str]]:
     """(time, worker, "left" | "joined") of the departures in [start, end) and the returns
     in (start, end], in time order (a synchronous loop's rows between two barriers); a new
