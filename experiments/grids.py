@@ -477,7 +477,7 @@ SCALES.update({"authors": AUTHORS, "authors_lr": AUTHORS, "palsgd_c": PAPER, "pa
 # With ``jitter = 0`` every seed has the same arrival schedule (worker order, simulated times,
 # staleness), so the seeds' loss oscillations were in phase (correlation +0.68) and "3 of 3
 # seeds" mostly tested one phase. ``jitter = 0.2`` draws each step's time as t_i·(1 + 0.2·u),
-# u ~ U(−1, 1) from each seed's own generator (``clocks.StepClock``): a per-step std of 11.5%
+# u ~ U(−1, 1) from each seed's own generator (``simulated.StepClock``): a per-step std of 11.5%
 # (2.6% over an arrival's H = 20 steps), the mean paces unchanged. Measured on the clock alone
 # (T of the authors' budget): at severe paces the four 15 s workers no longer arrive at the
 # same instant (at jitter 0 they tie on every arrival) but spread by 20–40 s by the end, their

@@ -14,7 +14,7 @@ import pytest
 import tiny
 
 import heloco_jax as hj
-from heloco_jax.runtime import base, clocks, simulated
+from heloco_jax.runtime import base, simulated
 from heloco_jax.training import methods
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +230,7 @@ def test_every_runtime_implements_the_protocol():
   assert isinstance(runtime.executor, simulated.LocalExecutor)
   assert isinstance(runtime.executor, base.RoundExecutor)  # runs every synchrony
   assert runtime.executor.synchronies == base.SYNCHRONIES
-  assert isinstance(engine.clock, clocks.SimulatedClock)
+  assert isinstance(engine.clock, simulated.SimulatedClock)
   from heloco_jax.runtime import devices, ray  # pylint: disable=g-import-not-at-top
   # The executors' classes define the protocol's methods (their attributes are set per run).
   for cls, protocol in ((simulated.LocalExecutor, base.RoundExecutor),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +53,3 @@ class CommModel:
     """A DDP step of ``compute`` seconds and an all-reduce of ``allreduce`` seconds, the part
     of the all-reduce that ``ddp_overlap`` hides behind the backward pass not counted."""
     return compute + max(0.0, allreduce - self.ddp_overlap * compute)
-
-
-@dataclasses.dataclass
-class Traffic:
-  """The transfers of the work that reached the server (a checkpoint's "traffic" entry;
-  docs/DESIGN.md, summary.json): bytes in all, the most in one outer update, and simulated
-  seconds on the network."""
-  bytes_sent: int = 0
-  peak_bytes_per_sync: int = 0
-  network_seconds: float = 0.0
-
-  def sync(self, bytes_moved: int, network_seconds: Optional[float]) -> None:
-    """Counts one outer update's transfers (``network_seconds`` None: not known)."""
-    self.bytes_sent += bytes_moved
-    self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, bytes_moved)
-    self.network_seconds += network_seconds or 0.0

@@ -9,7 +9,7 @@ module is imported only when used.
 """
 
 from heloco_jax.runtime.base import Clock, Executor, RoundExecutor, Runtime
-from heloco_jax.runtime.clocks import RealClock, SimulatedClock
+from heloco_jax.runtime.clocks import RealClock
 from heloco_jax.runtime.engine import Engine
 from heloco_jax.runtime.factories import (
                                           RuntimeFactory,
@@ -17,7 +17,7 @@ from heloco_jax.runtime.factories import (
                                           ray_runtime,
                                           simulated_runtime,
 )
-from heloco_jax.runtime.simulated import LocalExecutor
+from heloco_jax.runtime.simulated import LocalExecutor, SimulatedClock
 from heloco_jax.runtime.state import Budget, Run, RunSpec, RunState
 from heloco_jax.training.rejection import DivergenceError
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, runt
 import jax
 import numpy as np
 
-from heloco_jax.comm import cost, downlink
+from heloco_jax.comm import cost
 from heloco_jax.training import inner as inner_lib
 
 Row = dict[str, Any]
@@ -158,48 +158,6 @@ class RoundExecutor(Executor, Protocol):
     received Δ on the server, the workers' next compressor states, stacked)."""
 
   def to_rounds(self, tree: Any) -> Any: ...
-
-
-class OneProcess:
-  """The transfers of an executor whose arrays all live in the engine's one process.
-
-  θ needs no placing for the server or for a round, values are read as they
-  are, and every process agrees with itself.
-  """
-
-  def to_server(self, tree: Any) -> Any:
-    return tree
-
-  def to_rounds(self, tree: Any) -> Any:
-    return tree
-
-  def to_host(self, x: Any) -> np.ndarray:
-    return np.asarray(x)
-
-  def agree(self, value: float) -> float:
-    return value
-
-  def fetch(self, tree: Any, what: str) -> Any:
-    del what
-    return tree
-
-  def make_downlink(self, compressor: Any, params: Any, server: Any,
-                    fragments: Any) -> downlink.Downlink:
-    del server  # the engine holds every x̂ where θ is
-    return downlink.Downlink(compressor, params, fragments)
-
-  def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
-                   key: jax.Array) -> tuple[Any, Any, Any]:
-    run_worker = self.run_worker  # pyright: ignore  (the executor's: this is a mixin)
-    return steps.run(run_worker, worker, previous, batches, key)
-
-  def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
-    del fragment  # Δ is where θ is: compressed and received in one program
-    return (delta, state) if uplink.compressor is None else uplink.transmit(delta, state)
-
-  def compressed_round_delta(self, uplink: Any, params: Any, ends: Any, accepted: np.ndarray,
-                             states: Any) -> tuple[Any, Any]:
-    return uplink.round_delta(params, ends, accepted, states)
 
 
 class Clock(Protocol):

@@ -169,7 +169,7 @@ def _refuse_a_second_process_0(coordinator: str) -> None:
             "port for process 0") from None
 
 
-class DeviceExecutor(base.OneProcess):
+class DeviceExecutor(simulated.OneProcess):
   """Each worker on its own device group, the server on one device (``runtime=devices``).
 
   Runs the same computations as ``simulated.LocalExecutor`` on inputs placed

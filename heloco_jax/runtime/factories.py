@@ -77,7 +77,7 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None,
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     del spec
     return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching),
-                        clocks.SimulatedClock, simulated.simulated_arrivals)
+                        simulated.SimulatedClock, simulated.simulated_arrivals)
   return RuntimeFactory(build, simulated_clock=True,
                         worker_devices=lambda k: list(devices or jax.local_devices()),
                         outer_layout=outer_layout)

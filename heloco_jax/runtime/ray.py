@@ -70,7 +70,7 @@ import numpy as np
 from heloco_jax.comm import compress
 from heloco_jax.comm import downlink as downlink_lib
 from heloco_jax.rundir import safe_files
-from heloco_jax.runtime import base, clocks, simulated, streaming
+from heloco_jax.runtime import clocks, simulated, streaming
 from heloco_jax.runtime import devices as devices_lib
 from heloco_jax.training import inner as inner_lib
 from heloco_jax.training import server as server_lib
@@ -532,7 +532,7 @@ def _make_private_token() -> None:
     f.write(secrets.token_hex(32))
 
 
-class RayExecutor(base.OneProcess):
+class RayExecutor(simulated.OneProcess):
   """A run's work on Ray actors: ``ray.init`` (or joins ``options.address``), starts them.
 
   Runs asynchronous methods only (``synchronies``): synchronous ones run SPMD

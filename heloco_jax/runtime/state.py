@@ -281,12 +281,28 @@ class EvaluationState:
 
 
 @dataclasses.dataclass
+class Traffic:
+  """The transfers of the work that reached the server (a checkpoint's "traffic" entry;
+  docs/DESIGN.md, summary.json): bytes in all, the most in one outer update, and simulated
+  seconds on the network."""
+  bytes_sent: int = 0
+  peak_bytes_per_sync: int = 0
+  network_seconds: float = 0.0
+
+  def sync(self, bytes_moved: int, network_seconds: Optional[float]) -> None:
+    """Counts one outer update's transfers (``network_seconds`` None: not known)."""
+    self.bytes_sent += bytes_moved
+    self.peak_bytes_per_sync = max(self.peak_bytes_per_sync, bytes_moved)
+    self.network_seconds += network_seconds or 0.0
+
+
+@dataclasses.dataclass
 class Features:
   """Each feature's own state, restored from the checkpoint entry of its field's name
   (docs/DESIGN.md, "Checkpoints"); its arrays go under their field's ``metadata["array"]``."""
   rejection: rejection_lib.RejectionState = dataclasses.field(
       default_factory=rejection_lib.RejectionState)
-  traffic: cost.Traffic = dataclasses.field(default_factory=cost.Traffic)
+  traffic: Traffic = dataclasses.field(default_factory=Traffic)
   streaming: streaming_lib.StreamingState = dataclasses.field(
       default_factory=streaming_lib.StreamingState)
   syncer: syncer_lib.SyncerState = dataclasses.field(default_factory=syncer_lib.SyncerState)

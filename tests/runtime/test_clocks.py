@@ -1,10 +1,10 @@
-"""Simulated time (heloco_jax/runtime/clocks.py): presets, jitter, DyLU and the simulated clock
+"""Time (heloco_jax/runtime/clocks.py, simulated.py): presets, jitter, DyLU and the simulated clock
 (ALGORITHMS.md, "Time and cost model")."""
 
 import numpy as np
 import pytest
 
-from heloco_jax.runtime import clocks
+from heloco_jax.runtime import clocks, simulated
 
 
 @pytest.mark.parametrize("name, want", [
@@ -37,35 +37,35 @@ def test_invalid_speeds(speeds, workers, named):
 
 
 def test_step_clock_without_jitter_is_exact():
-  steps = clocks.StepClock(clocks.seconds_per_step("moderate", 5))
+  steps = simulated.StepClock(clocks.seconds_per_step("moderate", 5))
   assert steps.duration(0, 20) == 20.0 and steps.duration(3, 20) == 120.0
 
 
 def test_step_clock_jitter_is_bounded_seeded_and_per_worker():
   seconds = clocks.seconds_per_step("mild", 5)
-  a = clocks.StepClock(seconds, jitter=0.2, seed=3)
+  a = simulated.StepClock(seconds, jitter=0.2, seed=3)
   durations = [a.duration(4, 10) for _ in range(200)]
   assert all(10 * 2 * 0.8 <= d <= 10 * 2 * 1.2 for d in durations)
   assert abs(np.mean(durations) - 20.0) < 0.2  # mean t_i·H; sd of the mean ≈ 0.05
   assert len(set(durations)) == 200
   # Same seed, same durations; worker 4's stream ignores calls for other workers.
-  b = clocks.StepClock(seconds, jitter=0.2, seed=3)
+  b = simulated.StepClock(seconds, jitter=0.2, seed=3)
   b.duration(0, 50)
   assert [b.duration(4, 10) for _ in range(200)] == durations
-  assert clocks.StepClock(seconds, jitter=0.2, seed=4).duration(4, 10) != durations[0]
+  assert simulated.StepClock(seconds, jitter=0.2, seed=4).duration(4, 10) != durations[0]
 
 
 def test_step_clock_state_round_trips():
   seconds = clocks.seconds_per_step("mixed", 5)
-  a = clocks.StepClock(seconds, jitter=0.1, seed=0)
+  a = simulated.StepClock(seconds, jitter=0.1, seed=0)
   a.duration(2, 7)
   state = a.get_state()
   expected = [a.duration(w, 5) for w in range(5)]
-  b = clocks.StepClock(seconds, jitter=0.1, seed=99)
+  b = simulated.StepClock(seconds, jitter=0.1, seed=99)
   b.set_state(state)
   assert [b.duration(w, 5) for w in range(5)] == expected
   with pytest.raises(ValueError, match="jitter=1.0"):
-    clocks.StepClock(seconds, jitter=1.0)
+    simulated.StepClock(seconds, jitter=1.0)
 
 
 @pytest.mark.parametrize("speeds, want", [

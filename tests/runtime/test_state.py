@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from heloco_jax.comm import cost, downlink, syncer, uplink
+from heloco_jax.comm import downlink, syncer, uplink
 from heloco_jax.rundir import checkpoint
 from heloco_jax.runtime import state as state_lib
 from heloco_jax.runtime import streaming
@@ -22,7 +22,7 @@ FILLED = {
     "rejection": rejection.RejectionState(
         rejected=3, rejected_units=120, rejected_in_a_row={"count": 2, "kinds": ["nan"],
                                                            "workers": [1, 4]}),
-    "traffic": cost.Traffic(bytes_sent=123_456, peak_bytes_per_sync=4_096, network_seconds=2.5),
+    "traffic": state_lib.Traffic(bytes_sent=123_456, peak_bytes_per_sync=4_096, network_seconds=2.5),
     "streaming": streaming.StreamingState(
         fragment_versions=[4, 3], syncs=[5, 0, 2], received=[[4, 3], None, [1, 1]],
         anchors=[{"w": jnp.arange(4.0)}, {"w": jnp.ones(4)}, {"w": jnp.zeros(4)}]),
@@ -101,7 +101,7 @@ def test_a_checkpoint_written_before_the_entries_restores_from_its_flat_meta():
     state_lib.load_entry(feature, flat, {})
   assert features.rejection == rejection.RejectionState(2, 40, {"count": 0, "kinds": [],
                                                                 "workers": []})
-  assert features.traffic == cost.Traffic(10, 5, 0.5)
+  assert features.traffic == state_lib.Traffic(10, 5, 0.5)
   assert features.syncer == syncer.SyncerState(1.5, 9.0)
   assert features.membership.away == {1: [3.0, "join", 0]}  # JSON's string keys as workers
   assert features.streaming.syncs == [2, 3] and features.streaming.anchors is None
