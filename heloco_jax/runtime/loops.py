@@ -286,11 +286,9 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
   s.phase = "rounds"
   membership = spec.membership
   while True:
-    present = membership.present(k, s.sim_time)
-    if not present.any():  # everyone away: the next round starts when one comes back
-      if not _wait_for_a_worker(run):
-        return
-      continue
+    present = _present(run)  # everyone away: the next round starts when one comes back
+    if present is None:
+      return
     # Every worker restarts from θ, keeping its own step count (and its optimizer
     # state unless reset_optimizer).
     theta = executor.to_rounds(run.server.params)
@@ -337,17 +335,18 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     yield
 
 
-def _wait_for_a_worker(run: Run) -> bool:
-  """With every worker away: moves the clock to the first return (its rows written); False
-  when none comes back within the budget."""
+def _present(run: Run) -> Optional[np.ndarray]:
+  """The workers present at the next barrier. With every one away, the clock first moves to
+  the first return (its rows written); None when none comes back within the budget."""
   s, spec = run.state, run.spec
-  back = min(spec.membership.away(i, s.sim_time) for i in range(spec.num_workers))
-  if not math.isfinite(back) or spec.budget.over(s.units, back):
-    return False
-  none = np.zeros(spec.num_workers, bool)
-  _membership_rows(run, s.sim_time, back, np.zeros(spec.num_workers, int), none, none)
-  s.sim_time = back
-  return True
+  while not (present := spec.membership.present(spec.num_workers, s.sim_time)).any():
+    back = min(spec.membership.away(i, s.sim_time) for i in range(spec.num_workers))
+    if not math.isfinite(back) or spec.budget.over(s.units, back):
+      return None
+    none = np.zeros(spec.num_workers, bool)
+    _membership_rows(run, s.sim_time, back, np.zeros(spec.num_workers, int), none, none)
+    s.sim_time = back
+  return present
 
 
 def _membership_rows(run: Run, start: float, end: float, real_steps: np.ndarray,
@@ -454,11 +453,9 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
         states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
 
   while True:
-    present = membership.present(k, s.sim_time)
-    if not present.any():  # everyone away: the next round starts when one comes back
-      if not _wait_for_a_worker(run):
-        return
-      continue
+    present = _present(run)  # everyone away: the next round starts when one comes back
+    if present is None:
+      return
     j = f.streaming.syncs[0] + 1
     p = j % spec.fragments
     start, planned = s.sim_time, np.where(present, steps, 0)
@@ -545,11 +542,9 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
         run.model_states.for_ddp())
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
-    present = membership.present(k, s.sim_time)
-    if not present.any():  # everyone away: the next step starts when one comes back
-      if not _wait_for_a_worker(run):
-        break
-      continue
+    present = _present(run)  # everyone away: the next step starts when one comes back
+    if present is None:
+      break
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,
                                                                   s.ddp_remaining)
     chunk = spec.budget.units_left(s.units, int(present.sum()) * spec.units_per_step, chunk)

@@ -145,7 +145,8 @@ def refusal(membership: Membership, *, num_workers: int, simulated: bool) -> Opt
   if why or not membership.absences:
     return why
   if not simulated:
-    return "not with another runtime than the simulated one yet"
+    return ("on the simulated runtime only: its times are simulated seconds, and on devices "
+            "and Ray workers fail for real (docs/FAILURES.md)")
   return None
 
 

@@ -138,7 +138,7 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 @pytest.mark.parametrize("options, message", [
     (dict(runtime=hj.devices_runtime(batch_size=1)),
-     "not with another runtime than the simulated one yet"),
+     "on the simulated runtime only: its times are simulated seconds"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
 def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):
