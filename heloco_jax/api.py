@@ -247,14 +247,17 @@ def _workdir(workdir: Union[None, str, os.PathLike, Workdir]) -> Optional[Workdi
 
 
 def _membership(membership: Optional[membership_lib.Membership], num_workers: int,
-                simulated: bool) -> membership_lib.Membership:
+                simulated: bool, method: methods.MethodSpec, palsgd_warmup_steps: Optional[int]
+                ) -> membership_lib.Membership:
   """The run's failure schedule (a one-line ValueError where it cannot run)."""
   if membership is None:
     return membership_lib.Membership()
   if not isinstance(membership, membership_lib.Membership):
     raise ValueError(f"membership={membership!r} is not allowed; allowed: None or "
                      "hj.Membership(...)")
-  why = membership_lib.refusal(membership, num_workers=num_workers, simulated=simulated)
+  why = membership_lib.refusal(
+      membership, num_workers=num_workers, simulated=simulated, method=method,
+      palsgd_warmup_steps=palsgd_warmup_steps)
   if why:
     raise ValueError(f"membership={membership!r} is not allowed: {why}")
   return membership
@@ -361,8 +364,9 @@ def make_engine(
       and only the message crosses the object store).
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
-      every worker stays. The simulated clock only; synchronous methods run elastic
-      rounds and steps (Streaming DiLoCo too: a worker that missed a round takes θ whole).
+      every worker stays. Synchronous methods run elastic rounds and steps (Streaming
+      DiLoCo too: a worker that missed a round takes θ whole). On ``devices_runtime``'s
+      real clock: synchronous rounds only (not asynchronous methods, DDP's steps or Ray).
     comm: message and all-reduce costs (``hj.CommModel``).
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     model_state: the initial model state besides θ (e.g. ``nnx.state(model,
@@ -434,7 +438,8 @@ def make_engine(
     workdir = dataclasses.replace(workdir, checkpoint_every=int(workdir.checkpoint_every))
   streaming = _streaming(streaming)
   syncer = _syncer(syncer, spec_method, num_workers)
-  membership = _membership(membership, num_workers, factory.simulated_clock)
+  membership = _membership(membership, num_workers, factory.simulated_clock, spec_method,
+                           palsgd_warmup_steps)
   run_budget, eval_every, units_per_step, unit = _budget(budget)
   model_state_lib.check_params_are_trained(params)
   checks.check_params(params)

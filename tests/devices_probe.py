@@ -48,6 +48,10 @@ def main(out, slow=False):
     result["heloco"] = run(tiny.config("heloco", 4, runtime="devices", **budget, **streaming,
                                        **int8, **{"devices.slowdown": "1,1,1,3",
                                                   "devices.server": 7}))
+    # Elastic DiLoCo rounds on the real clock: worker 1 away from the start, for good.
+    result["diloco_elastic_devices"] = run(tiny.config(
+        "diloco", 4, runtime="devices", **budget, **{"devices.group_sizes": "1,1,1,1",
+                                                     "chaos.schedule": "1@0"}))
   else:  # -m slow: the default suite stays under 15 minutes
     # One worker on one device: its arrivals come in one order on either clock, so the split
     # compression (payload across devices) must equal the simulated runtime's bit for bit.
@@ -64,6 +68,8 @@ def main(out, slow=False):
     result["diloco_devices"] = run(tiny.config("diloco", 4, runtime="devices", **budget,
                                                **{"devices.group_sizes": "1,1,1,1"}))
     result["diloco_devices_split"] = run(tiny.config("diloco", 4, runtime="devices", **budget))
+    result["diloco_elastic_simulated"] = run(tiny.config("diloco", 4, **budget,
+                                                         **{"chaos.schedule": "1@0"}))
     # Compressed Streaming DiLoCo's rounds with overlap, on devices and on the simulated runtime.
     result["diloco_fragments_simulated"] = run(tiny.config("diloco", 4, **budget, **streaming,
                                                            **int8))

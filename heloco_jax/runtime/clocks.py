@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import numbers
 import time
 from typing import Any, Optional, Sequence, Union
@@ -131,6 +132,9 @@ class RealClock:
     del planned
     jax.block_until_ready(params)
     return self.now() - start
+
+  async def wait_until(self, t: float) -> None:
+    await asyncio.sleep(max(0.0, t - self.now()))
 
   def get_state(self) -> Any:
     return None

@@ -286,7 +286,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
   s.phase = "rounds"
   membership = spec.membership
   while True:
-    present = _present(run)  # everyone away: the next round starts when one comes back
+    present = await _present(run)  # everyone away: the next round starts when one comes back
     if present is None:
       return
     # Every worker restarts from θ, keeping its own step count (and its optimizer
@@ -335,9 +335,10 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     yield
 
 
-def _present(run: Run) -> Optional[np.ndarray]:
+async def _present(run: Run) -> Optional[np.ndarray]:
   """The workers present at the next barrier. With every one away, the clock first moves to
-  the first return (its rows written); None when none comes back within the budget."""
+  (the real clock: waits for) the first return, its rows written; None when none comes back
+  within the budget."""
   s, spec = run.state, run.spec
   while not (present := spec.membership.present(spec.num_workers, s.sim_time)).any():
     back = min(spec.membership.away(i, s.sim_time) for i in range(spec.num_workers))
@@ -345,6 +346,7 @@ def _present(run: Run) -> Optional[np.ndarray]:
       return None
     none = np.zeros(spec.num_workers, bool)
     _membership_rows(run, s.sim_time, back, np.zeros(spec.num_workers, int), none, none)
+    await run.clock.wait_until(back)
     s.sim_time = back
   return present
 
@@ -453,7 +455,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
         states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
 
   while True:
-    present = _present(run)  # everyone away: the next round starts when one comes back
+    present = await _present(run)  # everyone away: the next round starts when one comes back
     if present is None:
       return
     j = f.streaming.syncs[0] + 1
@@ -470,7 +472,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
     if returning.any():  # θ as a whole, their step counts and optimizer states kept
       s.workers = _with_theta(run, s.workers, returning)
     # Kept for those who take no part (the round donates the states): known ahead on the
-    # simulated clock, the only one a schedule runs on.
+    # simulated clock; on a real clock only after the round.
     before = None
     if membership.absences and not (
         run.clock.simulated and (present & ~membership.lost(present, start, start + ahead)).all()):
@@ -542,7 +544,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
         run.model_states.for_ddp())
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
-    present = _present(run)  # everyone away: the next step starts when one comes back
+    present = await _present(run)  # everyone away: the next step starts when one comes back
     if present is None:
       break
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,

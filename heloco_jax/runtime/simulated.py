@@ -314,6 +314,9 @@ class SimulatedClock:
     del start, params
     return sum(t for t, _ in planned)
 
+  async def wait_until(self, t: float) -> None:
+    del t  # simulated seconds pass when the engine sets its time
+
   def get_state(self) -> Any:
     return self.steps.get_state()
 

@@ -183,6 +183,29 @@ def test_sync_diloco_on_the_workers_mesh_equals_the_simulated_runtime(slow_probe
   assert _relative_difference(unrelated, simulated["params"]) > 0.1
 
 
+def test_elastic_rounds_on_device_groups_leave_out_the_absent_worker(probe):
+  """A failure schedule on the real clock (FAILURES.md): worker 1 away from the start, for
+  good, takes part in no round: every round's tokens are three workers' parts, none dropped."""
+  run = probe["diloco_elastic_devices"]
+  summary, per_round = run["summary"], 3 * tiny.H * tiny.BATCH * tiny.CONTEXT  # 3 workers' parts
+  trains = [r for r in run["rows"] if r["event"] == "train"]
+  assert [r["tokens"] for r in trains] == [per_round * (i + 1) for i in range(len(trains))]
+  assert summary["dispatched_tokens"] == summary["tokens"] and summary["dropped_tokens"] == 0
+  assert not [r for r in run["rows"] if r["event"] in ("left", "joined")]
+  assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+
+
+@pytest.mark.slow  # the default suite stays under 15 minutes
+def test_elastic_rounds_on_device_groups_equal_the_simulated_runtime(probe, slow_probe):
+  """The same schedule's rounds on the simulated runtime: equal within the float tolerance of
+  the unscheduled pair (``test_sync_diloco_on_the_workers_mesh_equals_the_simulated_runtime``)."""
+  devices, simulated = probe["diloco_elastic_devices"], slow_probe["diloco_elastic_simulated"]
+  assert devices["summary"]["tokens"] == simulated["summary"]["tokens"]
+  assert devices["summary"]["outer_updates"] == simulated["summary"]["outer_updates"] > 0
+  assert _relative_difference(devices["params"], simulated["params"]) < 0.02
+  np.testing.assert_allclose(_eval_losses(devices), _eval_losses(simulated), rtol=2e-3)
+
+
 def test_fragments_and_compression_run_on_device_groups(probe):
   """Issue 58: the devices runtime carries hj.Streaming and int8 + error feedback: async
   HeLoCo's compressed fragment arrivals on 4 device groups (learning: the test above); the two

@@ -138,7 +138,11 @@ def test_an_empty_schedule_is_todays_run_bit_for_bit():
 
 @pytest.mark.parametrize("options, message", [
     (dict(runtime=hj.devices_runtime(batch_size=1)),
-     "on the simulated runtime only: its times are simulated seconds"),
+     "an asynchronous method takes one on the simulated runtime only"),
+    (dict(runtime=hj.devices_runtime(batch_size=1), method="ddp"),
+     "DDP steps (DDP, PALSGD's warm-up) take one on the simulated runtime only"),
+    (dict(runtime=hj.devices_runtime(batch_size=1), method="palsgd"),
+     "DDP steps (DDP, PALSGD's warm-up) take one on the simulated runtime only"),
     (dict(membership="1@3"), "membership='1@3' is not allowed; allowed: None or hj.Membership"),
 ])
 def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message):
@@ -147,6 +151,33 @@ def test_runs_that_cannot_take_a_schedule_refuse_it_in_one_line(options, message
     hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},
                    [[{"x": np.zeros(1)}]] * 4, budget=hj.Budget(steps=40), **options)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def _regression_stream():
+  rng, w = np.random.default_rng(0), np.array([[1.0], [-2.0], [0.5]], np.float32)
+  while True:
+    x = rng.normal(0, 1, (8, 3)).astype(np.float32)
+    yield x, x @ w
+
+
+def test_elastic_rounds_on_a_real_clock_wait_while_every_worker_is_away():
+  """runtime=devices (FAILURES.md): DiLoCo's one worker leaves at 0.5 real seconds and comes
+  back at 1.0; the round in which it left loses its part, and no round starts before it is
+  back (the loop sleeps until then). Every dispatched step is accounted for."""
+  result = hj.simulate(lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
+                       {"w": jnp.zeros((3, 1))}, [_regression_stream()], method="diloco",
+                       inner_steps=2, runtime=hj.devices_runtime(batch_size=8),
+                       membership=hj.Membership(((0, 0.5, 1.0),)),
+                       budget=hj.Budget(sim_seconds=2.0))
+  rows, summary = result.history, result.summary
+  assert [(r["event"], r["worker"], r["sim_time"]) for r in rows
+          if r["event"] in ("left", "joined")] == [("left", 0, 0.5), ("joined", 0, 1.0)]
+  times = [r["sim_time"] for r in rows if r["event"] == "train"]
+  assert times == sorted(times) and times[-1] <= 2.0
+  after = [t for t in times if t > 0.5]  # the round it left, then none until it is back
+  assert len(after) > 2 and after[1] > 1.0
+  assert summary["dispatched_steps"] == summary["steps"] + summary["dropped_steps"]
+  assert summary["in_flight_steps"] == 0
 
 
 def test_the_config_builds_the_schedule_and_the_random_failures():

@@ -317,7 +317,7 @@ KEYS: tuple[Key, ...] = (
         "how a group's pseudo-gradients merge: mean, or weighted by the tokens each trained on"),
     # chaos
     Key("chaos.schedule", "", TEXT,
-        "workers away: 'W@LEAVE-BACK,W@LEAVE' in simulated seconds (W@0-T: a new worker "
+        "workers away: 'W@LEAVE-BACK,W@LEAVE' in seconds of the run's clock (W@0-T: a new worker "
         "joining at T); '' = none"),
     Key("chaos.rate", 0.0, number(0.0),
         "seeded random failures per worker per simulated second (with chaos.downtime)"),
@@ -354,7 +354,8 @@ SECTIONS: dict[str, str] = {
                    "(docs/ALGORITHMS.md)",
     "syncer": "syncer: how asynchronous arrivals are grouped and merged (quorum, grace, "
               "token weights; docs/ALGORITHMS.md)",
-    "chaos": "chaos: workers that leave and join on the simulated clock (docs/FAILURES.md)",
+    "chaos": "chaos: workers that leave and join (the simulated clock; runtime=devices: "
+             "synchronous rounds; docs/FAILURES.md)",
 }
 
 

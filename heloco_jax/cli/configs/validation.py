@@ -183,8 +183,10 @@ def _validate_chaos(config: ml_collections.ConfigDict) -> None:
     _fail(key, value, message.split("; allowed: ", 1)[-1])
   if schedule is None:
     return
-  why = membership.refusal(schedule, num_workers=config.num_workers,
-                           simulated=_runtime_factory(config).simulated_clock)
+  why = membership.refusal(
+      schedule, num_workers=config.num_workers,
+      simulated=_runtime_factory(config).simulated_clock, method=METHODS[config.method],
+      palsgd_warmup_steps=config.palsgd_warmup_steps)
   if why:
     _fail(key, value, f"a schedule this run can take ({why})")
 
