@@ -160,14 +160,16 @@ def _regression_stream():
     yield x, x @ w
 
 
-def test_elastic_rounds_on_a_real_clock_wait_while_every_worker_is_away():
-  """runtime=devices (FAILURES.md): DiLoCo's one worker leaves at 0.5 real seconds and comes
-  back at 1.0; the round in which it left loses its part, and no round starts before it is
-  back (the loop sleeps until then). Every dispatched step is accounted for."""
-  result = hj.simulate(lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2),
-                       {"w": jnp.zeros((3, 1))}, [_regression_stream()], method="diloco",
-                       inner_steps=2, runtime=hj.devices_runtime(batch_size=8),
-                       membership=hj.Membership(((0, 0.5, 1.0),)),
+@pytest.mark.parametrize("streaming", [None, hj.Streaming(fragments=2)])
+def test_elastic_rounds_on_a_real_clock_wait_while_every_worker_is_away(streaming):
+  """runtime=devices (FAILURES.md): DiLoCo's one worker (Streaming DiLoCo's too) leaves at 0.5
+  real seconds and comes back at 1.0; the round in which it left loses its part, and no round
+  starts before it is back (the loop sleeps until then). Every dispatched step is accounted
+  for."""
+  result = hj.simulate(lambda p, b: jnp.mean((b[0] @ p["w"] + p["b"] - b[1]) ** 2),
+                       {"w": jnp.zeros((3, 1)), "b": jnp.zeros(1)}, [_regression_stream()],
+                       method="diloco", inner_steps=2, runtime=hj.devices_runtime(batch_size=8),
+                       membership=hj.Membership(((0, 0.5, 1.0),)), streaming=streaming,
                        budget=hj.Budget(sim_seconds=2.0))
   rows, summary = result.history, result.summary
   assert [(r["event"], r["worker"], r["sim_time"]) for r in rows
