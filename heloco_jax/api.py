@@ -365,8 +365,8 @@ def make_engine(
     membership: when workers leave and join (``hj.Membership(((worker, leave,
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
       every worker stays. Synchronous methods run elastic rounds and steps (Streaming
-      DiLoCo too: a worker that missed a round takes θ whole). On ``devices_runtime``'s
-      real clock: synchronous rounds only (not asynchronous methods, DDP's steps or Ray).
+      DiLoCo too: a worker that missed a round takes θ whole). On a real clock (devices,
+      Ray) in its seconds, DDP's steps excepted.
     comm: message and all-reduce costs (``hj.CommModel``).
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     model_state: the initial model state besides θ (e.g. ``nnx.state(model,

@@ -125,7 +125,7 @@ def test_a_quorum_the_budget_cannot_hold_is_named():
 
 
 def test_a_membership_with_a_string_time_is_one_line():
-  with pytest.raises(ValueError, match=r"leave='10'.*allowed: numbers of simulated seconds"):
+  with pytest.raises(ValueError, match=r"leave='10'.*allowed: numbers of seconds"):
     _simulate(membership=hj.Membership(((0, "10", 20.0),)))
 
 

@@ -20,6 +20,7 @@ not a kind to branch on:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
@@ -33,8 +34,8 @@ SYNCHRONIES = frozenset({"step", "round", "async"})
 
 
 class Events(NamedTuple):
-  """The membership events in an arrival queue (``heloco_jax.training.membership``; the simulated clock
-  only): which entries are events, which of them bring work (a join), and their handler."""
+  """The membership events in an arrival queue (``heloco_jax.training.membership``): which
+  entries are events, which of them bring work (a join), and their handler."""
   is_event: Callable[[int], bool]
   brings_work: Callable[[int], bool]
   handle: Callable[[int, float], None]
@@ -64,7 +65,13 @@ class Arrivals(Protocol):
   times)."""
 
   def __len__(self) -> int: ...
-  def push(self, worker: int, job: Any) -> None: ...
+
+  def push(self, worker: int, job: Any, leaves: float = math.inf) -> None:
+    """Queues ``worker``'s ``job`` (a ``Job``; one without work, ``delta`` None and no
+    ``work``: a membership event at ``job.finish``). On a real clock, ``leaves`` is when the
+    worker leaves: its entry is taken then, at that time, unless its work arrived first (the
+    simulated clock decides this at dispatch)."""
+
   async def pop(self, rule: Any, events: Optional["Events"] = None
                 ) -> tuple[float, list[int], list[float]]: ...
 

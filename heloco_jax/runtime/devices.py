@@ -415,6 +415,7 @@ class DeviceArrivals:
     self._clock = clock
     self._slowdown = slowdown
     self._tasks: dict[int, asyncio.Task] = {}
+    self._work: dict[int, asyncio.Task] = {}  # each worker's wait for its work (in _tasks)
     self._threads = concurrent.futures.ThreadPoolExecutor(max(1, len(slowdown)),
                                                           thread_name_prefix="heloco-arrivals")
 
@@ -434,30 +435,65 @@ class DeviceArrivals:
       await asyncio.sleep((self._slowdown[worker] - 1.0) * compute)
     return self._clock()
 
+  async def _until(self, work: Optional[asyncio.Future], at: float) -> float:
+    """``work``'s arrival time, or ``at`` if it has not arrived by then (``work`` None: a
+    membership event at ``at``)."""
+    if work is None:
+      await asyncio.sleep(max(0.0, at - self._clock()))
+      return at
+    if math.isinf(at):
+      return await work
+    done, _ = await asyncio.wait([work], timeout=max(0.0, at - self._clock()))
+    if done:
+      return work.result()
+    work.cancel()  # its worker left first: what it computes is dropped
+    return at
+
   def heads(self, n: int) -> list[int]:
     del n
     return []  # work starts at dispatch: nothing to launch ahead
 
-  def push(self, worker: int, job: Any) -> None:
-    """Waits for ``job.delta`` (a ``state.Job``) of ``worker``."""
-    self._tasks[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
+  def push(self, worker: int, job: Any, leaves: float = math.inf) -> None:
+    """Waits for ``job.delta`` (a ``state.Job``) of ``worker``, until ``leaves`` at the most
+    (``base.Arrivals.push``); a membership event waits until ``job.finish``."""
+    if job.delta is None and job.work is None:
+      self._tasks[worker] = asyncio.ensure_future(self._until(None, job.finish))
+    else:
+      self._work[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
+      self._tasks[worker] = asyncio.ensure_future(self._until(self._work[worker], leaves))
 
-  async def pop(self, rule: syncer_lib.GroupRule, events: Any = None
+  async def pop(self, rule: syncer_lib.GroupRule, events: Optional[base.Events] = None
                 ) -> tuple[float, list[int], list[float]]:
     """(real time at which the group is taken, its workers and their arrival times in
     arrival order): the syncer's ``rule`` (quorum, timeout, grace window).
 
     The time is read when the group is taken, not when its results were
     ready: rows emitted while waiting (Ray's ``redispatched``) are then never
-    later in time than the arrival rows logged after them. Real runtimes take no
-    membership events (``events`` is None).
+    later in time than the arrival rows logged after them. A membership event
+    (``events``) never joins a group: one due first is returned alone, one that
+    comes due while a group waits is handled then (as ``SimulatedArrivals.pop``).
     """
-    del events
+    def is_event(worker: int) -> bool:
+      return events is not None and events.is_event(worker)
+
     await asyncio.wait(self._tasks.values(), return_when=asyncio.FIRST_COMPLETED)
-    first = min(t.result() for t in self._tasks.values() if t.done())
+    due = sorted((t.result(), w) for w, t in self._tasks.items() if t.done() and is_event(w))
+    if due:
+      at, worker = due[0]
+      del self._tasks[worker]
+      return at, [worker], [at]
 
     def arrived() -> list[tuple[float, int]]:
+      for at, worker in sorted((t.result(), w) for w, t in self._tasks.items()
+                               if t.done() and is_event(w)):
+        del self._tasks[worker]
+        events.handle(worker, at)  # pyright: ignore  (is_event: events is set)
       return sorted((t.result(), w) for w, t in self._tasks.items() if t.done())
+
+    def expected() -> int:  # the entries that may still bring work
+      return sum(1 for w in self._tasks if not is_event(w) or events.brings_work(w))  # pyright: ignore
+
+    first = arrived()[0][0]
 
     async def wait_until(deadline: float, all_of_them: bool = False) -> None:
       pending = [t for t in self._tasks.values() if not t.done()]
@@ -467,11 +503,11 @@ class DeviceArrivals:
                            return_when=asyncio.ALL_COMPLETED if all_of_them
                            else asyncio.FIRST_COMPLETED)
 
-    while (len(arrived()) < rule.quorum and len(arrived()) < len(self._tasks)
+    while (len(arrived()) < rule.quorum and len(arrived()) < expected()
            and self._clock() < first + rule.timeout):
       await wait_until(first + rule.timeout)
     done = arrived()[:max(1, rule.quorum)]
-    closed = rule.close(len(done), first, done[-1][0], len(arrived()) < len(self._tasks))
+    closed = rule.close(len(done), first, done[-1][0], len(arrived()) < expected())
     closed = min(closed, self._clock())
     if rule.window > 0:
       await wait_until(closed + rule.window, all_of_them=True)
@@ -483,7 +519,8 @@ class DeviceArrivals:
   def close(self) -> None:
     """Drops whatever is still in flight (a budget ended). Waits for the threads that wait on
     it: one finishing after the event loop closed would report to a closed loop."""
-    for task in self._tasks.values():
+    for task in [*self._tasks.values(), *self._work.values()]:
       task.cancel()
     self._tasks.clear()
+    self._work.clear()
     self._threads.shutdown(wait=True, cancel_futures=True)

@@ -96,17 +96,26 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
     f.membership.dispatched_units += s.jobs[worker].units
-    leave = membership.next_leave(worker, now) if absences else math.inf
+    leave = leaves(worker, now)
     if leave < s.jobs[worker].finish:  # it leaves first: the dispatch is lost, never computed
-      expect(worker, leave, "leave", s.jobs.pop(worker).units)
-      if fragments:  # it comes back to θ as a whole (FAILURES.md)
-        f.streaming.restart(worker)
-      if downlink is not None:
-        f.downlink.forget(worker)
+      expect(worker, leave, "leave", lose(worker))
       return
     if clock.eager:
       run.compute(worker)
-    queue.push(worker, s.jobs[worker])
+    queue.push(worker, s.jobs[worker], leave)
+
+  def leaves(worker: int, dispatched: float) -> float:
+    """When ``worker``, dispatched at ``dispatched``, leaves next (a real clock's job holds
+    its dispatch time as its ``finish``: it learns the finish when the work arrives)."""
+    return membership.next_leave(worker, dispatched) if absences else math.inf
+
+  def lose(worker: int) -> int:
+    """``worker``'s dispatch in flight is lost (it leaves first): the units it held."""
+    if fragments:  # it comes back to θ as a whole (FAILURES.md)
+      f.streaming.restart(worker)
+    if downlink is not None:
+      f.downlink.forget(worker)
+    return s.jobs.pop(worker).units
 
   def expect(worker: int, at: float, kind: str, dropped: int = 0) -> None:
     """A membership event of ``worker`` at ``at`` in the arrival queue ("leave": with the
@@ -141,7 +150,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if fragments:
       s.jobs[worker].fragment = f.streaming.syncs[worker] % spec.fragments
-    queue.push(worker, s.jobs[worker])
+    queue.push(worker, s.jobs[worker], leaves(worker, s.jobs[worker].finish))  # real clocks
   for worker, (at, _, _) in sorted(away.items()):  # restored membership events
     queue.push(worker, Job(None, 0, 0, at))
   if s.phase is None:
@@ -164,6 +173,17 @@ async def run_async(run: Run) -> AsyncIterator[None]:
         s.sim_time = now
         membership_event(group[0], now)
         continue
+      if absences and not clock.simulated:  # taken when they left (FAILURES.md): lost
+        if spec.budget.over(s.units, now):
+          break
+        for w, at in [(w, at) for w, at in zip(group, times)
+                      if leaves(w, s.jobs[w].finish) <= at]:
+          away[w] = [at, "leave", lose(w)]
+          event_in_a_group(w, at)
+        times = [at for w, at in zip(group, times) if w in s.jobs]
+        group = [w for w in group if w in s.jobs]
+        if not group:
+          continue
       if adaptive:
         f.syncer.arrived(times)
       units = s.units + sum(s.jobs[w].units for w in group)

@@ -13,6 +13,7 @@ times, ties broken by worker index, so a run reproduces bit for bit.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Callable, Literal, Optional
 
 import jax
@@ -39,7 +40,8 @@ class SimulatedArrivals:
   def __len__(self) -> int:
     return len(self._heap)
 
-  def push(self, worker: int, job: Any) -> None:
+  def push(self, worker: int, job: Any, leaves: float = math.inf) -> None:
+    del leaves  # a dispatch its worker leaves before is lost at dispatch (loops.run_async)
     heapq.heappush(self._heap, (job.finish, worker))
 
   def heads(self, n: int) -> list[int]:

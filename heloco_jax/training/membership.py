@@ -1,5 +1,5 @@
 """Workers that leave and join a run: a failure schedule (docs/FAILURES.md; ALGORITHMS.md,
-"Elastic membership"), on the simulated clock, or on the real one for synchronous rounds.
+"Elastic membership"), in seconds of the run's clock, simulated or real.
 
 A ``Membership`` lists, per worker, the intervals [leave, back) in which it is away: a crash
 or preemption at ``leave``, a recovery (or a scale-up) at ``back`` (``math.inf``: it never
@@ -17,8 +17,8 @@ data stream. The rules, applied by the asynchronous loop (``runtime.loops``):
 Synchronous methods run elastic rounds and DDP steps (``runtime.loops``): a round or step
 takes the workers present at its start; one that leaves before it ends loses its part of
 it (dropped), the others' parts are averaged; one that comes back joins at the next start.
-The rounds read their times from the run's clock, so they also run on a real one
-(``refusal`` says what does not).
+On a real clock the same rules read the clock: an asynchronous dispatch is lost when its
+worker leaves first (the arrival queue takes it then); ``refusal`` says what does not run.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Membership:
       if not all(isinstance(x, (int, float, np.integer, np.floating))
                  and not isinstance(x, bool) for x in (leave, back)):
         return (f"worker {worker}: leave={leave!r}, back={back!r}; allowed: numbers of "
-                "simulated seconds, 0 <= leave < back (back may be math.inf)")
+                "seconds, 0 <= leave < back (back may be math.inf)")
       if not (0 <= leave < back) or math.isnan(back):
         return f"worker {worker}: leave={leave!r}, back={back!r}; allowed: 0 <= leave < back"
       by_worker.setdefault(int(worker), []).append((leave, back))
@@ -142,22 +142,17 @@ class Membership:
     return cls(tuple(absences))
 
 
-def refusal(membership: Membership, *, num_workers: int, simulated: bool, method: methods_lib.MethodSpec,
-            palsgd_warmup_steps: Optional[int] = None) -> Optional[str]:
+def refusal(membership: Membership, *, num_workers: int, simulated: bool,
+            method: methods_lib.MethodSpec, palsgd_warmup_steps: Optional[int] = None
+            ) -> Optional[str]:
   """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
-  None. On a real clock (devices) synchronous rounds take a schedule: whether a worker is
-  present and whether it left before the barrier are read from the clock at the barriers. An
-  asynchronous dispatch (``method`` of synchrony "async") is lost
-  when its worker leaves before it would arrive, and DDP's steps (DDP, or PALSGD's warm-up of
-  ``palsgd_warmup_steps``, None: H) are cut at the next event from their planned seconds: both
-  are decided ahead, from times only the simulated clock knows then (docs/FAILURES.md)."""
+  None. A real clock (devices, Ray) reads presence at a synchronous round's barriers, and an
+  asynchronous dispatch whose worker leaves first is lost when it leaves; DDP's steps (DDP, or
+  PALSGD's warm-up of ``palsgd_warmup_steps``, None: H) are cut at the next event from their
+  planned seconds, which only the simulated clock has (docs/FAILURES.md)."""
   why = membership.refusal(num_workers)
   if why or not membership.absences or simulated:
     return why
-  if method.synchrony == "async":
-    return ("an asynchronous method takes one on the simulated runtime only (a dispatch is lost "
-            "when its worker leaves before it would arrive, which only the simulated clock "
-            "knows at dispatch; docs/FAILURES.md)")
   if method.synchrony == "step" or (method.inner == "palsgd" and palsgd_warmup_steps != 0):
     return ("DDP steps (DDP, PALSGD's warm-up) take one on the simulated runtime only (a chunk "
             "of steps is cut at the next event from its planned seconds; docs/FAILURES.md)")

@@ -614,3 +614,36 @@ def test_compressed_downloads_cross_rays_object_store_as_their_message_and_equal
   if fragments > 1:  # 4 workers, each with its anchors on both sides (0.50-0.63 of 2.32)
     four = result["four"]
     assert four["final_val_loss"] < 0.5 * four["initial_val_loss"], four
+
+
+@needs_ray
+@pytest.mark.slow  # two Ray runs, ~60 s: the default suite stays under 15 minutes
+def test_a_failure_schedule_on_ray(tmp_path):
+  """FAILURES.md: a schedule on Ray's real clock. Worker 1 away from the start for good: the
+  run is the simulated runtime's with the same schedule, bit for bit (worker 0's arrivals
+  alone, in one order on either clock). Worker 1 leaving at 2 s: its dispatch in flight is
+  lost then, it sends nothing after, and every dispatched token is accounted for."""
+  common = [*TINY, "--config.method=heloco", "--config.num_workers=2",
+            "--config.ray.num_cpus=2"]
+  away = ["--config.chaos.schedule=1@0", "--config.budget.tokens=3072",
+          "--config.budget.eval_every_tokens=1024"]
+  _train([f"--workdir={tmp_path / 'ray'}", *common, *away, "--config.runtime=ray"])
+  _train([f"--workdir={tmp_path / 'simulated'}", *common, *away])
+  on_ray, simulated = _rows(tmp_path / "ray"), _rows(tmp_path / "simulated")
+  assert [r["val_loss"] for r in on_ray if r["event"] == "eval"] == [
+      r["val_loss"] for r in simulated if r["event"] == "eval"]
+  assert {r["worker"] for r in on_ray if r["event"] == "arrival"} == {0}
+
+  _train([f"--workdir={tmp_path / 'leaves'}", *common, "--config.runtime=ray",
+          "--config.chaos.schedule=1@2", "--config.budget.tokens=0",
+          "--config.budget.sim_seconds=5"])
+  rows = _rows(tmp_path / "leaves")
+  left = [r for r in rows if r["event"] == "left"]
+  assert [r["worker"] for r in left] == [1] and 2.0 <= left[0]["sim_time"] < 5.0
+  assert not [r for r in rows if r["event"] == "arrival" and r["worker"] == 1
+              and r["sim_time"] > left[0]["sim_time"]]
+  assert [r for r in rows if r["event"] == "arrival" and r["worker"] == 0
+          and r["sim_time"] > left[0]["sim_time"]]
+  summary = json.loads((tmp_path / "leaves" / "summary.json").read_text())
+  assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
+                                          + summary["in_flight_tokens"])

@@ -354,8 +354,8 @@ SECTIONS: dict[str, str] = {
                    "(docs/ALGORITHMS.md)",
     "syncer": "syncer: how asynchronous arrivals are grouped and merged (quorum, grace, "
               "token weights; docs/ALGORITHMS.md)",
-    "chaos": "chaos: workers that leave and join (the simulated clock; runtime=devices: "
-             "synchronous rounds; docs/FAILURES.md)",
+    "chaos": "chaos: workers that leave and join, in seconds of the run's clock "
+             "(docs/FAILURES.md)",
 }
 
 
