@@ -18,7 +18,9 @@ import tiny
 import heloco_jax as hj
 
 from heloco_jax.cli.configs import validation
-from heloco_jax.runtime import devices
+from heloco_jax.comm import syncer
+from heloco_jax.runtime import base, devices
+from heloco_jax.runtime.base import Job
 
 # One worker process runs this module, so the 8-device probe (a minute) runs once.
 pytestmark = pytest.mark.xdist_group("devices_probe")
@@ -88,6 +90,39 @@ def test_closing_the_arrivals_waits_for_the_threads_that_wait_on_dropped_work():
     arrivals.close()
   asyncio.run(run())
   assert not [t for t in threading.enumerate() if t.name.startswith("heloco-arrivals")]
+
+
+class _TimedArrivals(devices.DeviceArrivals):
+  """A real queue whose job ``j`` is ready ``j.delta`` seconds after it is pushed."""
+
+  async def _ready(self, worker, job):
+    del worker
+    await asyncio.sleep(job.delta)
+
+
+def test_the_real_queue_takes_a_leaving_workers_job_then_and_keeps_events_out_of_groups():
+  """FAILURES.md: a job whose worker leaves before it is ready is taken at the leave; a
+  membership event due first is taken alone; one that comes due while a quorum waits is
+  handled at its time, never grouped."""
+  start = time.perf_counter()
+  arrivals = _TimedArrivals(lambda: time.perf_counter() - start, [1.0] * 4)
+  away, handled = {2, 3}, []
+  events = base.Events(lambda w: w in away, lambda w: False,
+                       lambda w, at: (away.discard(w), handled.append((w, at))))
+
+  async def run():
+    arrivals.push(0, Job(0.2, 0, 1, 0.0))
+    arrivals.push(1, Job(5.0, 0, 1, 0.0), leaves=0.8)  # it leaves before it is ready
+    arrivals.push(2, Job(None, 0, 0, 0.1))  # membership events at 0.1 and 0.5
+    arrivals.push(3, Job(None, 0, 0, 0.5))
+    first = await arrivals.pop(syncer.GroupRule(quorum=2), events)
+    group = await arrivals.pop(syncer.GroupRule(quorum=2), events)
+    arrivals.close()
+    return first, group
+  (at, alone, _), (_, group, times) = asyncio.run(run())
+  assert at == 0.1 and alone == [2]  # due first: alone
+  assert handled == [(3, 0.5)]  # due while the group waited for its quorum
+  assert group == [0, 1] and 0.2 <= times[0] < 0.5 and times[1] == 0.8  # 1 taken at its leave
 
 
 def _probe(tmp_path_factory, *flags):
