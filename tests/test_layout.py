@@ -1,10 +1,13 @@
 """The package's shape (issue 58): docs/DESIGN.md's "Layout" is the one map of heloco_jax/
 (every module named, every name existing), tests/ has one folder per package, packages import
-only those below them, nothing imports in a circle, and only lm/ and cli/ read the CLI config."""
+only those below them, nothing imports in a circle, only lm/ and cli/ read the CLI config, and
+one arrival stays on a few files."""
 
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "heloco_jax"
@@ -146,3 +149,13 @@ def test_only_lm_and_cli_read_the_cli_config():
         if any(n.startswith("ml_collections") for n in names):
           readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno} imports ml_collections")
   assert not readers, readers
+
+
+def test_one_arrival_crosses_at_most_six_files_and_thirty_moves():
+  """Issue 58: ``python -m benchmarks.arrival_path`` (a feature that is off adds no call to the
+  arrival path: docs/DESIGN.md, "The engine"); today 6 files and 28 moves."""
+  out = subprocess.run([sys.executable, "-m", "benchmarks.arrival_path"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, check=True).stdout
+  files, moves = map(int, re.match(
+      r"one arrival crosses (\d+) files, \d+ functions, (\d+) file-to-file moves", out).groups())
+  assert files <= 6 and moves <= 30, out.splitlines()[:2]

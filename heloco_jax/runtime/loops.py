@@ -96,7 +96,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
     f.membership.dispatched_units += s.jobs[worker].units
-    leave = leaves(worker, now)
+    leave = membership.next_leave(worker, now) if absences else math.inf
     if leave < s.jobs[worker].finish:  # it leaves first: the dispatch is lost, never computed
       expect(worker, leave, "leave", lose(worker))
       return
@@ -104,10 +104,10 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       run.compute(worker)
     queue.push(worker, s.jobs[worker], leave)
 
-  def leaves(worker: int, dispatched: float) -> float:
-    """When ``worker``, dispatched at ``dispatched``, leaves next (a real clock's job holds
-    its dispatch time as its ``finish``: it learns the finish when the work arrives)."""
-    return membership.next_leave(worker, dispatched) if absences else math.inf
+  def leaves(worker: int) -> float:
+    """When ``worker`` leaves after the dispatch of its job in flight, on a real clock (whose
+    job holds its dispatch time as its ``finish``: the clock learns the finish as it comes)."""
+    return membership.next_leave(worker, s.jobs[worker].finish) if absences else math.inf
 
   def lose(worker: int) -> int:
     """``worker``'s dispatch in flight is lost (it leaves first): the units it held."""
@@ -150,7 +150,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if fragments:
       s.jobs[worker].fragment = f.streaming.syncs[worker] % spec.fragments
-    queue.push(worker, s.jobs[worker], leaves(worker, s.jobs[worker].finish))  # real clocks
+    queue.push(worker, s.jobs[worker], math.inf if clock.simulated else leaves(worker))
   for worker, (at, _, _) in sorted(away.items()):  # restored membership events
     queue.push(worker, Job(None, 0, 0, at))
   if s.phase is None:
@@ -176,8 +176,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       if absences and not clock.simulated:  # taken when they left (FAILURES.md): lost
         if spec.budget.over(s.units, now):
           break
-        for w, at in [(w, at) for w, at in zip(group, times)
-                      if leaves(w, s.jobs[w].finish) <= at]:
+        for w, at in [(w, at) for w, at in zip(group, times) if leaves(w) <= at]:
           away[w] = [at, "leave", lose(w)]
           event_in_a_group(w, at)
         times = [at for w, at in zip(group, times) if w in s.jobs]
