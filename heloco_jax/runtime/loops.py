@@ -129,10 +129,13 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     if kind == "leave":
       f.membership.dropped_units += dropped
       run.emit(_membership_row(run, "left", worker, now, dropped))
-      expect(worker, membership.away(worker, now), "join")
-    else:
-      run.emit(_membership_row(run, "joined", worker, now))
-      dispatch(worker, now)
+      back = membership.away(worker, now)
+      if back is not None:
+        expect(worker, back, "join")
+        return
+      # back already: a real clock took the loss after the absence ended
+    run.emit(_membership_row(run, "joined", worker, now))
+    dispatch(worker, now)
 
   def event_in_a_group(worker: int, at: float) -> None:
     s.sim_time = at
