@@ -1,6 +1,7 @@
 """Workers that leave and join (heloco_jax/training/membership.py; docs/FAILURES.md): the schedule,
 the loop's accounting of every token, replay, and the refusals."""
 
+import asyncio
 import json
 import math
 
@@ -12,6 +13,7 @@ import tiny
 import heloco_jax as hj
 from heloco_jax.cli.configs import default
 from heloco_jax.lm import harness
+from heloco_jax.runtime import base, clocks, devices, factories, simulated
 
 # Two workers leave (1 comes back at 20, 2 never does); worker 3 is new and joins at 12.
 SCHEDULE = hj.Membership(((1, 5.0, 20.0), (2, 8.0, math.inf), (3, 0.0, 12.0)))
@@ -185,6 +187,42 @@ def test_a_schedule_on_the_real_clock_of_devices(method, streaming):
   assert [t for t in progress if t > 1.5]
   assert summary["dispatched_steps"] == (summary["steps"] + summary["dropped_steps"]
                                          + summary["in_flight_steps"])
+
+
+class _LateArrivals(devices.DeviceArrivals):
+  """A real queue that learns a loss only when the work arrives, 0.3 s after its dispatch."""
+
+  async def _ready(self, worker, job):
+    del worker, job
+    await asyncio.sleep(0.3)
+
+  def push(self, worker, job, leaves=math.inf):
+    del leaves
+    super().push(worker, job)
+
+
+def test_a_loss_taken_after_the_absence_ended_lets_the_worker_join_at_once():
+  """A real clock that takes a loss late (here the queue learns it on arrival; in a run, an
+  event loop held by a compilation): worker 0 was away for 0.1 ms at 0.4 s, during a
+  dispatch that arrives later; the left row and the joined row come at its arrival, and
+  the worker is dispatched again at once."""
+  factory = factories.RuntimeFactory(
+      lambda inner, spec: base.Runtime(
+          simulated.LocalExecutor(inner), clocks.RealClock,
+          lambda clock, executor, emit: _LateArrivals(clock.now, [1.0])),
+      simulated_clock=False)
+  result = hj.simulate(lambda p, b: jnp.mean((b[0] @ p["w"] + p["b"] - b[1]) ** 2),
+                       {"w": jnp.zeros((3, 1)), "b": jnp.zeros(1)}, [_regression_stream()],
+                       method="heloco", inner_steps=2, runtime=factory,
+                       membership=hj.Membership(((0, 0.4, 0.4001),)),
+                       budget=hj.Budget(sim_seconds=1.5))
+  rows, summary = result.history, result.summary
+  events = [(r["event"], r["sim_time"]) for r in rows if r["event"] in ("left", "joined")]
+  assert [kind for kind, _ in events] == ["left", "joined"]
+  assert 0.4001 < events[0][1] == events[1][1] < 1.0
+  assert [r for r in rows if r["event"] == "arrival" and r["sim_time"] > events[0][1]]
+  assert summary["dropped_steps"] == 2 and summary["dispatched_steps"] == (
+      summary["steps"] + summary["dropped_steps"] + summary["in_flight_steps"])
 
 
 def test_the_config_builds_the_schedule_and_the_random_failures():
