@@ -621,8 +621,9 @@ def test_compressed_downloads_cross_rays_object_store_as_their_message_and_equal
 def test_a_failure_schedule_on_ray(tmp_path):
   """FAILURES.md: a schedule on Ray's real clock. Worker 1 away from the start for good: the
   run is the simulated runtime's with the same schedule, bit for bit (worker 0's arrivals
-  alone, in one order on either clock). Worker 1 leaving at 2 s: its dispatch in flight is
-  lost then, it sends nothing after, and every dispatched token is accounted for."""
+  alone, in one order on either clock). Worker 1 away from 2 s to 6 s: its dispatch in flight
+  is lost, it sends nothing while away and goes on after, and every dispatched token is
+  accounted for."""
   common = [*TINY, "--config.method=heloco", "--config.num_workers=2",
             "--config.ray.num_cpus=2"]
   away = ["--config.chaos.schedule=1@0", "--config.budget.tokens=3072",
@@ -635,15 +636,17 @@ def test_a_failure_schedule_on_ray(tmp_path):
   assert {r["worker"] for r in on_ray if r["event"] == "arrival"} == {0}
 
   _train([f"--workdir={tmp_path / 'leaves'}", *common, "--config.runtime=ray",
-          "--config.chaos.schedule=1@2", "--config.budget.tokens=0",
-          "--config.budget.sim_seconds=5"])
+          "--config.chaos.schedule=1@2-6", "--config.budget.tokens=0",
+          "--config.budget.sim_seconds=10"])
   rows = _rows(tmp_path / "leaves")
-  left = [r for r in rows if r["event"] == "left"]
-  assert [r["worker"] for r in left] == [1] and 2.0 <= left[0]["sim_time"] < 5.0
-  assert not [r for r in rows if r["event"] == "arrival" and r["worker"] == 1
-              and r["sim_time"] > left[0]["sim_time"]]
-  assert [r for r in rows if r["event"] == "arrival" and r["worker"] == 0
-          and r["sim_time"] > left[0]["sim_time"]]
+  events = [r for r in rows if r["event"] in ("left", "joined")]
+  assert [(r["event"], r["worker"]) for r in events] == [("left", 1), ("joined", 1)]
+  left, back = events[0]["sim_time"], events[1]["sim_time"]
+  assert 2.0 <= left < 6.0 and back == 6.0
+  arrivals = [r for r in rows if r["event"] == "arrival"]
+  assert not [r for r in arrivals if r["worker"] == 1 and left < r["sim_time"] < back]
+  assert [r for r in arrivals if r["worker"] == 0 and r["sim_time"] > left]
+  assert [r for r in arrivals if r["worker"] == 1 and r["sim_time"] > back]  # its actor again
   summary = json.loads((tmp_path / "leaves" / "summary.json").read_text())
   assert summary["dispatched_tokens"] == (summary["tokens"] + summary["dropped_tokens"]
                                           + summary["in_flight_tokens"])
