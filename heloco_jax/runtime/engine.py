@@ -167,7 +167,8 @@ class Engine:
             executor.to_server(model_state) if model_state is not None else None,
             model_state_merge, spec.num_workers, spec.seed, executor.inner.contract.rng,
             to_server=executor.to_server,
-            to_rounds=getattr(executor, "to_rounds", executor.to_server)))  # Ray: no rounds
+            # an Executor without rounds (not a RoundExecutor) has no to_rounds
+            to_rounds=getattr(executor, "to_rounds", executor.to_server)))
     self._on_checkpoint: Optional[Callable[[Engine], None]] = None
     self.stop_requested: Optional[str] = None
     self.stopped: Optional[str] = None  # why the run ended before its budget (every worker left)

@@ -127,13 +127,20 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   def membership_event(worker: int, now: float) -> None:
     _, kind, dropped = away.pop(worker)
     if kind == "leave":
-      f.membership.dropped_units += dropped
-      run.emit(_membership_row(run, "left", worker, now, dropped))
-      back = membership.away(worker, now)
-      if back is not None:
-        expect(worker, back, "join")
-        return
-      # back already: a real clock took the loss after the absence ended
+      left(worker, now, dropped)
+    else:
+      joined(worker, now)
+
+  def left(worker: int, now: float, dropped: int) -> None:
+    f.membership.dropped_units += dropped
+    run.emit(_membership_row(run, "left", worker, now, dropped))
+    back = membership.away(worker, now)
+    if back is None:  # back already: a real clock took the loss after the absence ended
+      joined(worker, now)
+    else:
+      expect(worker, back, "join")
+
+  def joined(worker: int, now: float) -> None:
     run.emit(_membership_row(run, "joined", worker, now))
     dispatch(worker, now)
 
@@ -180,8 +187,8 @@ async def run_async(run: Run) -> AsyncIterator[None]:
         if spec.budget.over(s.units, now):
           break
         for w, at in [(w, at) for w, at in zip(group, times) if leaves(w) <= at]:
-          away[w] = [at, "leave", lose(w)]
-          event_in_a_group(w, at)
+          s.sim_time = at
+          left(w, at, lose(w))
         times = [at for w, at in zip(group, times) if w in s.jobs]
         group = [w for w in group if w in s.jobs]
         if not group:
