@@ -135,6 +135,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument("--num-workers", type=int, default=5, help="K of the outer rules")
   parser.add_argument("--dtypes", default="float32,bfloat16",
                       help="model.compute_dtype values of the inner loop, measured in turn")
+  parser.add_argument("--attention", choices=model_lib.ATTENTIONS, default="auto",
+                      help="model.attention of the inner loop (cudnn: also under XLA's "
+                           "deterministic ops)")
   parser.add_argument("--no-outer", action="store_true", help="the inner loop only")
   parser.add_argument("--versus", metavar="FILE",
                       help="benchmarks/torch_gpt_step.py's output on this card: prints ours ÷ "
@@ -152,11 +155,12 @@ def _resolve(args: argparse.Namespace, platform: str) -> tuple[dict, bool]:
   return sizes, fallback
 
 
-def bench_inner(sizes: dict, compute_dtype: str = "float32") -> dict:
+def bench_inner(sizes: dict, compute_dtype: str = "float32", attention: str = "auto") -> dict:
   """Tokens/s and FLOP/s of ``InnerLoop.run_jit`` on the project's GPT."""
   config = model_lib.ModelConfig(vocab_size=sizes["vocab"], d_model=sizes["d_model"],
                                  num_layers=sizes["layers"], num_heads=sizes["heads"],
-                                 context=sizes["context"], compute_dtype=compute_dtype)
+                                 context=sizes["context"], compute_dtype=compute_dtype,
+                                 attention=attention)
   graphdef, params = model_lib.init(config, seed=0)
   n_total = model_lib.num_params(params)
   n_embed = params["embed"]["embedding"].size + params["pos"].size
@@ -192,7 +196,7 @@ def bench_inner(sizes: dict, compute_dtype: str = "float32") -> dict:
               context=t, vocab=config.vocab_size, params=n_total, non_embedding_params=n_non_embed,
               param_dtypes=param_dtypes, compute_dtype=logits.dtype.name, batch=batch, steps=h,
               attention=model_lib.attention_implementation(
-                  logits.dtype, config.d_model // config.num_heads) or "xla",
+                  logits.dtype, config.d_model // config.num_heads, attention),
               repeats=sizes["repeats"], compile_and_first_call_s=compile_s,
               seconds_per_call=seconds, seconds_per_call_min=min(times),
               seconds_per_call_max=max(times), tokens_per_s=tokens_per_s,
@@ -311,8 +315,8 @@ def run(args: argparse.Namespace) -> dict:
 
   inners = {}
   for dtype in args.dtypes.split(","):
-    inners[dtype] = _report_inner(bench_inner(sizes, dtype), args, platform, flops_peaks,
-                                  table_name)
+    inners[dtype] = _report_inner(bench_inner(sizes, dtype, args.attention), args, platform,
+                                  flops_peaks, table_name)
   if len(inners) > 1:
     base = inners[args.dtypes.split(",")[0]]["tokens_per_s"]
     print("\ninner loop tokens/s, side by side: " + ", ".join(

@@ -3,10 +3,12 @@
 # machine with a GPU; OUT defaults to ./gpu_results):
 #   1. benchmarks/device_step.py, inner loop in float32 and bfloat16 + outer step, twice:
 #      with XLA's deterministic GPU ops off and on (their cost, side by side);
-#   2. the quickstart in float32 and in bfloat16 (loss curves from metrics.jsonl);
+#   2. the quickstart in float32 and in bfloat16 (loss curves from metrics.jsonl), each with
+#      the CLI's default: XLA's deterministic ops on in float32, off in bfloat16;
 #   3. ours beside PyTorch bf16 + torch.compile on the same card, one after the other in this
 #      run, at the project's GPT (byte vocabulary) and at GPT-2-124M's shape (vocab 50257,
 #      context 1024): tokens/s, ours ÷ PyTorch and both MFUs (where torch with CUDA is installed).
+# benchmarks/gpu_determinism.sh then measures the deterministic recipes in bfloat16 (issue 59).
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"

@@ -270,6 +270,15 @@ class ProgressLines:
     print(line, file=self._stream or sys.stderr, flush=True)
 
 
+def _replay_off_by_default(config: Any, simulated: bool) -> bool:
+  """Whether the unset ``deterministic`` left XLA's deterministic ops off on a simulated run
+  on a GPU (``harness.deterministic``: bfloat16), where replay is then not bit for bit."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from heloco_jax.lm import harness  # pylint: disable=g-import-not-at-top
+  return (config.deterministic is None and simulated and not harness.deterministic(config)
+          and jax.default_backend() == "gpu")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   stderr = sys.stderr
   sys.stderr = _TolerantStderr(stderr)
@@ -389,6 +398,11 @@ def _main(argv: list[str]) -> int:
   workdir = engine.directory.path  # process i > 0 of a jax.distributed run: DIR/process_i
   for note in engine.workdir_notes:
     print(f"heloco-jax train: {note}", file=sys.stderr)
+  if _replay_off_by_default(config, engine.clock.simulated):
+    print("heloco-jax train: note: no bit-exact replay on this GPU: model.compute_dtype="
+          "bfloat16 runs without XLA's deterministic ops by default (2.5x slower with them; "
+          "docs/DESIGN.md, 'Determinism'); --config.deterministic=true turns them on",
+          file=sys.stderr)
   for warning in caught:  # anything else a library warned about while building
     if not str(warning.message).startswith("--workdir="):
       warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)

@@ -95,6 +95,17 @@ def runtime_factory(config: ml_collections.ConfigDict) -> factories.RuntimeFacto
   }[config.runtime](config)
 
 
+def deterministic(config: ml_collections.ConfigDict) -> bool:
+  """``config.deterministic`` resolved, with no JAX calls. Unset: on where the runtime's clock
+  is simulated and the model computes in float32; off in bfloat16, where XLA's deterministic
+  GPU ops cost 2.5-2.7x on an H200 and an H100 (docs/DESIGN.md, "Determinism"). The flag
+  acts on GPUs only: CPU and TPU runs replay bit for bit either way."""
+  if config.deterministic is not None:
+    return bool(config.deterministic)
+  return (runtime_factory(config).simulated_clock
+          and config.model.get("compute_dtype", "float32") == "float32")
+
+
 @dataclasses.dataclass
 class Problem:
   """The CLI's default problem: TinyGPT on ``config.data``, evaluated on its held-out set.
@@ -222,7 +233,7 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
                            config.comm.ddp_overlap),
       metrics_fetch_every=config.metrics_fetch_every,
       rejection_limit=config.rejection_limit,
-      deterministic=config.deterministic,
+      deterministic=deterministic(config),
       compress=compress.Compression(compressor(config), download_compressor(config)),
       streaming=fragments.Streaming(config.streaming.fragments, config.streaming.layout,
                                     config.streaming.overlap_steps, config.streaming.alpha))

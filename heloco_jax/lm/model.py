@@ -4,7 +4,8 @@ TinyGPT: d_model 128, 8 layers, 4 heads, context 128, learned positions,
 pre-LayerNorm, GELU MLP of width 4·d_model, untied output head, byte-level
 vocabulary (256 bytes + BOS). Attention goes through
 ``jax.nn.dot_product_attention`` with ``is_causal=True``: the cuDNN flash
-kernel on GPUs in bfloat16 (where it applies), XLA's elsewhere.
+kernel on GPUs in bfloat16 (where it applies), XLA's elsewhere
+(``model.attention`` chooses; ``attention_implementation``).
 
 Mixed precision (``compute_dtype="bfloat16"``): matmuls and activations run
 in bfloat16; the parameters (``param_dtype``) stay float32, so the gradients,
@@ -21,7 +22,7 @@ paths (``blocks/0/attn/qkv/kernel``), and ``apply`` merges them back.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from heloco_jax.training import determinism
 
 BYTE_VOCAB_SIZE = 257  # 256 bytes + BOS (heloco_jax.lm.data.BOS_ID = 256)
 COMPUTE_DTYPES = ("float32", "bfloat16")
+ATTENTIONS = ("auto", "xla", "cudnn")  # model.attention (attention_implementation)
 INIT_STD = 0.02  # GPT-2's initialisation: N(0, 0.02²), residual outputs / √(2·layers)
 
 
@@ -46,11 +48,15 @@ class ModelConfig:
   context: int = 128
   mlp_ratio: int = 4
   compute_dtype: str = "float32"
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(f"model.compute_dtype={self.compute_dtype!r} is not allowed; allowed: "
                        f"one of {', '.join(COMPUTE_DTYPES)}.")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"model.attention={self.attention!r} is not allowed; allowed: one of "
+                       f"{', '.join(ATTENTIONS)}.")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "context", "mlp_ratio"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -65,21 +71,35 @@ def config_from(model: Any, vocab_size: int = BYTE_VOCAB_SIZE) -> ModelConfig:
   vocabulary of ``vocab_size`` ids (the data's)."""
   return ModelConfig(vocab_size=vocab_size, d_model=model.d_model, num_layers=model.num_layers,
                      num_heads=model.num_heads, context=model.context,
-                     compute_dtype=model.get("compute_dtype", "float32"))
+                     compute_dtype=model.get("compute_dtype", "float32"),
+                     attention=model.get("attention", "auto"))
 
 
-def attention_implementation(dtype: Any, head_dim: int) -> Optional[str]:
-  """``jax.nn.dot_product_attention``'s implementation: "cudnn" (flash) on a GPU for
-  bfloat16/float16 and head sizes it takes, else None (XLA's).
+def attention_implementation(dtype: Any, head_dim: int, choice: str = "auto") -> str:
+  """``jax.nn.dot_product_attention``'s implementation for ``model.attention=choice``.
 
-  Also XLA's under deterministic GPU ops (docs/DESIGN.md, "Determinism"): with them, jax
-  0.11.2 failed to compile cuDNN's attention backward on an H200 (``IndexError:
-  absl::container_internal::raw_hash_map<>::at``).
+  "auto": "cudnn" (flash) on a GPU in bfloat16 for head sizes it takes, unless XLA's
+  deterministic GPU ops are set, else "xla". With the flag, jax 0.11.2 failed to compile
+  cuDNN's attention backward on an H200 (``IndexError: absl::container_internal::
+  raw_hash_map<>::at``; docs/DESIGN.md, "Determinism"). "xla": always XLA's. "cudnn":
+  cuDNN's also under the flag (XLA then asks cuDNN for its deterministic backward, where
+  the installed cuDNN has one; ``benchmarks/gpu_determinism.sh`` measures it).
+
+  Raises:
+    ValueError: "cudnn" where cuDNN's kernel does not apply (no GPU, float32, a head size
+      that is not a multiple of 8 up to 128).
   """
-  if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-      and head_dim % 8 == 0 and head_dim <= 128 and not determinism.flag_set()):
+  fits = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim % 8 == 0 and head_dim <= 128)
+  if choice == "cudnn" and not fits:
+    raise ValueError(
+        f"model.attention='cudnn' is not allowed here (backend {jax.default_backend()}, "
+        f"{jnp.dtype(dtype).name}, head size {head_dim}); allowed: 'auto' or 'xla' (cuDNN's "
+        f"attention needs a GPU, model.compute_dtype=bfloat16 and a head size that is a "
+        f"multiple of 8 up to 128)")
+  if choice == "cudnn" or (choice == "auto" and fits and not determinism.flag_set()):
     return "cudnn"
-  return None
+  return "xla"
 
 
 class CausalSelfAttention(nnx.Module):
@@ -91,9 +111,9 @@ class CausalSelfAttention(nnx.Module):
   """
 
   def __init__(self, d_model: int, num_heads: int, out_std: float, *, dtype: Any,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, attention: str = "auto"):
     self.num_heads = num_heads
-    self.implementation = attention_implementation(dtype, d_model // num_heads)
+    self.implementation = attention_implementation(dtype, d_model // num_heads, attention)
     self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False,
                           kernel_init=nnx.initializers.normal(INIT_STD), dtype=dtype, rngs=rngs)
     self.out = nnx.Linear(d_model, d_model, kernel_init=nnx.initializers.normal(out_std),
@@ -115,7 +135,8 @@ class Block(nnx.Module):
     d, dtype = config.d_model, jnp.dtype(config.compute_dtype)
     out_std = INIT_STD / (2 * config.num_layers) ** 0.5
     self.ln1 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
-    self.attn = CausalSelfAttention(d, config.num_heads, out_std, dtype=dtype, rngs=rngs)
+    self.attn = CausalSelfAttention(d, config.num_heads, out_std, dtype=dtype, rngs=rngs,
+                                    attention=config.attention)
     self.ln2 = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
     self.up = nnx.Linear(d, config.mlp_ratio * d, kernel_init=nnx.initializers.normal(INIT_STD),
                          dtype=dtype, rngs=rngs)

@@ -13,8 +13,10 @@ its process, calls ``configure`` at start-up. Library code (``hj.make_engine``,
 which only checks and says in one line what to do.
 
 The cost (docs/DESIGN.md): the 86M GPT's inner loop runs ~21% slower on an H100,
-17% in float32 and 59% in bfloat16 (XLA's attention replaces cuDNN's) on an H200. Turn it off (``deterministic=False``) for throughput runs
-and on real devices, where the arrival order is not replayable anyway.
+17% in float32 and 59% in bfloat16 (XLA's attention replaces cuDNN's) on an H200; the
+CLI leaves the flag off in bfloat16 unless asked (``harness.deterministic``). Turn it off
+(``deterministic=False``) for throughput runs and on real devices, where the arrival order
+is not replayable anyway.
 """
 
 from __future__ import annotations

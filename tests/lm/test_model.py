@@ -89,3 +89,43 @@ def test_an_unknown_compute_dtype_is_refused():
   with pytest.raises(ValueError, match="model.compute_dtype='float16' is not allowed; allowed: "
                      "one of float32, bfloat16"):
     model.ModelConfig(compute_dtype="float16")
+
+
+@pytest.mark.parametrize("platform, dtype, choice, flag, expected", [
+    ("gpu", jnp.bfloat16, "auto", False, "cudnn"),
+    ("gpu", jnp.bfloat16, "auto", True, "xla"),   # jax 0.11.2: no cuDNN backward under the flag
+    ("gpu", jnp.bfloat16, "cudnn", True, "cudnn"),  # asked for: XLA's deterministic cuDNN path
+    ("gpu", jnp.bfloat16, "xla", False, "xla"),
+    ("gpu", jnp.float32, "auto", False, "xla"),
+    ("cpu", jnp.bfloat16, "auto", False, "xla"),
+])
+def test_model_attention_picks_the_kernel(monkeypatch, platform, dtype, choice, flag, expected):
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  monkeypatch.setattr(model.determinism, "flag_set", lambda: flag)
+  assert model.attention_implementation(dtype, 32, choice) == expected
+
+
+@pytest.mark.parametrize("platform, dtype, head_dim", [("cpu", jnp.bfloat16, 32),
+                                                       ("gpu", jnp.float32, 32),
+                                                       ("gpu", jnp.bfloat16, 36)])
+def test_cudnn_attention_where_it_cannot_run_is_refused_in_one_line(monkeypatch, platform,
+                                                                    dtype, head_dim):
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  with pytest.raises(ValueError, match=r"^model.attention='cudnn' is not allowed here \(backend "
+                     rf"{platform}, {jnp.dtype(dtype).name}, head size {head_dim}\); allowed: "
+                     r"'auto' or 'xla'") as error:
+    model.attention_implementation(dtype, head_dim, "cudnn")
+  assert "\n" not in str(error.value)
+
+
+def test_model_attention_xla_is_the_cpus_auto_bit_for_bit():
+  sizes = dict(d_model=32, num_layers=1, num_heads=4, context=8)
+  sequences = jax.random.randint(jax.random.key(2), (2, 8), 0, model.BYTE_VOCAB_SIZE)
+  outs = []
+  for attention in ("auto", "xla"):
+    graphdef, params = model.init(model.ModelConfig(**sizes, attention=attention), seed=0)
+    outs.append(np.asarray(jax.jit(model.apply, static_argnums=0)(graphdef, params, sequences)))
+  np.testing.assert_array_equal(outs[0], outs[1])
+  with pytest.raises(ValueError, match="model.attention='flash' is not allowed; allowed: one of "
+                     "auto, xla, cudnn"):
+    model.ModelConfig(attention="flash")

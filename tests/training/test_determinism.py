@@ -1,6 +1,7 @@
 """heloco_jax/training/determinism.py: XLA's deterministic GPU ops are set by the user or the CLI, never
 by library code; a GPU backend without them fails in one line (docs/DESIGN.md, "Determinism")."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -65,10 +66,43 @@ def test_cpu_and_tpu_programs_need_nothing(no_flag, monkeypatch):
   assert not determinism.flag_set()
 
 
+@pytest.mark.parametrize("runtime, dtype, value, expected", [
+    ("simulated", "float32", None, True),
+    ("simulated", "bfloat16", None, False),  # 2.5x slower with the flag on an H200
+    ("devices", "float32", None, False),     # a real clock: no replay anyway
+    ("simulated", "bfloat16", True, True),
+    ("simulated", "float32", False, False),
+])
+def test_the_cli_default_follows_the_runtime_and_the_compute_dtype(runtime, dtype, value,
+                                                                   expected):
+  from heloco_jax.cli.configs import default, validation  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  config.runtime, config.model.compute_dtype, config.deterministic = runtime, dtype, value
+  assert validation.deterministic(config) is expected
+  from heloco_jax.lm import harness  # pylint: disable=g-import-not-at-top
+  assert harness.deterministic(config) is expected
+
+
+def test_a_bfloat16_run_on_a_gpu_says_it_will_not_replay(monkeypatch):
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli.configs import default  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  said = {}
+  for platform, dtype, value in itertools.product(("cpu", "gpu"), ("float32", "bfloat16"),
+                                                  (None, False)):
+    monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+    config.model.compute_dtype, config.deterministic = dtype, value
+    said[platform, dtype, value] = train._replay_off_by_default(config, simulated=True)
+  # only where the default, not the user, left the flag off on a GPU
+  assert [k for k, v in said.items() if v] == [("gpu", "bfloat16", None)]
+  config.model.compute_dtype, config.deterministic = "bfloat16", None
+  assert not train._replay_off_by_default(config, simulated=False)  # a real clock: no replay
+
+
 @pytest.mark.slow  # 50–120 s: the default suite stays under 15 minutes
 def test_the_cli_sets_the_flag_before_jax_starts(tmp_path):
-  # In a fresh process the CLI's default (on, simulated runtime) reaches XLA_FLAGS before
-  # the backend starts; --config.deterministic=false leaves it out.
+  # In a fresh process the CLI's default (on, simulated runtime, float32) reaches XLA_FLAGS
+  # before the backend starts; --config.deterministic=false and bfloat16 leave it out.
   script = ("import os, sys; from heloco_jax.cli import train; code = train.main(sys.argv[1:]); "
             "print(code, os.environ.get('XLA_FLAGS', ''))")
   tiny = ["--config.model.d_model=16", "--config.model.num_layers=1",
@@ -78,7 +112,8 @@ def test_the_cli_sets_the_flag_before_jax_starts(tmp_path):
           "--config.data.val_sequences_per_language=2", "--config.checkpoint.every=0"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   for name, extra, expected in (("unset", [], True),
-                                ("false", ["--config.deterministic=false"], False)):
+                                ("false", ["--config.deterministic=false"], False),
+                                ("bfloat16", ["--config.model.compute_dtype=bfloat16"], False)):
     out = subprocess.run([sys.executable, "-c", script, f"--workdir={tmp_path / name}", *tiny,
                           *extra], env=env, capture_output=True, text=True, timeout=300,
                          check=False)

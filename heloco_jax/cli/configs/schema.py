@@ -141,8 +141,10 @@ KEYS: tuple[Key, ...] = (
         "tensorboardX is installed"),
     Key("quiet", False, BOOLEAN,
         "no progress: neither the bar (terminal) nor the lines every 30 s (otherwise)"),
-    Key("deterministic", None, optional(BOOLEAN, "on where the runtime's clock is simulated"),
-        "XLA's deterministic GPU ops, for bit-exact replay on GPUs (~20% slower there)",
+    Key("deterministic", None, optional(BOOLEAN, "on where the runtime's clock is simulated "
+                                        "and model.compute_dtype=float32"),
+        "XLA's deterministic GPU ops, for bit-exact replay on GPUs (about 20% slower there in "
+        "float32, 2.5x in bfloat16); CPU and TPU runs replay bit for bit either way",
         type=bool),
     # budget
     Key("budget.tokens", 600_000, integer(0, note=" (budget.tokens or budget.sim_seconds "
@@ -173,6 +175,10 @@ KEYS: tuple[Key, ...] = (
     Key("model.compute_dtype", "float32", one_of(model.COMPUTE_DTYPES),
         "dtype of matmuls and activations; parameters, optimizer states, pseudo-gradients "
         "and the outer step stay float32"),
+    Key("model.attention", "auto", one_of(model.ATTENTIONS),
+        "attention kernel: auto = cuDNN's flash kernel on a GPU in bfloat16 without XLA's "
+        "deterministic ops, else XLA's; xla; cudnn (also under deterministic ops, where the "
+        "installed cuDNN has a deterministic backward)"),
     # data
     Key("data.source", "synthetic", one_of(data.SOURCES),
         "where the text comes from (synthetic needs no download)"),

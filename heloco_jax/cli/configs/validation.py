@@ -118,14 +118,11 @@ def validate_distributed(config: ml_collections.ConfigDict) -> None:
 
 
 def deterministic(config: ml_collections.ConfigDict) -> bool:
-  """``config.deterministic`` resolved (unset: on where the runtime's clock is simulated); no
-  JAX calls."""
-  check_keys(config, ("deterministic", "runtime"))
-  if config.deterministic is not None:
-    return config.deterministic
+  """``config.deterministic`` resolved (``harness.deterministic``); no JAX calls."""
+  check_keys(config, ("deterministic", "runtime", "model.compute_dtype"))
   try:
-    return _runtime_factory(config).simulated_clock
-  except ConfigError:  # a runtime option validate() names
+    return harness.deterministic(config)
+  except ValueError:  # a runtime option validate() names
     return False
 
 
