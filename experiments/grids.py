@@ -998,7 +998,9 @@ SCALE = Scale(
     data=(("data.source", "text_dir"), ("data.languages", LANGUAGES),
           ("data.tokenizer", f"{CORPUS}/tokenizer_{VOCAB_50K}.json"),
           ("data.val_sequences_per_language", 32)),
-    extra=AUTHORS.extra)
+    # bfloat16 matmuls (float32 parameters and outer step): the inner loop 3.2x float32's on
+    # an H200 (docs/BENCHMARKS.md), set before any scale run (none had run on 2026-11-29)
+    extra=AUTHORS.extra + (("model.compute_dtype", "bfloat16"),))
 SCALE_PRESETS = ("severe", "mixed")
 SCALE_METHODS = ("async_nesterov", "mla", "heloco", "diloco")
 

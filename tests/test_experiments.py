@@ -749,6 +749,7 @@ def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp
         512, 8, 8)
     assert keys["data.tokenizer"] == "{corpus}/tokenizer_50257.json"
     assert keys["jitter"] == grids.JITTER and "outer.learning_rate" not in keys  # authors' lr
+    assert keys["model.compute_dtype"] == "bfloat16"
     assert run.preset in ("severe", "mixed") and run.method in grids.SCALE_METHODS
     assert run.table == ("scale/time" if run.method == "diloco" else "scale/tokens")
     if run.method == "diloco":
