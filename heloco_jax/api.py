@@ -246,8 +246,7 @@ def _workdir(workdir: Union[None, str, os.PathLike, Workdir]) -> Optional[Workdi
                    "hj.Workdir(path, ...)")
 
 
-def _membership(membership: Optional[membership_lib.Membership], num_workers: int,
-                simulated: bool, method: methods.MethodSpec, palsgd_warmup_steps: Optional[int]
+def _membership(membership: Optional[membership_lib.Membership], num_workers: int
                 ) -> membership_lib.Membership:
   """The run's failure schedule (a one-line ValueError where it cannot run)."""
   if membership is None:
@@ -255,9 +254,7 @@ def _membership(membership: Optional[membership_lib.Membership], num_workers: in
   if not isinstance(membership, membership_lib.Membership):
     raise ValueError(f"membership={membership!r} is not allowed; allowed: None or "
                      "hj.Membership(...)")
-  why = membership_lib.refusal(
-      membership, num_workers=num_workers, simulated=simulated, method=method,
-      palsgd_warmup_steps=palsgd_warmup_steps)
+  why = membership.refusal(num_workers)
   if why:
     raise ValueError(f"membership={membership!r} is not allowed: {why}")
   return membership
@@ -366,7 +363,7 @@ def make_engine(
       back), ...))``: crashes, recoveries, new workers; docs/FAILURES.md); None:
       every worker stays. Synchronous methods run elastic rounds and steps (Streaming
       DiLoCo too: a worker that missed a round takes θ whole). On a real clock (devices,
-      Ray) in its seconds, DDP's steps excepted.
+      Ray) in its seconds (DDP's chunks cut by the fastest step timed).
     comm: message and all-reduce costs (``hj.CommModel``).
     jitter: relative per-step jitter of the simulated clock, in [0, 1).
     model_state: the initial model state besides θ (e.g. ``nnx.state(model,
@@ -438,8 +435,7 @@ def make_engine(
     workdir = dataclasses.replace(workdir, checkpoint_every=int(workdir.checkpoint_every))
   streaming = _streaming(streaming)
   syncer = _syncer(syncer, spec_method, num_workers)
-  membership = _membership(membership, num_workers, factory.simulated_clock, spec_method,
-                           palsgd_warmup_steps)
+  membership = _membership(membership, num_workers)
   run_budget, eval_every, units_per_step, unit = _budget(budget)
   model_state_lib.check_params_are_trained(params)
   checks.check_params(params)

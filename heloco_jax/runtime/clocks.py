@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import numbers
 import time
 from typing import Any, Optional, Sequence, Union
@@ -97,6 +98,8 @@ class RealClock:
     del settings  # real devices take real time
     self._agree = executor.agree
     self._start = time.perf_counter()
+    self._ddp_step = math.inf  # the fastest DDP step timed (plan_ddp → ddp_seconds)
+    self._ddp_timing: Optional[tuple[float, int]] = None  # (when, steps) planned last
 
   def start(self, elapsed: float) -> None:
     self._start = time.perf_counter() - elapsed
@@ -125,13 +128,29 @@ class RealClock:
 
   def plan_ddp(self, chunk: int, start: float, limit: float,
                workers: Optional[np.ndarray] = None) -> tuple[int, Optional[list]]:
-    del start, workers
-    return (0 if limit > 0 and self.now() >= limit else chunk), None
+    """With a failure schedule (``workers`` given), steps of the fastest DDP step timed so
+    far, the first also holding the seconds since ``start`` (FAILURES.md): the loop cuts the
+    chunk at the next event by them. None before a step has been timed, or with no
+    schedule; exposed all-reduce seconds are unknown (None)."""
+    if limit > 0 and self.now() >= limit:
+      return 0, None
+    if workers is None:
+      return chunk, None
+    now = self.now()
+    self._ddp_timing = now, chunk
+    if not math.isfinite(self._ddp_step):
+      return chunk, None
+    return chunk, [(now - start + self._ddp_step, None)] + [(self._ddp_step, None)] * (chunk - 1)
 
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
-    del planned
     jax.block_until_ready(params)
-    return self.now() - start
+    now = self.now()
+    if self._ddp_timing is not None and params is not None:  # the steps as cut (planned) ran
+      began, steps = self._ddp_timing
+      steps = steps if planned is None else len(planned)
+      self._ddp_step = min(self._ddp_step, (now - began) / steps)  # compiles only slow it
+      self._ddp_timing = None
+    return now - start
 
   async def wait_until(self, t: float) -> None:
     await asyncio.sleep(max(0.0, t - self.now()))

@@ -586,7 +586,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
     if chunk == 0:
       break
     lost = np.zeros(k, bool)
-    if membership.absences:
+    if membership.absences and planned is not None:  # a real clock's first chunk: no plan
       chunk, planned, lost = _ddp_until_an_event(run, present, planned)
     part = present & ~lost
     workers = int(part.sum())
@@ -599,11 +599,14 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
       s.workers, loss = run.executor.run_ddp(s.workers, batches, run.next_key())
       run.server.params = run.executor.to_server(jax.tree.map(jnp.array, s.workers.params))
       run.model_states.ddp(s.workers)
-    seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params)
+    elif planned is not None:  # a step nobody computes still takes its seconds
+      await run.clock.wait_until(start + sum(t for t, _ in planned))
+    seconds = run.clock.ddp_seconds(planned, s.sim_time, run.server.params if workers else None)
     # Every step all-reduces the gradient: each worker's out, the mean back.
     gradient = run.uplink.model_bytes
     for step in range(chunk):
-      f.traffic.sync(2 * workers * gradient, None if planned is None else workers * planned[step][1])
+      exposed = None if planned is None else planned[step][1]  # a real clock's: unknown
+      f.traffic.sync(2 * workers * gradient, None if exposed is None else workers * exposed)
     s.version += chunk if workers else 0
     s.units += chunk * workers * spec.units_per_step
     s.sim_time += seconds

@@ -30,7 +30,6 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from heloco_jax.training import methods as methods_lib
 
 Absence = tuple[int, float, float]  # (worker, leave, back)
 
@@ -140,23 +139,6 @@ class Membership:
         absences.append((int(worker), t, back))
         t = back + float(rng.exponential(1 / rate))
     return cls(tuple(absences))
-
-
-def refusal(membership: Membership, *, num_workers: int, simulated: bool,
-            method: methods_lib.MethodSpec, palsgd_warmup_steps: Optional[int] = None
-            ) -> Optional[str]:
-  """Why a run cannot take ``membership`` (one line, for ``hj.make_engine`` and the CLI), or
-  None. A real clock (devices, Ray) reads presence at a synchronous round's barriers, and an
-  asynchronous dispatch whose worker leaves first is lost when it leaves; DDP's steps (DDP, or
-  PALSGD's warm-up of ``palsgd_warmup_steps``, None: H) are cut at the next event from their
-  planned seconds, which only the simulated clock has (docs/FAILURES.md)."""
-  why = membership.refusal(num_workers)
-  if why or not membership.absences or simulated:
-    return why
-  if method.synchrony == "step" or (method.inner == "palsgd" and palsgd_warmup_steps != 0):
-    return ("DDP steps (DDP, PALSGD's warm-up) take one on the simulated runtime only (a chunk "
-            "of steps is cut at the next event from its planned seconds; docs/FAILURES.md)")
-  return None
 
 
 @dataclasses.dataclass

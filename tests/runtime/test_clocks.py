@@ -1,6 +1,8 @@
 """Time (heloco_jax/runtime/clocks.py, simulated.py): presets, jitter, DyLU and the simulated clock
 (ALGORITHMS.md, "Time and cost model")."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -85,3 +87,25 @@ def test_dylu_floor_is_exact_and_at_least_one():
   assert (1 / seconds)[1] / (1 / seconds)[0] * 39 < 3
   np.testing.assert_array_equal(clocks.dylu_steps(seconds, 39), [39, 3])
   np.testing.assert_array_equal(clocks.dylu_steps(np.array([1.0, 1000.0]), 5), [5, 1])
+
+
+def test_a_real_clock_plans_ddp_steps_from_the_fastest_step_timed(monkeypatch):
+  """FAILURES.md: on a real clock with a schedule, DDP's chunk is cut by the fastest step
+  timed so far; the first planned step also holds the seconds since the chunk's start."""
+  now = [0.0]
+  monkeypatch.setattr(clocks.time, "perf_counter", lambda: now[0])
+  clock = clocks.RealClock(None, types.SimpleNamespace(agree=lambda t: t))
+  present = np.ones(2, bool)
+  assert clock.plan_ddp(4, 0.0, 0, None) == (4, None)  # no schedule: nothing to cut
+  assert clock.plan_ddp(4, 0.0, 0, present) == (4, None)  # no step timed yet
+  now[0] = 2.0  # the 4 steps, with their compilation
+  assert clock.ddp_seconds(None, 0.0, {}) == 2.0
+  now[0] = 2.5  # (an evaluation)
+  assert clock.plan_ddp(4, 2.0, 0, present) == (4, [(1.0, None)] + [(0.5, None)] * 3)
+  now[0] = 3.0  # the chunk as the loop cut it: 2 steps in 0.5 s
+  assert clock.ddp_seconds([(1.0, None), (0.5, None)], 2.0, {}) == 1.0
+  assert clock.plan_ddp(2, 3.0, 0, present) == (2, [(0.25, None)] * 2)
+  now[0] = 4.0  # a step nobody computed (params None) times nothing
+  clock.ddp_seconds([(0.25, None)], 3.0, None)
+  assert clock.plan_ddp(1, 4.0, 0, present) == (1, [(0.25, None)])
+  assert clock.plan_ddp(1, 4.0, 4.0, present) == (0, None)  # the time budget is spent

@@ -47,6 +47,8 @@ def _commands(workdir, args):
     pytest.param("palsgd", 2, ["--config.model.sharding=fsdp"], marks=pytest.mark.slow),
     # elastic rounds (FAILURES.md): worker 1, on process 0, away from the start for good
     pytest.param("diloco", 4, ["--config.chaos.schedule=1@0"], marks=pytest.mark.slow),
+    # DDP's steps on the real clock (FAILURES.md): the same, chunks read presence at start
+    pytest.param("ddp", 4, ["--config.chaos.schedule=1@0"], marks=pytest.mark.slow),
 ])
 def test_two_process_run_equals_the_simulated_runtime(method, num_workers, extra, tmp_path):
   args = [f"--config.method={method}", f"--config.num_workers={num_workers}",

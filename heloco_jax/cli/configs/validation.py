@@ -24,7 +24,6 @@ from heloco_jax.comm import fragments
 from heloco_jax.lm import harness, model
 from heloco_jax.rundir import writers
 from heloco_jax.runtime import clocks, devices
-from heloco_jax.training import membership
 from heloco_jax.training.methods import METHODS
 
 # Arguments of the outer factories whose config key differs from their name.
@@ -180,10 +179,7 @@ def _validate_chaos(config: ml_collections.ConfigDict) -> None:
     _fail(key, value, message.split("; allowed: ", 1)[-1])
   if schedule is None:
     return
-  why = membership.refusal(
-      schedule, num_workers=config.num_workers,
-      simulated=_runtime_factory(config).simulated_clock, method=METHODS[config.method],
-      palsgd_warmup_steps=config.palsgd_warmup_steps)
+  why = schedule.refusal(config.num_workers)
   if why:
     _fail(key, value, f"a schedule this run can take ({why})")
 
