@@ -190,7 +190,10 @@ class Clock(Protocol):
                              present: Optional[np.ndarray] = None) -> float: ...
   def plan_ddp(self, chunk: int, start: float, limit: float,
                workers: Optional[np.ndarray] = None) -> tuple[int, Optional[list]]: ...
-  def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float: ...
+  def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
+    """The seconds of the DDP steps ``planned`` (as the loop cut them) from ``start``;
+    ``params``: θ after them, None when no worker computed them."""
+
   async def wait_until(self, t: float) -> None:
     """Returns when the clock reads ``t`` (a simulated clock at once: the engine sets its
     time); a synchronous loop waits so while every worker is away."""
