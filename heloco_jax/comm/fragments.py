@@ -44,7 +44,7 @@ class Streaming:
   Attributes:
     fragments: P: θ's leaves split into P fragments, fragment p synced every H steps at
       offset p·H/P, each with its own outer state and staleness. P must divide H; not with
-      ddp or palsgd; simulated runtime only.
+      ddp or palsgd; on every runtime (simulated, devices, Ray).
     layout: "contiguous", "strided", "balanced", or a function ``(path, leaf) -> fragment``
       (``split``).
     overlap_steps: τ: inner steps a worker takes while its fragment's sync is in flight,
