@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 59 item 2 on a GPU: which way of running deterministically keeps bfloat16's speed,
 # and does it replay bit for bit? Run from the repository root (OUT defaults to
-# ./gpu_results; PARTS="speed replay" by default, about 5 minutes each on an H200).
+# ./gpu_results; PARTS="speed replay" by default: 6 processes of at most 150 s, then 8 of at
+# most 120 s; run them as two calls where a call's time is short).
 #   speed:  benchmarks/device_step.py, the 86M GPT's bfloat16 inner loop only, one after
 #           another in this run, under XLA_FLAGS
 #             none | --xla_gpu_exclude_nondeterministic_ops (deterministic kernels,

@@ -132,11 +132,11 @@ class RealClock:
     far, the first also holding the seconds since ``start`` (FAILURES.md): the loop cuts the
     chunk at the next event by them. None before a step has been timed, or with no
     schedule; exposed all-reduce seconds are unknown (None)."""
-    if limit > 0 and self.now() >= limit:
-      return 0, None
-    if workers is None:
-      return chunk, None
+    if workers is None:  # no schedule: nothing to cut (and no clock read without a limit)
+      return (0 if limit > 0 and self.now() >= limit else chunk), None
     now = self.now()
+    if limit > 0 and now >= limit:
+      return 0, None
     self._ddp_timing = now, chunk
     if not math.isfinite(self._ddp_step):
       return chunk, None
