@@ -9,17 +9,23 @@
 #      run, at the project's GPT (byte vocabulary) and at GPT-2-124M's shape (vocab 50257,
 #      context 1024): tokens/s, ours ÷ PyTorch and both MFUs (where torch with CUDA is installed).
 # benchmarks/gpu_determinism.sh then measures the deterministic recipes in bfloat16 (issue 59).
+# PARTS="device quickstart versus" (the default) picks them: each part writes its files under
+# OUT as it goes, so a call cut off by its time limit keeps what finished; the versus part
+# runs 4 processes of up to 400 / 300 s, so give it a call of its own where calls are short.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
+PARTS=${PARTS:-device quickstart versus}
 mkdir -p "$OUT"
 nvidia-smi -L
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+if [[ " $PARTS " == *" device "* ]]; then
 XLA_FLAGS= timeout 240 python3 benchmarks/device_step.py > "$OUT/device_step.txt" 2>&1
 grep -v '^RESULT' "$OUT/device_step.txt" | tail -45
 XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 240 python3 benchmarks/device_step.py \
   > "$OUT/device_step_deterministic.txt" 2>&1
 echo "## deterministic ops on"; grep -E "tokens/s|ms/update|side by side" "$OUT/device_step_deterministic.txt"
-for dtype in float32 bfloat16; do
+fi
+[[ " $PARTS " == *" quickstart "* ]] && for dtype in float32 bfloat16; do
   timeout 200 python3 -m heloco_jax.cli.train --workdir="$OUT/quickstart_$dtype" \
     --config.model.compute_dtype=$dtype 2>&1 | tail -1
   python3 - "$OUT/quickstart_$dtype/metrics.jsonl" <<'PY'
@@ -28,7 +34,9 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 print(" ".join(f"{r['tokens'] // 1000}k:{r['val_loss']:.3f}" for r in rows if r["event"] == "eval"))
 PY
 done
-if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+if [[ " $PARTS " != *" versus "* ]]; then
+  :
+elif python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
   for vocab in 257 50257; do
     timeout 400 python3 benchmarks/torch_gpt_step.py --vocab $vocab > "$OUT/torch_$vocab.txt" 2>&1
     grep -E "^# torch|tokens/s" "$OUT/torch_$vocab.txt"
