@@ -83,7 +83,7 @@ def test_the_readmes_result_rows_quote_results_md():
     if "(5 seeds)" in verdict:
       assert any(c[3].startswith("5 of 5") for c in cells), claim
     windows = [tuple(map(_number, m)) for line in quoted
-               for m in re.findall(r"window " + _INTERVAL.replace("−-", "-"), line)]
+               for m in re.findall(r"window " + _INTERVAL, line)]
     for text in re.findall(_INTERVAL, verdict):  # within half a unit of its last digit
       halves = [0.5 * 10 ** -len(x.split(".")[1]) + 1e-9 for x in text]  # of RESULTS' value
       want = tuple(_number(x) for x in text)

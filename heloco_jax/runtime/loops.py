@@ -160,7 +160,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if fragments:
       s.jobs[worker].fragment = f.streaming.syncs[worker] % spec.fragments
-    queue.push(worker, s.jobs[worker], math.inf if clock.simulated else leaves(worker))
+    queue.push(worker, s.jobs[worker], leaves(worker))  # (a simulated queue ignores it)
   for worker, (at, _, _) in sorted(away.items()):  # restored membership events
     queue.push(worker, Job(None, 0, 0, at))
   if s.phase is None:

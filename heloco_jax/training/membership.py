@@ -18,7 +18,9 @@ Synchronous methods run elastic rounds and DDP steps (``runtime.loops``): a roun
 takes the workers present at its start; one that leaves before it ends loses its part of
 it (dropped), the others' parts are averaged; one that comes back joins at the next start.
 On a real clock the same rules read the clock: an asynchronous dispatch is lost when its
-worker leaves first (the arrival queue takes it then); ``refusal`` says what does not run.
+worker leaves first (the arrival queue takes it then), and DDP's chunks are cut at an event
+by the fastest step timed (``RealClock.plan_ddp``). ``Membership.refusal`` says which
+schedules do not fit a run.
 """
 
 from __future__ import annotations
