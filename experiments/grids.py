@@ -982,22 +982,23 @@ def symmetric_grid(scale: Scale = AUTHORS) -> list[Run]:
 # Issue 60, item 5: a step up in scale, for a GPU. The authors' harness (H = 20, 5 workers,
 # inner AdamW 2e-4 with a fresh state per dispatch and the cosine decay over each worker's
 # share of the steps, the outer rules at the authors' lrs) with GPT d_model 512, 8 layers, 8
-# heads, context 256, the 50,257-id BPE: 76.8M parameters (36× the 2.1M of every claim so far,
-# 5.3× the authors' 14.5M), and 20,000 local steps of 16 × 256 tokens, 81.9M tokens: ≥ 1 token
-# per parameter. Severe and mixed paces, jitter 0.2 (independent seeds), HeLoCo, MLA, async
-# Nesterov (token runs) and synchronous DiLoCo (its time runs), 3 seeds: 24 runs, each
-# committing its digest (``--commit``); ``science.VARIANTS`` reports its rows with their seeds
-# as they land. The corpus has about 3.3M tokens at 50,257 ids (14 MB of text), so a run reads
-# it about 25 times (the 2,048-id grids read it about once): its losses measure the methods
-# in a regime of repeated data, which RESULTS.md has to say next to them.
+# heads, context 256 and the claims' own 2,048-id BPE: 27.4M parameters (12.9× the 2.1M of
+# every claim so far; the transformer blocks 16×), and 7,000 local steps of 16 × 256 tokens,
+# 28.7M tokens: ≥ 1 token per parameter. Severe and mixed paces, jitter 0.2 (independent
+# seeds), HeLoCo, MLA, async Nesterov (token runs) and synchronous DiLoCo (its time runs), 3
+# seeds: 24 runs, each committing its digest; ``science.VARIANTS`` reports its rows with their
+# seeds as they land. Why this size (changed on 2026-11-29, before any scale run, from d_model
+# 512 with the 50,257-id BPE, 76.9M parameters and 81.9M tokens): the corpus holds 5.0M tokens
+# at 2,048 ids (about 1M per language; 3.3M at 50,257 ids), so the data, not the GPU, bounds
+# the step. The 50,257-id design spent two thirds of its parameters on the vocabulary (its
+# blocks were this design's), read each language about 25 times and cost 5.3× this design's
+# FLOPs; this one reads each worker's language 5.1 to 6.4 times (0.89-1.12M tokens each),
+# which RESULTS.md says next to the rows, and keeps the claims' tokenizer and corpus.
 SCALE_PREFIX = "scale/"
 SCALE = Scale(
     d_model=512, num_layers=8, num_heads=8, context=256, batch_size=16, inner_steps=20,
-    tokens=20_000 * 16 * 256, eval_every_tokens=20_000 * 16 * 256 // 20,
-    inner_total_steps=20_000 // 5, inner_learning_rate=2e-4, seeds=(0, 1, 2),
-    data=(("data.source", "text_dir"), ("data.languages", LANGUAGES),
-          ("data.tokenizer", f"{CORPUS}/tokenizer_{VOCAB_50K}.json"),
-          ("data.val_sequences_per_language", 32)),
+    tokens=7_000 * 16 * 256, eval_every_tokens=7_000 * 16 * 256 // 20,
+    inner_total_steps=7_000 // 5, inner_learning_rate=2e-4, seeds=(0, 1, 2), data=AUTHORS.data,
     # bfloat16 matmuls (float32 parameters and outer step): the inner loop 3.2x float32's on
     # an H200 (docs/BENCHMARKS.md), set before any scale run (none had run on 2026-11-29)
     extra=AUTHORS.extra + (("model.compute_dtype", "bfloat16"),))
@@ -1005,7 +1006,7 @@ SCALE_PRESETS = ("severe", "mixed")
 SCALE_METHODS = ("async_nesterov", "mla", "heloco", "diloco")
 
 
-def scale_params(scale: Scale = SCALE, vocab: int = VOCAB_50K) -> int:
+def scale_params(scale: Scale = SCALE, vocab: int = AUTHORS_VOCAB) -> int:
   """The GPT's parameters at ``scale`` (heloco_jax.lm.model: learned positions, pre-LayerNorm,
   MLP of width 4·d_model, untied head, biases but the QKV projection's;
   ``tests/test_experiments.py`` checks it against the model)."""

@@ -265,16 +265,23 @@ def finish(run: grids.Run, out: str, results_dir: str, commit: bool, prune: bool
     prune_checkpoints(workdir)
 
 
+def _left_for_later(queue: Sequence[grids.Run]) -> None:
+  print(f"reproduce: --deadline passed: {len(queue)} runs not started ({queue[0].name} next); "
+        "the same command starts them", file=sys.stderr, flush=True)
+
+
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
                  jobs: int, heartbeat: float = 300.0, commit: bool = False,
-                 timed: Sequence[tuple[grids.Run, float]] = (), prune: bool = False) -> int:
+                 timed: Sequence[tuple[grids.Run, float]] = (), prune: bool = False,
+                 deadline: float = float("inf")) -> int:
   """Runs ``todo`` as ``python -m heloco_jax.cli.train`` processes, ``jobs`` at a time, each pinned
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
   ``results_dir`` (and, with ``commit``, into git; ``prune``: see ``finish``). ``timed``:
   finished runs' (run, wall_seconds), for the time left (``Progress``) before a run of this
-  call ends. SIGTERM or Ctrl-C stops the running runs at their next checkpoint boundary (they
-  resume when the command is run again). Returns 0, 1 (some run failed) or 130."""
+  call ends. No run starts after ``deadline`` (``time.monotonic()``; ``--deadline``). SIGTERM
+  or Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the
+  command is run again). Returns 0, 1 (some run failed) or 130."""
   cores = _cores()
   jobs = max(1, min(jobs, len(cores), len(todo)))
   per_job = len(cores) // jobs
@@ -293,6 +300,9 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
   last_beat = time.monotonic()
   try:
     while running or (queue and not stopping):  # a stop leaves the queue for next time
+      if queue and time.monotonic() > deadline:
+        _left_for_later(queue)
+        queue = []
       while queue and len(running) < jobs and not stopping:
         run = queue.pop(0)
         index = next(i for i in range(jobs) if i not in running)
@@ -378,11 +388,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--prune", action="store_true",
                       help="delete each finished run's checkpoints but its newest (its final "
                            "state), so that a long grid does not fill the disk")
+  parser.add_argument("--deadline", type=float, default=0.0,
+                      help="start no run later than this many seconds after the command began "
+                           "(0: no limit), for a leased machine whose calls are cut off: a run "
+                           "cut off there is lost with the machine")
+  parser.add_argument("--prepare-only", action="store_true",
+                      help="build the corpus and BPE vocabularies the chosen runs read (into "
+                           "OUT/corpus, or check --corpus) and stop: for a machine that runs "
+                           "the grid offline")
   parser.add_argument("--report-only", action="store_true",
                       help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
   if args.jobs < 0:
     parser.error(f"--jobs={args.jobs} is not allowed; allowed: 0 (one per core) or more")
+  if not args.deadline >= 0:
+    parser.error(f"--deadline={args.deadline} is not allowed; allowed: seconds >= 0 (0: none)")
+  deadline = time.monotonic() + args.deadline if args.deadline else float("inf")
 
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -409,6 +430,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finished.append(run)
   print(f"reproduce: grid {args.grid}: {len(chosen)} runs, {len(chosen) - len(todo)} already "
         f"finished", file=sys.stderr)
+  if args.prepare_only:
+    needed = [r for r in chosen if r.needs_corpus()]
+    print(f"reproduce: the corpus is {_corpus(args.corpus, args.out, needed)}" if needed else
+          "reproduce: these runs read no corpus", file=sys.stderr)
+    return 0
   if args.report_only:
     todo = []
   data_path = _corpus(args.corpus, args.out, todo) if any(
@@ -420,11 +446,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       with open(analysis.digest_path(results_dir, run)) as f:
         timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
     status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit,
-                          timed=timed, prune=args.prune)
+                          timed=timed, prune=args.prune, deadline=deadline)
     if status != 0:
       return status
   start, failed = time.perf_counter(), []
-  for i, run in enumerate(todo if jobs == 1 and not args.isolate else []):
+  serial = todo if jobs == 1 and not args.isolate else []
+  for i, run in enumerate(serial):
+    if time.monotonic() > deadline:
+      _left_for_later(serial[i:])
+      break
     workdir = os.path.join(args.out, "runs", run.name)
     elapsed = time.perf_counter() - start
     eta = f", about {elapsed / i * (len(todo) - i) / 60:.1f} min left" if i else ""

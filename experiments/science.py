@@ -600,9 +600,10 @@ VARIANTS = (
      grids.AUTHORS.seeds),
     ("heldout", f"held-out languages {grids.HELDOUT_LANGUAGES.replace(',', ', ')}, jitter "
                 f"{grids.JITTER:g}", None, grids.AUTHORS.seeds),
-    ("scale", f"scale: d_model {grids.SCALE.d_model}, {grids.SCALE.num_layers} layers, a "
-              f"{grids.VOCAB_50K:,}-id BPE, {grids.SCALE.tokens / 1e6:.1f}M tokens, jitter "
-              f"{grids.JITTER:g} (GPU)", grids.SCALE_PREFIX, grids.SCALE.seeds),
+    ("scale", f"scale: d_model {grids.SCALE.d_model}, {grids.SCALE.num_layers} layers, "
+              f"{grids.scale_params() / 1e6:.1f}M parameters, {grids.SCALE.tokens / 1e6:.1f}M "
+              f"tokens (each language read 5-6 times), jitter {grids.JITTER:g} (GPU)",
+     grids.SCALE_PREFIX, grids.SCALE.seeds),
 )
 
 

@@ -566,6 +566,30 @@ def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
   assert len(analysis.load(out, runs, digests)) == 2
 
 
+@pytest.mark.parametrize("runner", [["--jobs=1"], ["--jobs=1", "--isolate"]])
+def test_no_run_starts_after_the_deadline(tmp_path, capsys, runner):
+  """--deadline (a leased GPU's calls are cut off, experiments/gpu_scale.sh): past it the
+  queue is left for the next command, which still writes its RESULTS.md."""
+  out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
+  args = ["--grid=smoke", f"--out={out}", f"--digests={digests}", *runner, "--deadline=1e-9",
+          "--only=tokens/homogeneous/(mla|heloco)/", f"--results={tmp_path / 'RESULTS.md'}"]
+  assert reproduce.main(args) == 0
+  err = capsys.readouterr().err
+  assert "--deadline passed: 2 runs not started (tokens/homogeneous/mla/seed0 next)" in err
+  assert not os.path.exists(os.path.join(out, "runs")) and not os.path.exists(digests)
+  assert os.path.exists(tmp_path / "RESULTS.md")
+  with pytest.raises(SystemExit):
+    reproduce.main([*args[:-4], "--deadline=-1"])
+  assert "--deadline=-1.0 is not allowed" in capsys.readouterr().err
+
+
+def test_prepare_only_builds_the_corpus_and_runs_nothing(tmp_path, capsys):
+  out = str(tmp_path / "out")
+  assert reproduce.main(["--grid=smoke", f"--out={out}", "--prepare-only"]) == 0
+  assert "these runs read no corpus" in capsys.readouterr().err
+  assert not os.path.exists(os.path.join(out, "runs"))
+
+
 def test_parallel_runner_stops_on_sigterm_with_runs_still_queued(tmp_path):
   """SIGTERM while runs wait in the queue: the running ones stop and the command exits 130
   (it used to wait for the queue forever)."""
@@ -731,8 +755,9 @@ def test_symmetric_grid_gives_every_cell_of_the_authors_jitter_and_best_lr_rows_
 
 
 def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp_path):
-  """Issue 60, item 5: d_model 512, 8 layers, the 50,257-id BPE, ≥ 1 token per parameter;
-  severe and mixed paces, HeLoCo, MLA, async Nesterov and sync DiLoCo at the authors' lr."""
+  """Issue 60, item 5: d_model 512, 8 layers, the claims' 2,048-id BPE, ≥ 10× the claims'
+  parameters and ≥ 1 token per parameter; severe and mixed paces, HeLoCo, MLA, async Nesterov
+  and sync DiLoCo at the authors' lr."""
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -747,7 +772,7 @@ def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp
     keys = dict(run.overrides)
     assert (keys["model.d_model"], keys["model.num_layers"], keys["model.num_heads"]) == (
         512, 8, 8)
-    assert keys["data.tokenizer"] == "{corpus}/tokenizer_50257.json"
+    assert keys["data.tokenizer"] == "{corpus}/tokenizer.json"  # the claims' own
     assert keys["jitter"] == grids.JITTER and "outer.learning_rate" not in keys  # authors' lr
     assert keys["model.compute_dtype"] == "bfloat16"
     assert run.preset in ("severe", "mixed") and run.method in grids.SCALE_METHODS
@@ -756,16 +781,16 @@ def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp
       assert keys["budget.sim_seconds"] == pytest.approx(
           grids.time_budget(grids.SCALE, run.preset))
     else:
-      assert keys["budget.tokens"] == grids.SCALE.tokens == 20_000 * 16 * 256
+      assert keys["budget.tokens"] == grids.SCALE.tokens == 7_000 * 16 * 256
     assert run.needs_corpus()
-  assert reproduce.corpus_vocabularies(runs) == {"tokenizer_50257.json": 50_257}
+  assert reproduce.corpus_vocabularies(runs) == {"tokenizer.json": 2048}
   # the parameters, counted on the model itself (abstractly: nothing is allocated)
-  config = model.ModelConfig(vocab_size=50_257, d_model=512, num_layers=8, num_heads=8,
+  config = model.ModelConfig(vocab_size=2048, d_model=512, num_layers=8, num_heads=8,
                              context=256)
   state = nnx.state(nnx.eval_shape(lambda: model.GPT(config, rngs=nnx.Rngs(params=0))),
                     nnx.Param)
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
-  assert params == grids.scale_params() == 76_852_305
+  assert params == grids.scale_params() == 27_438_080
   assert params >= 10 * grids.scale_params(grids.AUTHORS, grids.AUTHORS_VOCAB) == 10 * 2_126_080
   assert grids.SCALE.tokens >= params  # ≥ 1 token per parameter
   assert grids.family("scale")[-len(runs):] == runs and grids.SCALES["scale"] is grids.SCALE

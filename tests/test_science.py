@@ -688,7 +688,8 @@ def test_scale_grid_rows_report_their_seeds_as_they_land(tmp_path):
       grids.time_budget(grids.SCALE, "severe"))
   row = next(r for r in science.variant_claim_rows(results) if "— scale:" in r)
   assert row.startswith("| HeLoCo beats MLA, wall-clock budget — scale: d_model 512, 8 layers, "
-                        "a 50,257-id BPE, 81.9M tokens, jitter 0.2 (GPU) | up to +3.3% | "
+                        "27.4M parameters, 28.7M tokens (each language read 5-6 times), jitter "
+                        "0.2 (GPU) | up to +3.3% | "
                         f"{science.PRE_REGISTERED} | 2 of 3 | pending (fewer than 3 seeds")
   path = str(tmp_path / "RESULTS.md")
   science.write_results(results, path, str(tmp_path / "figures"), "CMD", "NOTE", planned=10)
