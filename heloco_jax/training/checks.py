@@ -90,7 +90,7 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
                        f"model_state ({describe_tree(model_state)}); allowed: the same "
                        "structure, shapes and dtypes (e.g. nnx.state(model, nnx.BatchStat) "
                        "after the forward pass)")
-  elif not contract.rng and _draws_random_bits(traced, params, model_state, rng):
+  if not contract.rng and _draws_random_bits(traced, params, model_state, rng):
     raise ValueError(
         "loss_fn draws random numbers from a key it holds (e.g. nnx.Dropout with the "
         "module's own nnx.Rngs), so every step of every worker would draw the same ones; "

@@ -224,13 +224,27 @@ def test_batchnorm_statistics_given_as_params_are_refused_naming_the_leaf():
     hj.simulate(lambda p, b: 0.0, everything, _cnn_data(), budget=hj.Budget(steps=8))
 
 
-def test_module_held_rngs_without_the_rng_keyword_are_refused():
-  def closes_over_the_module(params, batch):  # flax's idiom, the engine's key never used
-    model = nnx.merge(GRAPHDEF, params, STATS, REST, copy=True)
-    x, y = batch
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+def _closes_over_the_module(params, batch):  # flax's idiom, the engine's key never used
+  model = nnx.merge(GRAPHDEF, params, STATS, REST, copy=True)
+  x, y = batch
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def _carries_batchnorm_but_takes_no_rng(params, batch, *, state):
+  model = nnx.merge(GRAPHDEF, params, state, REST, copy=True)
+  x, y = batch
+  loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+  return loss, (nnx.state(model, nnx.BatchStat), {})
+
+
+@pytest.mark.parametrize("loss_fn, model_state", [
+    (_closes_over_the_module, None),
+    (_carries_batchnorm_but_takes_no_rng, STATS),  # the check once skipped a state loss_fn
+])
+def test_module_held_rngs_without_the_rng_keyword_are_refused(loss_fn, model_state):
   with pytest.raises(ValueError, match="draws random numbers from a key it holds"):
-    hj.simulate(closes_over_the_module, PARAMS, _cnn_data(), budget=hj.Budget(steps=8))
+    hj.simulate(loss_fn, PARAMS, _cnn_data(), budget=hj.Budget(steps=8),
+                model_state=model_state)
 
 
 def test_a_model_state_holding_the_modules_rngs_is_refused():
