@@ -115,6 +115,28 @@ def test_heloco_diagnostics_come_from_heloco_inside_a_users_chain():
   assert "cosine_mean" in arrival and "branch_count/keep" not in arrival
 
 
+def test_an_outer_rule_in_optax_inject_hyperparams_runs_as_the_plain_rule():
+  """optax.inject_hyperparams without static_args: the engine jits the rule's init, where K
+  is a tracer (it once stayed in the state's static ρ, and the next run failed on it)."""
+  def evals(result):
+    return [r["val_loss"] for r in result.history if r["event"] == "eval"]
+  plain = _run(outer_tx=hj.heloco(0.7, 0.9, num_workers=3))
+  for _ in range(2):  # the second run meets the first one's compiled programs
+    injected = _run(outer_tx=optax.inject_hyperparams(hj.heloco)(
+        learning_rate=0.7, momentum=0.9, num_workers=3))
+    # equal up to float32 rounding of 1 − μ (docs/ALGORITHMS.md, "Hyperparameters as arrays")
+    np.testing.assert_allclose(evals(injected), evals(plain), rtol=1e-5)
+    weights = [r["weight"] for r in injected.history if r["event"] == "arrival"]
+    assert weights and weights == pytest.approx([1 / np.sqrt(3)] * len(weights))
+  # η as a schedule of the outer updates: 0 from the 5th on, so θ stops there
+  stopped = _run(outer_tx=optax.inject_hyperparams(hj.heloco)(
+      learning_rate=optax.linear_schedule(0.7, 0.0, 5), num_workers=3),
+      budget=hj.Budget(steps=120, eval_every_steps=24))
+  rows = [r for r in stopped.history if r["event"] == "eval"]
+  after = {r["val_loss"] for r in rows if r["outer_updates"] >= 5}
+  assert len(rows) >= 5 and len(after) == 1 and rows[1]["val_loss"] != rows[0]["val_loss"]
+
+
 def test_a_custom_outer_rule_changes_the_result():
   default = _run("mla")
   custom = _run("mla", outer_tx=hj.mla(0.3, 0.5, num_workers=3))

@@ -9,7 +9,9 @@ without a host sync and are accepted as they are.
 
 ``optax.inject_hyperparams`` passes every numeric argument as an array:
 ``concrete_int`` turns a concrete integer array back into the int it holds
-(``num_workers``, ``buffer_size``), so that no ``static_args`` are needed.
+(``num_workers``, ``buffer_size``), so that no ``static_args`` are needed; under ``jit``
+(a traced init) the rules' static ``ArrivalWeighting`` then reads K from the
+hyperparameters (``weighting.INJECTED``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def check_range(
 
 
 def check_learning_rate(fn: str, value: Any) -> None:
+  if callable(value):  # a schedule: optax's own wrapper takes it
+    _fail(fn, "learning_rate", value, f"a number > 0; for a schedule, optax.inject_hyperparams("
+          f"hj.{fn})(learning_rate=schedule, ...)")
   check_range(fn, "learning_rate", value, 0.0, low_open=True)
 
 

@@ -104,6 +104,12 @@ def staleness_array(staleness: Any) -> jax.Array:
   return jnp.asarray(0 if staleness is None else staleness, jnp.int32)
 
 
+# ``ArrivalWeighting.num_workers`` of a rule built inside a traced ``optax.inject_hyperparams``
+# init (``jax.jit(tx.init)``, as the engine does): K is then its state's
+# ``hyperparams["num_workers"]``, which ``arrival_weighting`` reads.
+INJECTED = "inject_hyperparams"
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrivalWeighting:
   """ρ(τ) of a rule, as static data (no arrays): what the rule applies to each arrival.
@@ -116,13 +122,23 @@ class ArrivalWeighting:
   place that defines it (``arrival_weighting``).
 
   Attributes:
-    num_workers: K, or None for ρ = 1.
+    num_workers: K, None for ρ = 1, or ``INJECTED``: a K traced by
+      ``optax.inject_hyperparams`` under ``jit`` (static data cannot hold a tracer), read
+      from that state's hyperparameters by ``arrival_weighting``.
     weighting: "constant", "polynomial" or "none".
   """
-  num_workers: Optional[int]
+  num_workers: Optional[int | str]
   weighting: Weighting
 
+  def __post_init__(self):
+    if isinstance(self.num_workers, jax.core.Tracer):
+      object.__setattr__(self, "num_workers", INJECTED)
+
   def __call__(self, staleness: Any) -> jax.Array:
+    if isinstance(self.num_workers, str):  # INJECTED
+      raise ValueError("this ArrivalWeighting's K is an optax.inject_hyperparams "
+                       "hyperparameter; allowed: arrival_weighting(state) of the state that "
+                       "holds it")
     return arrival_weight(staleness, num_workers=self.num_workers, weighting=self.weighting)
 
 
@@ -198,8 +214,7 @@ def arrival_weighting(state: Any) -> Callable[[Any], float]:
     >>> arrival_weighting(optax.sgd(0.1).init({"w": jnp.zeros(2)}))(3)
     1.0
   """
-  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, WEIGHT_DEFINITIONS))
-           if isinstance(x, WEIGHT_DEFINITIONS)]
+  found = _weight_definitions(state, None)
   def rho(staleness: Any) -> float:
     value = 1.0
     for weighting in found:
@@ -207,6 +222,38 @@ def arrival_weighting(state: Any) -> Callable[[Any], float]:
     return value
   rho.weightings = tuple(found)  # type: ignore[attr-defined]
   return rho
+
+
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InjectedWeighting:
+  """An ``INJECTED`` ``ArrivalWeighting`` with the hyperparameter array that holds its K."""
+  definition: ArrivalWeighting
+  num_workers: Any
+
+  def __call__(self, staleness: Any) -> jax.Array:
+    return arrival_weight(staleness, num_workers=int(self.num_workers),
+                          weighting=self.definition.weighting)
+
+
+def _weight_definitions(state: Any, injected_k: Any) -> list[Any]:
+  """The ``WEIGHT_DEFINITIONS`` in ``state``; an ``INJECTED`` K carries (as ``injected_k``)
+  the ``num_workers`` hyperparameter of the ``optax.inject_hyperparams`` state around it."""
+  kinds = WEIGHT_DEFINITIONS + _INJECT_STATES
+  found = []
+  for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds)):
+    if isinstance(x, _INJECT_STATES):
+      found += _weight_definitions(x.inner_state, x.hyperparams.get("num_workers", injected_k))
+    elif isinstance(x, ArrivalWeighting) and x.num_workers == INJECTED:
+      if injected_k is None:
+        raise ValueError("num_workers was traced outside optax.inject_hyperparams, so ρ's K "
+                         "is unknown; allowed: a Python int (or inject_hyperparams' own)")
+      found.append(_InjectedWeighting(x, injected_k))
+    elif isinstance(x, WEIGHT_DEFINITIONS):
+      found.append(x)
+  return found
 
 
 class ScaleByArrivalWeightState(NamedTuple):

@@ -728,6 +728,26 @@ def test_inject_hyperparams_without_static_args_matches_the_plain_factory(factor
                         hj.lookahead_params(plain_state, plain_params))
 
 
+@pytest.mark.parametrize("factory, kwargs", _INJECTED,
+                         ids=[f"{f.__name__}-{i}" for i, (f, _) in enumerate(_INJECTED)])
+def test_a_jitted_inject_hyperparams_init_holds_no_tracer_and_rho_reads_its_k(factory, kwargs):
+  from heloco_jax.outer.weighting import arrival_weighting  # pylint: disable=g-import-not-at-top
+  params = {"w": jnp.ones(3)}
+  plain = factory(**kwargs).init(params)
+  injected = jax.jit(optax.inject_hyperparams(factory)(**kwargs).init)(params)
+  assert "Tracer" not in str(jax.tree.structure(injected))  # static data: no leaked tracer
+  for tau in (0, 1, 5):
+    assert arrival_weighting(injected)(tau) == pytest.approx(arrival_weighting(plain)(tau))
+  assert len(arrival_weighting(injected).weightings) == len(arrival_weighting(plain).weightings)
+
+
+@pytest.mark.parametrize("factory", [hj.heloco, hj.mla, hj.async_nesterov, hj.delayed_nesterov])
+def test_a_learning_rate_schedule_is_refused_naming_optaxs_wrapper(factory):
+  with pytest.raises(ValueError, match=rf"allowed: a number > 0; for a schedule, "
+                                       rf"optax.inject_hyperparams\(hj.{factory.__name__}\)"):
+    factory(optax.linear_schedule(0.7, 0.1, 10), num_workers=2)
+
+
 def test_inject_hyperparams_example_from_the_docs():
   params = {"w": jnp.ones(3)}
   tx = optax.inject_hyperparams(hj.heloco)(learning_rate=0.5, momentum=0.9, num_workers=4)
