@@ -394,8 +394,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "cut off there is lost with the machine")
   parser.add_argument("--prepare-only", action="store_true",
                       help="build the corpus and BPE vocabularies the chosen runs read (into "
-                           "OUT/corpus, or check --corpus) and stop: for a machine that runs "
-                           "the grid offline")
+                           "OUT/corpus; with --corpus, the vocabularies it lacks) and stop: "
+                           "for a machine that runs the grid offline")
   parser.add_argument("--report-only", action="store_true",
                       help="write RESULTS.md from the finished runs without running any")
   args = parser.parse_args(argv)
