@@ -128,6 +128,11 @@ def test_an_outer_rule_in_optax_inject_hyperparams_runs_as_the_plain_rule():
     np.testing.assert_allclose(evals(injected), evals(plain), rtol=1e-5)
     weights = [r["weight"] for r in injected.history if r["event"] == "arrival"]
     assert weights and weights == pytest.approx([1 / np.sqrt(3)] * len(weights))
+  # CGAD's age gate (α, τ_c static data too) the same way
+  injected = _run("cgad", outer_tx=optax.inject_hyperparams(hj.cgad)(
+      learning_rate=0.01, decay=0.1, cutoff=8.0))
+  np.testing.assert_allclose(evals(injected), evals(_run("cgad", outer_tx=hj.cgad(
+      0.01, decay=0.1, cutoff=8.0))), rtol=1e-5)
   # η as a schedule of the outer updates: 0 from the 5th on, so θ stops there
   stopped = _run(outer_tx=optax.inject_hyperparams(hj.heloco)(
       learning_rate=optax.linear_schedule(0.7, 0.0, 5), num_workers=3),

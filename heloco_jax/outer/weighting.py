@@ -104,10 +104,21 @@ def staleness_array(staleness: Any) -> jax.Array:
   return jnp.asarray(0 if staleness is None else staleness, jnp.int32)
 
 
-# ``ArrivalWeighting.num_workers`` of a rule built inside a traced ``optax.inject_hyperparams``
-# init (``jax.jit(tx.init)``, as the engine does): K is then its state's
-# ``hyperparams["num_workers"]``, which ``arrival_weighting`` reads.
+# A field of a static weight definition (``ArrivalWeighting``, ``AgeGate``) built inside a
+# traced ``optax.inject_hyperparams`` init (``jax.jit(tx.init)``, as the engine does): static
+# data cannot hold the tracer; the value is the state's hyperparameter of the field's name,
+# which ``arrival_weighting`` reads.
 INJECTED = "inject_hyperparams"
+
+
+def _static(value: Any, convert: Callable[[Any], Any]) -> Any:
+  return INJECTED if isinstance(value, jax.core.Tracer) else convert(value)
+
+
+def _refuse_injected(definition: Any) -> None:
+  if INJECTED in dataclasses.astuple(definition):
+    raise ValueError(f"{definition} has an optax.inject_hyperparams hyperparameter; allowed: "
+                     "arrival_weighting(state) of the state that holds it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +142,11 @@ class ArrivalWeighting:
   weighting: Weighting
 
   def __post_init__(self):
-    if isinstance(self.num_workers, jax.core.Tracer):
-      object.__setattr__(self, "num_workers", INJECTED)
+    object.__setattr__(self, "num_workers", _static(self.num_workers, _validation.concrete_int))
 
   def __call__(self, staleness: Any) -> jax.Array:
-    if isinstance(self.num_workers, str):  # INJECTED
-      raise ValueError("this ArrivalWeighting's K is an optax.inject_hyperparams "
-                       "hyperparameter; allowed: arrival_weighting(state) of the state that "
-                       "holds it")
+    _refuse_injected(self)
+    assert not isinstance(self.num_workers, str)
     return arrival_weight(staleness, num_workers=self.num_workers, weighting=self.weighting)
 
 
@@ -162,7 +170,11 @@ def age_gate(staleness: Any, *, decay: float, cutoff: float) -> jax.Array:
     0.3679
   """
   tau = jnp.asarray(0 if staleness is None else staleness, jnp.float32)
-  decayed = jnp.exp(jnp.float32(-decay) * tau)
+  decayed = jnp.exp(-jnp.asarray(decay, jnp.float32) * tau)
+  if isinstance(cutoff, jax.core.Tracer):  # injected: π/∞ = 0 makes the gate 1, as below
+    cutoff = jnp.asarray(cutoff, jnp.float32)
+    gate = jnp.where(tau < cutoff, 0.5 * (1.0 + jnp.cos(jnp.float32(math.pi) / cutoff * tau)), 0.0)
+    return (gate * decayed).astype(jnp.float32)
   if math.isinf(cutoff):
     return decayed
   gate = jnp.where(tau < cutoff, 0.5 * (1.0 + jnp.cos(jnp.float32(math.pi / cutoff) * tau)), 0.0)
@@ -173,9 +185,19 @@ def validate_age_gate(fn: str, decay: Any, cutoff: Any) -> None:
   """Construction-time checks of α (a number ≥ 0, finite in float32, where σ is computed:
   an α that is inf there makes σ(0) = exp(−∞·0) NaN) and τ_c (> 0, or ``math.inf``)."""
   _validation.check_range(fn, "decay", decay, 0.0, float(np.finfo(np.float32).max))
-  if not (isinstance(cutoff, (int, float)) and not isinstance(cutoff, bool)
-          and cutoff == math.inf):
+  if not _is_inf(cutoff):
     _validation.check_range(fn, "cutoff", cutoff, 0.0, low_open=True)
+
+
+def _is_inf(value: Any) -> bool:
+  """Whether ``value`` is a concrete number equal to +∞ (a float32 array too, as
+  ``optax.inject_hyperparams`` passes it)."""
+  if isinstance(value, (bool, str, jax.core.Tracer)):
+    return False
+  try:
+    return float(value) == math.inf
+  except (TypeError, ValueError):
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,13 +205,19 @@ class AgeGate:
   """σ(τ) of CGAD's ``scale_by_age_gate``, as static data (like ``ArrivalWeighting``).
 
   Attributes:
-    decay: α.
-    cutoff: τ_c (``math.inf``: none).
+    decay: α (``INJECTED``: traced by ``optax.inject_hyperparams``, as K above).
+    cutoff: τ_c (``math.inf``: none; or ``INJECTED``).
   """
-  decay: float
-  cutoff: float
+  decay: float | str
+  cutoff: float | str
+
+  def __post_init__(self):
+    for name in ("decay", "cutoff"):
+      object.__setattr__(self, name, _static(getattr(self, name), float))
 
   def __call__(self, staleness: Any) -> jax.Array:
+    _refuse_injected(self)
+    assert not isinstance(self.decay, str) and not isinstance(self.cutoff, str)
     return age_gate(staleness, decay=self.decay, cutoff=self.cutoff)
 
 
@@ -214,7 +242,7 @@ def arrival_weighting(state: Any) -> Callable[[Any], float]:
     >>> arrival_weighting(optax.sgd(0.1).init({"w": jnp.zeros(2)}))(3)
     1.0
   """
-  found = _weight_definitions(state, None)
+  found = _weight_definitions(state, {})
   def rho(staleness: Any) -> float:
     value = 1.0
     for weighting in found:
@@ -229,30 +257,31 @@ _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsS
 
 @dataclasses.dataclass(frozen=True)
 class _InjectedWeighting:
-  """An ``INJECTED`` ``ArrivalWeighting`` with the hyperparameter array that holds its K."""
-  definition: ArrivalWeighting
-  num_workers: Any
+  """A weight definition with ``INJECTED`` fields and the hyperparameters that hold them."""
+  definition: Any
+  hyperparams: dict[str, Any]
 
   def __call__(self, staleness: Any) -> jax.Array:
-    return arrival_weight(staleness, num_workers=int(self.num_workers),
-                          weighting=self.definition.weighting)
+    resolved = {f.name: self.hyperparams[f.name] for f in dataclasses.fields(self.definition)
+                if getattr(self.definition, f.name) == INJECTED}
+    return dataclasses.replace(self.definition, **resolved)(staleness)
 
 
-def _weight_definitions(state: Any, injected_k: Any) -> list[Any]:
-  """The ``WEIGHT_DEFINITIONS`` in ``state``; an ``INJECTED`` K carries (as ``injected_k``)
-  the ``num_workers`` hyperparameter of the ``optax.inject_hyperparams`` state around it."""
+def _weight_definitions(state: Any, hyperparams: dict[str, Any]) -> list[Any]:
+  """The ``WEIGHT_DEFINITIONS`` in ``state``; one with ``INJECTED`` fields carries the
+  hyperparameters of the ``optax.inject_hyperparams`` states around it."""
   kinds = WEIGHT_DEFINITIONS + _INJECT_STATES
   found = []
   for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds)):
     if isinstance(x, _INJECT_STATES):
-      found += _weight_definitions(x.inner_state, x.hyperparams.get("num_workers", injected_k))
-    elif isinstance(x, ArrivalWeighting) and x.num_workers == INJECTED:
-      if injected_k is None:
-        raise ValueError("num_workers was traced outside optax.inject_hyperparams, so ρ's K "
-                         "is unknown; allowed: a Python int (or inject_hyperparams' own)")
-      found.append(_InjectedWeighting(x, injected_k))
+      found += _weight_definitions(x.inner_state, {**hyperparams, **x.hyperparams})
     elif isinstance(x, WEIGHT_DEFINITIONS):
-      found.append(x)
+      injected = [f.name for f in dataclasses.fields(x) if getattr(x, f.name) == INJECTED]
+      if any(name not in hyperparams for name in injected):
+        raise ValueError(f"{injected} of {type(x).__name__} were traced outside "
+                         "optax.inject_hyperparams, so ρ is unknown; allowed: Python numbers "
+                         "(or inject_hyperparams' own)")
+      found.append(_InjectedWeighting(x, hyperparams) if injected else x)
   return found
 
 
@@ -337,7 +366,7 @@ def scale_by_age_gate(decay: float = 0.1, cutoff: float = 32.0
     ([0.5, 0.5], 2)
   """
   validate_age_gate("scale_by_age_gate", decay, cutoff)
-  gate = AgeGate(float(decay), float(cutoff))
+  gate = AgeGate(decay, cutoff)
 
   def init_fn(params):
     del params
@@ -346,8 +375,8 @@ def scale_by_age_gate(decay: float = 0.1, cutoff: float = 32.0
 
   def update_fn(updates, state, params=None, *, staleness=None, **extra_args):
     del params, extra_args
-    weight = gate(staleness)
+    weight = age_gate(staleness, decay=decay, cutoff=cutoff)
     updates = jax.tree.map(lambda d: weight * d, as_compute_dtype(updates))
-    return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight, gate)
+    return updates, ScaleByArrivalWeightState(staleness_array(staleness), weight, state.rho)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -691,6 +691,8 @@ _INJECTED = [
     (hj.delayed_nesterov, dict(learning_rate=0.5, momentum=0.9, num_workers=7, buffer_size=7,
                                c=1 / 7, weighting="polynomial")),
     (hj.delayed_nesterov, dict(learning_rate=0.2, momentum=0.9, buffer_size=1, c=0.6)),
+    (hj.cgad, dict(learning_rate=0.01, decay=0.2, cutoff=16.0)),
+    (hj.cgad, dict(learning_rate=0.01, b1=0.8, decay=0.0, cutoff=math.inf)),
 ]
 
 
