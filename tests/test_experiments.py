@@ -571,15 +571,15 @@ def test_no_run_starts_after_the_deadline(tmp_path, capsys, runner):
   """--deadline (a leased GPU's calls are cut off, experiments/gpu_scale.sh): past it the
   queue is left for the next command, which still writes its RESULTS.md."""
   out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
-  args = ["--grid=smoke", f"--out={out}", f"--digests={digests}", *runner, "--deadline=1e-9",
-          "--only=tokens/homogeneous/(mla|heloco)/", f"--results={tmp_path / 'RESULTS.md'}"]
-  assert reproduce.main(args) == 0
+  base = ["--grid=smoke", f"--out={out}", f"--digests={digests}", *runner]
+  assert reproduce.main([*base, "--deadline=1e-9", "--only=tokens/homogeneous/(mla|heloco)/",
+                         f"--results={tmp_path / 'RESULTS.md'}"]) == 0
   err = capsys.readouterr().err
   assert "--deadline passed: 2 runs not started (tokens/homogeneous/mla/seed0 next)" in err
   assert not os.path.exists(os.path.join(out, "runs")) and not os.path.exists(digests)
   assert os.path.exists(tmp_path / "RESULTS.md")
   with pytest.raises(SystemExit):
-    reproduce.main([*args[:-4], "--deadline=-1"])
+    reproduce.main([*base, "--deadline=-1"])
   assert "--deadline=-1.0 is not allowed" in capsys.readouterr().err
 
 
