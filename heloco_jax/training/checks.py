@@ -97,6 +97,12 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
         "allowed: take the keyword rng (a new key every inner step) and use it, e.g. "
         "nnx.reseed(model, dropout=rng) (docs/DESIGN.md, 'Model state and randomness')")
   loss = out[0] if isinstance(out, tuple) else out
+  metrics = out[1][1] if contract.state else (out[1] if isinstance(out, tuple) else None)
+  if isinstance(metrics, dict) and inner.is_metric(inner.metric_leaves(metrics).get("loss")):
+    raise ValueError(
+        f"{call}'s metrics hold 'loss', which would be written over train_loss (the mean of "
+        "the loss it returns); allowed: another name (e.g. 'loss_unregularized'), or leave it "
+        "out: train_loss is written anyway")
   if not (hasattr(loss, "shape") and loss.shape == () and jnp.issubdtype(loss.dtype,
                                                                           jnp.floating)):
     got = (f"shape {tuple(loss.shape)} {loss.dtype}" if hasattr(loss, "shape")
@@ -190,11 +196,14 @@ def eval_metrics(value: Any) -> dict[str, float]:
   elif "val_loss" not in value:
     raise ValueError(f"eval_fn returned a dict with keys {sorted(value)}; allowed: a scalar "
                      "loss, or a dict holding it as 'val_loss' (and any other scalars)")
+  from heloco_jax.training import inner  # pylint: disable=g-import-not-at-top
   metrics = {}
-  for key, v in value.items():
-    if np.ndim(v) != 0:
-      raise ValueError(f"eval_fn returned {key!r} of shape {tuple(np.shape(v))}; allowed: "
-                       "scalars only (a loss, or a dict of scalars with 'val_loss')")
+  for key, v in inner.metric_leaves(value).items():  # a nested dict's: outer/inner
+    if not inner.is_metric(v):
+      got = (f"of shape {tuple(np.shape(v))}" if hasattr(v, "shape")
+             else f"a {type(v).__name__}")
+      raise ValueError(f"eval_fn returned {key!r} {got}; allowed: scalars only (a loss, or "
+                       "a dict of scalars with 'val_loss')")
     metrics[key] = float(v)
   return metrics
 

@@ -298,12 +298,36 @@ class LossContract:
     return loss_fn(params, batch, **kwargs)
 
 
+def metric_leaves(metrics: dict) -> dict[str, Any]:
+  """A metrics dict's leaves by name, a nested dict's as ``outer/inner`` (TensorBoard's
+  groups; docs/DESIGN.md, "Model state and randomness")."""
+  def name(path: Any) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+  return {name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(metrics)}
+
+
 def scalar_metrics(metrics: Any) -> dict[str, jax.Array]:
-  """The scalar entries of a ``loss_fn``'s metrics dict (anything else is not a metric)."""
+  """The scalar numbers and booleans of a ``loss_fn``'s metrics dict, nested dicts' by
+  ``outer/inner`` (anything else is not a metric); a boolean's mean is the fraction of
+  steps it held."""
   if not isinstance(metrics, dict):
     return {}
-  return {str(k): jnp.asarray(v, jnp.float32) for k, v in sorted(metrics.items())
-          if jnp.ndim(v) == 0 and jnp.issubdtype(jnp.result_type(v), jnp.number)}
+  return {k: jnp.asarray(v, jnp.float32) for k, v in sorted(metric_leaves(metrics).items())
+          if is_metric(v)}
+
+
+def is_metric(value: Any) -> bool:
+  """A scalar number or boolean: an array, a tracer, a ``jax.ShapeDtypeStruct`` or a Python
+  number."""
+  if hasattr(value, "dtype"):
+    dtype = value.dtype
+  elif isinstance(value, numbers.Number):
+    dtype = jnp.result_type(value)
+  else:
+    return False
+  return (tuple(getattr(value, "shape", ())) == ()
+          and (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_))
 
 
 class InnerMetrics(NamedTuple):

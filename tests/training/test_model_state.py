@@ -129,6 +129,57 @@ def test_metrics_from_loss_fn_reach_the_rows_as_means_over_each_dispatch():
     assert row["train_input_mean"] == pytest.approx(want, rel=1e-5)
 
 
+def _flagged(params, batch):
+  """A plain loss_fn whose aux holds a boolean, a nested dict and a vector."""
+  x, y = batch
+  return jnp.mean((x @ params["w"] - y) ** 2), {
+      "positive": jnp.mean(x) > 0, "stats": {"max": jnp.max(x)}, "first_column": x[:, 0]}
+
+
+def test_boolean_and_nested_metrics_reach_the_rows_and_eval_rows_by_outer_inner_names():
+  """A boolean's mean is the fraction of the dispatch's steps it held; a nested dict's
+  scalars are named outer/inner (TensorBoard's groups); a vector is not a metric."""
+  result = hj.simulate(_flagged, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
+                       method="heloco", inner_tx=optax.sgd(0.05), inner_steps=H,
+                       budget=hj.Budget(steps=30, eval_every_steps=12),
+                       eval_fn=lambda p: {"val_loss": jnp.sum(p["w"] ** 2),
+                                          "norms": {"w": jnp.linalg.norm(p["w"])}})
+  data, used = [_batches(0), _batches(1)], [0, 0]
+  arrivals = [r for r in result.history if r["event"] == "arrival"]
+  for row in arrivals:
+    w, seen = row["worker"], data[row["worker"]][used[row["worker"]]:used[row["worker"]] + H]
+    used[w] += H
+    assert row["train_positive"] == pytest.approx(np.mean([x.mean() > 0 for x, _ in seen]))
+    assert row["train_stats/max"] == pytest.approx(np.mean([x.max() for x, _ in seen]),
+                                                   rel=1e-6)
+    assert "train_first_column" not in row
+  assert {r["train_positive"] for r in arrivals} >= {0.0, 1.0}  # worker 0's and worker 1's
+  evals = [r for r in result.history if r["event"] == "eval"]
+  assert evals and all(r["norms/w"] == pytest.approx(np.sqrt(r["val_loss"]), rel=1e-5)
+                       for r in evals)
+
+
+@pytest.mark.parametrize("loss_fn, eval_fn, message", [
+    (lambda p, b: (_flagged(p, b)[0], {"loss": _flagged(p, b)[0]}), None,
+     r"metrics hold 'loss', which would be written over train_loss"),
+    (_toy_loss, None, None),
+    (_flagged, lambda p: {"val_loss": 0.0, "run": "a"},
+     r"eval_fn returned 'run' a str; allowed: scalars only"),
+])
+def test_a_metric_named_loss_and_a_text_eval_value_are_one_line_errors(loss_fn, eval_fn,
+                                                                        message):
+  if message is None:  # the same name under state=: the state contract's metrics
+    def loss_fn(params, batch, *, state):
+      loss, (new_state, _) = _toy_loss(params, batch, state=state)
+      return loss, (new_state, {"loss": loss})
+    message = r"state=\.\.\.\)'s metrics hold 'loss'"
+  with pytest.raises(ValueError, match=message) as error:
+    hj.simulate(loss_fn, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
+                inner_steps=2, budget=hj.Budget(steps=8), eval_fn=eval_fn,
+                model_state=STATE0 if "state" in message else None)
+  assert "\n" not in str(error.value)
+
+
 def _draws(params, batch, *, rng):
   x, y = batch
   return jnp.mean((x @ params["w"] - y) ** 2), {"draw": jax.random.uniform(rng)}
