@@ -382,7 +382,11 @@ class Engine:
           ": the run diverged" + (", or the model cannot take the data (e.g. a token id outside "
                                   "the vocabulary)" if s.version == 0 else ""))
     row = {"event": "eval", self.spec.unit: s.units, "sim_time": s.sim_time,
-           "outer_updates": s.version, **metrics}
+           "outer_updates": s.version}
+    if row.keys() & metrics.keys():
+      raise ValueError(f"eval_fn returned {sorted(row.keys() & metrics.keys())}, the eval "
+                       f"row's own keys ({', '.join(row)}); allowed: other names")
+    row.update(metrics)
     evaluation.last_eval = row
     self._run.recorder.emit(row)
 

@@ -165,9 +165,11 @@ def test_boolean_and_nested_metrics_reach_the_rows_and_eval_rows_by_outer_inner_
     (_toy_loss, None, None),
     (_flagged, lambda p: {"val_loss": 0.0, "run": "a"},
      r"eval_fn returned 'run' a str; allowed: scalars only"),
+    (_flagged, lambda p: {"val_loss": 0.0, "steps": 1.0},
+     r"eval_fn returned \['steps'\], the eval row's own keys \(event, steps, sim_time"),
 ])
-def test_a_metric_named_loss_and_a_text_eval_value_are_one_line_errors(loss_fn, eval_fn,
-                                                                        message):
+def test_a_metric_named_loss_and_eval_values_not_scalars_or_named_as_the_row_are_refused(
+    loss_fn, eval_fn, message):
   if message is None:  # the same name under state=: the state contract's metrics
     def loss_fn(params, batch, *, state):
       loss, (new_state, _) = _toy_loss(params, batch, state=state)
