@@ -90,7 +90,15 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
                        f"model_state ({describe_tree(model_state)}); allowed: the same "
                        "structure, shapes and dtypes (e.g. nnx.state(model, nnx.BatchStat) "
                        "after the forward pass)")
-  if not contract.rng and _draws_random_bits(traced, params, model_state, rng):
+  if _draws_from_a_held_key(traced, params, model_state, rng, rng=contract.rng):
+    if contract.rng:
+      raise ValueError(
+          "loss_fn takes rng but also draws random numbers from a key it holds (e.g. an "
+          "nnx.Rngs stream it does not reseed: nnx.Dropout draws from 'dropout' when the "
+          "Rngs has one, not from 'default'), so those draws are the same at every step of "
+          "every worker; allowed: derive every draw from rng, e.g. nnx.reseed(model, "
+          "dropout=rng) for each stream it draws from (docs/DESIGN.md, 'Model state and "
+          "randomness')")
     raise ValueError(
         "loss_fn draws random numbers from a key it holds (e.g. nnx.Dropout with the "
         "module's own nnx.Rngs), so every step of every worker would draw the same ones; "
@@ -112,23 +120,32 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
         "loss, or (loss, aux) (e.g. take the mean over the batch)")
 
 
-_RANDOM_PRIMITIVES = ("random_bits", "threefry2x32", "random_fold_in", "random_split")
+_DRAWS = ("random_bits", "threefry2x32")  # the primitives that make random numbers
 
 
-def _draws_random_bits(fn: Any, *args: Any) -> bool:
-  """Whether tracing ``fn(*args)`` draws random bits (any nested call included)."""
+def _draws_from_a_held_key(fn: Any, *args: Any, rng: bool) -> bool:
+  """Whether tracing ``fn(*args)`` draws random numbers from a key that does not derive
+  from its last argument, the ``rng`` key (``rng`` False: from any key), nested calls
+  included: a data-flow walk of the jaxpr from that argument."""
   try:
-    jaxpr = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(fn)(*args)
   except Exception:  # pylint: disable=broad-except  (eval_shape above already traced it)
     return False
-  def walk(jaxpr: Any) -> bool:
+  def held(jaxpr: Any, derived: set) -> bool:
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name in _RANDOM_PRIMITIVES:
+      ins = [not hasattr(v, "val") and v in derived for v in eqn.invars]  # (a Literal: .val)
+      if eqn.primitive.name in _DRAWS and not any(ins):
         return True
-      if any(walk(sub) for sub in _sub_jaxprs(eqn.params)):
-        return True
+      for sub in _sub_jaxprs(eqn.params):
+        # A sub-jaxpr takes the tail of the call's operands (a call, scan and remat all of
+        # them; cond all but the index; while's body all but the cond's consts).
+        tail = ins[len(ins) - len(sub.invars):] if len(sub.invars) <= len(ins) else []
+        if held(sub, {v for v, d in zip(sub.invars, tail) if d}):
+          return True
+      if any(ins):
+        derived.update(eqn.outvars)
     return False
-  return walk(jaxpr.jaxpr)
+  return held(closed.jaxpr, set(closed.jaxpr.invars[-1:]) if rng else set())
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:

@@ -6,6 +6,7 @@ with BatchNorm and Dropout trains through ``hj.simulate`` for heloco, diloco and
 """
 
 import asyncio
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +299,68 @@ def test_module_held_rngs_without_the_rng_keyword_are_refused(loss_fn, model_sta
   with pytest.raises(ValueError, match="draws random numbers from a key it holds"):
     hj.simulate(loss_fn, PARAMS, _cnn_data(), budget=hj.Budget(steps=8),
                 model_state=model_state)
+
+
+# The CNN built with a 'dropout' stream of its own: nnx.Dropout draws from it, not 'default'.
+_STREAMS_GRAPHDEF, _STREAMS_PARAMS, _STREAMS_STATS, _STREAMS_REST = nnx.split(
+    cnn.CNN(nnx.Rngs(params=0, dropout=1)), nnx.Param, nnx.BatchStat, ...)
+
+
+def _reseeding(stream):
+  def loss_fn(params, batch, *, state, rng):
+    model = nnx.merge(_STREAMS_GRAPHDEF, params, state, _STREAMS_REST, copy=True)
+    nnx.reseed(model, **{stream: rng})
+    x, y = batch
+    loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    return loss, (nnx.state(model, nnx.BatchStat), {})
+  return loss_fn
+
+
+def test_a_loss_fn_taking_rng_that_leaves_a_stream_unreseeded_is_refused():
+  """Reseeding 'default' leaves the 'dropout' stream with its own key: one mask at every
+  step of every worker, which the rng keyword does not cure. Reseeding 'dropout' is taken."""
+  with pytest.raises(ValueError, match=r"takes rng but also draws random numbers from a key "
+                                       r"it holds .*nnx.reseed\(model, dropout=rng\)"):
+    hj.simulate(_reseeding("default"), _STREAMS_PARAMS, _cnn_data(), inner_steps=2,
+                budget=hj.Budget(steps=8), model_state=_STREAMS_STATS)
+  result = hj.simulate(_reseeding("dropout"), _STREAMS_PARAMS, _cnn_data(), inner_steps=2,
+                       budget=hj.Budget(steps=8), model_state=_STREAMS_STATS)
+  assert result.summary["steps"] == 8
+
+
+_HELD = jax.random.key(7)
+
+
+@pytest.mark.parametrize("draw, held", [
+    (lambda x, r: jax.random.uniform(jax.random.split(r)[1], x.shape), False),
+    (lambda x, r: jax.lax.cond(x.sum() > 0, lambda k: jax.random.uniform(k, x.shape),
+                               lambda k: x, r), False),
+    (lambda x, r: jax.lax.scan(lambda c, k: (c * jax.random.uniform(k, x.shape), None), x,
+                               jax.random.split(r, 3))[0], False),
+    (lambda x, r: jax.lax.fori_loop(0, 2, lambda i, c: c * jax.random.uniform(
+        jax.random.fold_in(r, i), x.shape), x), False),
+    (lambda x, r: jax.checkpoint(lambda k: jax.random.uniform(k, x.shape))(r), False),
+    (lambda x, r: jax.random.uniform(_HELD, x.shape), True),
+    (lambda x, r: jax.lax.cond(x.sum() > 0, lambda k: jax.random.uniform(_HELD, x.shape),
+                               lambda k: x, r), True),
+    (lambda x, r: jax.lax.scan(lambda c, k: (c * jax.random.uniform(_HELD, x.shape), None), x,
+                               jax.random.split(r, 3))[0], True),
+    (lambda x, r: jax.jit(lambda: jax.random.uniform(jax.random.key(0), x.shape))(), True),
+])
+def test_the_draws_are_traced_back_to_rng_through_calls_and_control_flow(draw, held):
+  """checks.py follows the rng argument's data flow into cond, scan, while and remat: a draw
+  from a key derived from it passes; one from any other key is refused."""
+  def loss_fn(params, batch, *, rng):
+    x, y = batch
+    return jnp.mean((x * draw(x, rng) @ params["w"] - y) ** 2)
+  run = functools.partial(hj.simulate, loss_fn, {"w": jnp.zeros((2, 1))},
+                          [_batches(0), _batches(1)], inner_steps=2,
+                          budget=hj.Budget(steps=4))
+  if held:
+    with pytest.raises(ValueError, match="draws random numbers from a key it holds"):
+      run()
+  else:
+    assert run().summary["steps"] == 4
 
 
 def test_a_model_state_holding_the_modules_rngs_is_refused():
