@@ -90,7 +90,8 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
                        f"model_state ({describe_tree(model_state)}); allowed: the same "
                        "structure, shapes and dtypes (e.g. nnx.state(model, nnx.BatchStat) "
                        "after the forward pass)")
-  if _draws_from_a_held_key(traced, params, model_state, rng, rng=contract.rng):
+  if _draws_from_a_held_key(lambda p, s, b, r: contract.call(loss_fn, p, b, s, r), params,
+                            model_state, batch, rng):
     if contract.rng:
       raise ValueError(
           "loss_fn takes rng but also draws random numbers from a key it holds (e.g. an "
@@ -123,14 +124,16 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
 _DRAWS = ("random_bits", "threefry2x32")  # the primitives that make random numbers
 
 
-def _draws_from_a_held_key(fn: Any, *args: Any, rng: bool) -> bool:
-  """Whether tracing ``fn(*args)`` draws random numbers from a key that does not derive
-  from its last argument, the ``rng`` key (``rng`` False: from any key), nested calls
-  included: a data-flow walk of the jaxpr from that argument."""
+def _draws_from_a_held_key(fn: Any, params: Any, model_state: Any, batch: Any,
+                           rng: Any) -> bool:
+  """Whether tracing ``fn(params, model_state, batch, rng)`` draws random numbers from a
+  key that derives from neither the batch (a pipeline's per-example keys) nor ``rng``,
+  nested calls included: a data-flow walk of the jaxpr from those arguments."""
   try:
-    closed = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(fn)(params, model_state, batch, rng)
   except Exception:  # pylint: disable=broad-except  (eval_shape above already traced it)
     return False
+  held_leaves = len(jax.tree.leaves(params)) + len(jax.tree.leaves(model_state))
   def held(jaxpr: Any, derived: set) -> bool:
     for eqn in jaxpr.eqns:
       ins = [not hasattr(v, "val") and v in derived for v in eqn.invars]  # (a Literal: .val)
@@ -145,7 +148,7 @@ def _draws_from_a_held_key(fn: Any, *args: Any, rng: bool) -> bool:
       if any(ins):
         derived.update(eqn.outvars)
     return False
-  return held(closed.jaxpr, set(closed.jaxpr.invars[-1:]) if rng else set())
+  return held(closed.jaxpr, set(closed.jaxpr.invars[held_leaves:]))
 
 
 def _sub_jaxprs(params: dict[str, Any]) -> list[Any]:

@@ -363,6 +363,21 @@ def test_the_draws_are_traced_back_to_rng_through_calls_and_control_flow(draw, h
     assert run().summary["steps"] == 4
 
 
+def test_keys_that_come_with_the_batches_are_not_held_keys():
+  """A pipeline's per-batch keys (augmentation) differ at every step: a draw from them is
+  taken, by a loss_fn with rng or without."""
+  keyed = [[(x, y, np.asarray(jax.random.key_data(jax.random.key(100 * w + i))))
+            for i, (x, y) in enumerate(_batches(w))] for w in range(2)]
+  def noisy(params, batch):
+    x, y, key = batch
+    x = x + 0.1 * jax.random.normal(jax.random.wrap_key_data(key), x.shape)
+    return jnp.mean((x @ params["w"] - y) ** 2)
+  for loss_fn in (noisy, lambda params, batch, *, rng: noisy(params, batch)):
+    result = hj.simulate(loss_fn, {"w": jnp.zeros((2, 1))}, keyed, inner_steps=2,
+                         budget=hj.Budget(steps=4))
+    assert result.summary["steps"] == 4
+
+
 def test_a_model_state_holding_the_modules_rngs_is_refused():
   _, _, with_rngs = nnx.split(MODEL, nnx.Param, ...)
   with pytest.raises(ValueError, match=r"nnx.Rng(Key|Count).*allowed: a loss_fn that takes rng"):
