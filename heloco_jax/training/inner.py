@@ -509,13 +509,27 @@ class InnerLoop:
       return loss, grads, new_state, scalar_metrics(metrics)
     return loss, grads, state.model_state, scalar_metrics(aux)
 
+  def _loss_only(self, state: InnerState, batch: Any, params: Any, step: Any = None
+                 ) -> jax.Array:
+    """``loss_fn``'s loss at ``params`` on ``batch`` (``step``'s ``value_fn``; optax's
+    line search passes it the step's other extra arguments by name: ``step``, unused)."""
+    del step
+    rng = (jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+           if self.contract.rng else None)
+    out = self.contract.call(self.loss_fn, params, batch, state.model_state, rng)
+    return out[0] if isinstance(out, tuple) else out
+
   def step(self, state: InnerState, batch: Any, **extra_args: Any
            ) -> tuple[InnerState, jax.Array, dict[str, jax.Array]]:
     """One inner step; ``extra_args`` go to ``inner_tx.update``. Returns (state, loss,
     ``loss_fn``'s scalar metrics)."""
     loss, grads, model_state, metrics = self._value_and_grad(state, batch)
+    # optax's extra arguments of a step (reduce_on_plateau's value; L-BFGS's value, grad
+    # and value_fn, the loss on this batch): a transform that takes none ignores them.
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params, step=state.step,
-                                        **extra_args)
+                                        value=loss, grad=grads,
+                                        value_fn=functools.partial(self._loss_only, state,
+                                                                   batch), **extra_args)
     return InnerState(optax.apply_updates(state.params, updates), opt_state, state.step + 1,
                       model_state, state.rng), loss, metrics
 

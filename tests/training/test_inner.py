@@ -1,12 +1,15 @@
-"""The compiled inner loop: scan == step-by-step, schedule, reset, PALSGD, vmap."""
+"""The compiled inner loop: scan == step-by-step, schedule, reset, PALSGD, vmap, optax's extra
+arguments."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import heloco_jax as hj
 from heloco_jax.lm import model
 from heloco_jax.training import inner
 
@@ -204,3 +207,41 @@ def test_train_loss_is_the_mean_over_the_steps_that_read_a_batch():
                                step=jnp.zeros((2, 3), jnp.int32))
   assert float(inner.train_loss(metrics)) == pytest.approx(2.0)  # (1 + 3 + 2 + 2) / 4
   assert float(inner.train_loss(metrics._replace(pseudo_sync=jnp.ones((2, 3), bool)))) == 0.0
+
+
+def _regression(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] - y) ** 2)
+
+
+def test_the_step_gives_optax_its_value_grad_and_value_fn():
+  """optax's extra arguments of a step (README's optax chains): Polyak's step size reads the
+  loss (``value``); checked against NumPy, f = mean((Xw − y)²), g = 2Xᵀ(Xw − y)/n,
+  w ← w − min(η_max, f / (‖g‖² + ε))·g."""
+  rng = np.random.default_rng(0)
+  x, w = rng.normal(size=(8, 3)), rng.normal(size=(3, 1))
+  y = x @ np.array([[1.0], [-2.0], [0.5]])
+  loop = inner.InnerLoop(_regression, optax.polyak_sgd(max_learning_rate=10.0, eps=1e-6))
+  state, loss, _ = jax.jit(loop.step)(loop.start({"w": jnp.asarray(w, jnp.float32)}),
+                                      (jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)))
+  r = x @ w - y
+  f, g = np.mean(r ** 2), 2 * x.T @ r / len(x)
+  want = w - min(10.0, f / (np.sum(g ** 2) + 1e-6)) * g
+  assert float(loss) == pytest.approx(f, rel=1e-5)
+  np.testing.assert_allclose(np.asarray(state.params["w"]), want, rtol=1e-4, atol=1e-5)
+
+
+def test_optax_lbfgs_and_reduce_on_plateau_run_as_inner_optimizers():
+  """L-BFGS's line search calls ``value_fn`` (the loss on the step's batch); reduce_on_plateau
+  reads ``value``. Both once failed inside the inner loop for want of them."""
+  def stream(worker):
+    data = np.random.default_rng(worker)
+    while True:
+      x = data.normal(size=(16, 3)).astype(np.float32)
+      yield x, x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+  for tx, below in [(optax.lbfgs(), 1e-3),
+                    (optax.chain(optax.adam(0.05), optax.contrib.reduce_on_plateau()), 0.05)]:
+    result = hj.simulate(_regression, {"w": jnp.zeros((3, 1))}, [stream(0), stream(1)],
+                         inner_tx=tx, inner_steps=4, budget=hj.Budget(steps=80))
+    x, y = next(stream(9))
+    assert float(_regression(result.params, (x, y))) < below  # about 5.25 at w = 0
