@@ -16,6 +16,7 @@ import marshal
 from typing import Any
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 
@@ -136,7 +137,7 @@ def _draws_from_a_held_key(fn: Any, params: Any, model_state: Any, batch: Any,
   held_leaves = len(jax.tree.leaves(params)) + len(jax.tree.leaves(model_state))
   def held(jaxpr: Any, derived: set) -> bool:
     for eqn in jaxpr.eqns:
-      ins = [not hasattr(v, "val") and v in derived for v in eqn.invars]  # (a Literal: .val)
+      ins = [not isinstance(v, jax_core.Literal) and v in derived for v in eqn.invars]
       if eqn.primitive.name in _DRAWS and not any(ins):
         return True
       for sub in _sub_jaxprs(eqn.params):

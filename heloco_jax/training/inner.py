@@ -495,10 +495,7 @@ class InnerLoop:
     gives the scalars of a dict ``aux`` as metrics; one that takes ``state`` returns
     ``(loss, (new_state, metrics))``."""
     contract = self.contract
-    rng = (jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-           if contract.rng else None)
-    def loss_fn(params):
-      return contract.call(self.loss_fn, params, batch, state.model_state, rng)
+    loss_fn = functools.partial(self._call, state, batch)
     out = jax.eval_shape(loss_fn, state.params)
     if isinstance(out, tuple):
       (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -509,14 +506,19 @@ class InnerLoop:
       return loss, grads, new_state, scalar_metrics(metrics)
     return loss, grads, state.model_state, scalar_metrics(aux)
 
+  def _call(self, state: InnerState, batch: Any, params: Any) -> Any:
+    """``loss_fn`` at ``params`` on ``batch``, with ``state``'s model state and this step's
+    key where it takes them."""
+    rng = (jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+           if self.contract.rng else None)
+    return self.contract.call(self.loss_fn, params, batch, state.model_state, rng)
+
   def _loss_only(self, state: InnerState, batch: Any, params: Any, step: Any = None
                  ) -> jax.Array:
     """``loss_fn``'s loss at ``params`` on ``batch`` (``step``'s ``value_fn``; optax's
     line search passes it the step's other extra arguments by name: ``step``, unused)."""
     del step
-    rng = (jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-           if self.contract.rng else None)
-    out = self.contract.call(self.loss_fn, params, batch, state.model_state, rng)
+    out = self._call(state, batch, params)
     return out[0] if isinstance(out, tuple) else out
 
   def step(self, state: InnerState, batch: Any, **extra_args: Any
