@@ -43,6 +43,7 @@ stopped by SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
 import sys
 import time
@@ -200,7 +201,13 @@ def _unknown_key(argv: list[str], error: BaseException) -> str:
     if node is None and key not in schema.BY_NAME:  # (a placeholder's default is None)
       if key in schema.RENAMED:
         return f"{flag} was renamed: --config.{schema.RENAMED[key]}"
-      return f"{flag} names no config key (the keys: heloco_jax/cli/configs/default.py)"
+      near = difflib.get_close_matches(key, schema.BY_NAME, n=3, cutoff=0.8)
+      group = sorted(k for k in schema.BY_NAME if k.split(".")[0] == key.split(".")[0]
+                     and "." in k)
+      hint = (f"; did you mean {', '.join('--config.' + k for k in near)}?" if near
+              else f"; its group's keys: {', '.join(group)}" if group
+              else "")
+      return f"{flag} names no config key{hint} (every key: heloco-jax train --help)"
   return f"{str(error).splitlines()[0]} names no config key (a config file's override?)"
 
 

@@ -133,11 +133,18 @@ def test_compression_where_it_cannot_run_fails_in_one_line(tmp_path, capsys):
 
 
 def test_unknown_key_and_bad_type_are_one_line_errors(tmp_path, capsys):
+  # no close match: the keys of its group; a near one: did you mean
   assert cli.main(["train", f"--workdir={tmp_path}", "--config.model.widht=3"]) == 2
-  assert "--config.model.widht names no config key" in capsys.readouterr().err
+  assert ("--config.model.widht names no config key; its group's keys: model.attention, "
+          in capsys.readouterr().err)
   # a near miss (ml_collections then suggests a key in its message): named all the same
   assert cli.main(["train", f"--workdir={tmp_path}", "--config.seeds=1"]) == 2
-  assert "heloco-jax train: --config.seeds names no config key" in capsys.readouterr().err
+  assert ("heloco-jax train: --config.seeds names no config key; did you mean --config.speeds, "
+          "--config.seed?" in capsys.readouterr().err)
+  assert cli.main(["train", f"--workdir={tmp_path}", "--config.outer.learning_rat=1"]) == 2
+  err = capsys.readouterr().err
+  assert "did you mean --config.outer.learning_rate, --config.inner.learning_rate?" in err
+  assert "(every key: heloco-jax train --help)" in err and len(err.strip().splitlines()) <= 2
   assert cli.main(["train", f"--workdir={tmp_path}", "--config.num_workers=abc"]) == 2
   assert "invalid literal" in capsys.readouterr().err
 
