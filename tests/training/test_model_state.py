@@ -160,26 +160,26 @@ def test_boolean_and_nested_metrics_reach_the_rows_and_eval_rows_by_outer_inner_
                        for r in evals)
 
 
-@pytest.mark.parametrize("loss_fn, eval_fn, message", [
-    (lambda p, b: (_flagged(p, b)[0], {"loss": _flagged(p, b)[0]}), None,
-     r"metrics hold 'loss', which would be written over train_loss"),
-    (_toy_loss, None, None),
-    (_flagged, lambda p: {"val_loss": 0.0, "run": "a"},
+def _state_loss_reporting_loss(params, batch, *, state):
+  loss, (new_state, _) = _toy_loss(params, batch, state=state)
+  return loss, (new_state, {"loss": loss})
+
+
+@pytest.mark.parametrize("loss_fn, eval_fn, model_state, message", [
+    (lambda p, b: (_flagged(p, b)[0], {"loss": _flagged(p, b)[0]}), None, None,
+     r"loss_fn\(params, batch\)'s metrics hold 'loss', which would be written over train_loss"),
+    (_state_loss_reporting_loss, None, STATE0, r"state=\.\.\.\)'s metrics hold 'loss'"),
+    (_flagged, lambda p: {"val_loss": 0.0, "run": "a"}, None,
      r"eval_fn returned 'run' a str; allowed: scalars only"),
-    (_flagged, lambda p: {"val_loss": 0.0, "steps": 1.0},
+    (_flagged, lambda p: {"val_loss": 0.0, "steps": 1.0}, None,
      r"eval_fn returned \['steps'\], the eval row's own keys \(event, steps, sim_time"),
 ])
 def test_a_metric_named_loss_and_eval_values_not_scalars_or_named_as_the_row_are_refused(
-    loss_fn, eval_fn, message):
-  if message is None:  # the same name under state=: the state contract's metrics
-    def loss_fn(params, batch, *, state):
-      loss, (new_state, _) = _toy_loss(params, batch, state=state)
-      return loss, (new_state, {"loss": loss})
-    message = r"state=\.\.\.\)'s metrics hold 'loss'"
+    loss_fn, eval_fn, model_state, message):
   with pytest.raises(ValueError, match=message) as error:
     hj.simulate(loss_fn, {"w": jnp.zeros((2, 1))}, [_batches(0), _batches(1)],
                 inner_steps=2, budget=hj.Budget(steps=8), eval_fn=eval_fn,
-                model_state=STATE0 if "state" in message else None)
+                model_state=model_state)
   assert "\n" not in str(error.value)
 
 
