@@ -220,9 +220,9 @@ def family(name: str) -> list[Run]:
   scale = SCALES[name]
   if scale is SMOKE:
     return grid(name)
-  if name in SCIENCE + SKEPTIC + ("streaming",) + ISSUE35 + ISSUE60:  # one RESULTS.md
+  if name in SCIENCE + SKEPTIC + ("streaming",) + ISSUE35 + ISSUE60 + ISSUE81:  # one RESULTS.md
     runs = (grid("science") + grid("skeptic") + grid("streaming") + grid("cgad_lr")
-            + grid("cgad") + grid("chaos") + grid("symmetric") + grid("scale"))
+            + grid("cgad") + grid("chaos") + grid("symmetric") + grid("scale") + grid("body"))
     return list(dict.fromkeys(runs))  # the symmetric grid lists runs of the others too
   return grid("all")
 
@@ -1030,3 +1030,36 @@ def scale_grid(scale: Scale = SCALE, seeds: Sequence[int] | None = None) -> list
 GRIDS.update({"symmetric": symmetric_grid, "scale": scale_grid})
 SCALES.update({"symmetric": AUTHORS, "scale": SCALE})
 ISSUE60 = ("symmetric", "scale")
+
+
+# Issue 81, item 1: a step up in scale on this CPU. The authors' harness (``AUTHORS``: H = 20, 5
+# workers, their depth of 8 layers and 4 heads, context 128, 10,000 local steps of 2 × 128
+# tokens, the claims' 2,048-id BPE) with the transformer body grown 4×: d_model 256 (the
+# blocks' 12·d²·L parameters 6.3M against 1.6M; 7.4M parameters in all against 2.1M). Mixed
+# and severe paces, jitter 0.2, HeLoCo, MLA, async Nesterov (token runs) and synchronous
+# DiLoCo (its time runs), seed by seed (3 seeds, 5 where time allows), one core: decided on
+# 2026-12-02 before any run of it.
+BODY_PREFIX = "body/"
+BODY = dataclasses.replace(AUTHORS, d_model=256)
+BODY_PRESETS = ("mixed", "severe")
+BODY_METHODS = ("heloco", "async_nesterov", "mla", "diloco")
+BODY_MORE_SEEDS = (3, 4)
+
+
+def body_grid(scale: Scale = BODY, seeds: Sequence[int] | None = None) -> list[Run]:
+  """``BODY_METHODS``' claims runs (``_own_runs``) at ``BODY_PRESETS`` with jitter ``JITTER``,
+  seed by seed (seeds 0–2, then ``BODY_MORE_SEEDS``), named
+  ``body/<table>/<preset>/<method>/seed<s>``."""
+  runs = []
+  for seed in ((*scale.seeds, *BODY_MORE_SEEDS) if seeds is None else seeds):
+    for preset in BODY_PRESETS:
+      for run in _own_runs(scale, (seed,), (preset,), BODY_METHODS):
+        overrides = {**dict(run.overrides), "jitter": JITTER}
+        runs.append(Run(run.name.replace("authors/", BODY_PREFIX, 1), f"body/{run.table}",
+                        run.preset, run.method, run.seed, tuple(overrides.items())))
+  return runs
+
+
+GRIDS["body"] = body_grid
+SCALES["body"] = BODY
+ISSUE81 = ("body",)

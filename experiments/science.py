@@ -604,6 +604,10 @@ VARIANTS = (
               f"{grids.scale_params() / 1e6:.1f}M parameters, {grids.SCALE.tokens / 1e6:.1f}M "
               f"tokens (each language read 5-6 times), jitter {grids.JITTER:g} (GPU)",
      grids.SCALE_PREFIX, grids.SCALE.seeds),
+    ("body", f"body 4×: d_model {grids.BODY.d_model}, {grids.BODY.num_layers} layers, "
+             f"{grids.scale_params(grids.BODY) / 1e6:.1f}M parameters, "
+             f"{grids.BODY.tokens / 1e6:.2f}M tokens, jitter {grids.JITTER:g} (CPU)",
+     grids.BODY_PREFIX, (*grids.BODY.seeds, *grids.BODY_MORE_SEEDS)),
 )
 
 
