@@ -490,10 +490,15 @@ def _main(argv: list[str]) -> int:
   print(f"heloco-jax train: {stopped or 'done: '}{summary['tokens']} tokens{rejected}, "
         f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} {seconds}, "
         f"{summary['bytes_sent'] / 1e6:,.1f} MB sent, val_loss "
-        f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f} "
+        f"{_loss(summary['initial_val_loss'])} -> {_loss(summary['final_val_loss'])} "
         f"({summary['wall_seconds']:.0f} s, {summary['tokens_per_second']:.0f} tokens/s)",
         file=sys.stderr)
   return 0
+
+
+def _loss(value: Any) -> str:
+  """A summary's loss for the last line: null (an evaluation that failed) as 'none'."""
+  return "none" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

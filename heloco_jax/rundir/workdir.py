@@ -163,11 +163,12 @@ class WorkdirLock:
     except FileNotFoundError:
       return {}
     try:
-      return json.loads(os.pread(fd, 4096, 0) or b"{}")
+      record = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:
       return {}
     finally:
       os.close(fd)
+    return record if isinstance(record, dict) else {}  # informative only: no owner known
 
   @staticmethod
   def _owner(record: dict[str, Any]) -> str:
@@ -369,18 +370,24 @@ class RunDirectory:
   def _differences(self, config_json: str, flag: str, allow_config_change: bool) -> list[str]:
     """The keys in which the workdir's config.json differs from ``config_json``."""
     path = self._file("config.json")
+    instead = (", or pass --allow_config_change to resume with this command's config"
+               if flag == "--workdir" else "")
     try:
       with open(path) as f:
-        return config_differences(json.load(f), json.loads(config_json), self._defaults,
-                                  self._renamed)
+        recorded = json.load(f)
     except json.JSONDecodeError as error:
       if allow_config_change:
         return []
-      instead = (", or pass --allow_config_change to resume with this command's config"
-                 if flag == "--workdir" else "")
       raise WorkdirError(f"{path} is not valid JSON ({error.msg}, line {error.lineno}), so "
                          f"the checkpoints' config is unknown; use a new {flag}{instead}"
                          ) from None
+    if not isinstance(recorded, dict):
+      if allow_config_change:
+        return []
+      kind = "null" if recorded is None else f"a {type(recorded).__name__}"
+      raise WorkdirError(f"{path} holds {kind}, not a JSON object, so the checkpoints' config "
+                         f"is unknown; use a new {flag}{instead}")
+    return config_differences(recorded, json.loads(config_json), self._defaults, self._renamed)
 
   def restore(self, run: Checkpointable) -> tuple[Optional[int], list[str]]:
     """Loads the newest readable checkpoint into ``run`` and opens metrics.jsonl.

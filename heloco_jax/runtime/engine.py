@@ -34,6 +34,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import jax
@@ -464,10 +465,23 @@ class Engine:
         self.stopped = f"every worker left at {gone:g} s"
     finally:
       run.recorder.flush()  # the rows up to a DivergenceError are kept too
+    failed = None
     if self.eval_fn is not None and (evaluation.last_eval[self.spec.unit] != s.units
                                      or evaluation.last_eval["sim_time"] != s.sim_time):
-      self._evaluate(force=True)
+      try:
+        self._evaluate(force=True)
+      except rejection.DivergenceError:
+        raise  # a non-finite evaluation is the run's end (docs/DESIGN.md, summary.json)
+      except Exception as error:  # pylint: disable=broad-except
+        # What was trained is kept: summary.json and the result, with the reason and a
+        # warning (docs/DESIGN.md, summary.json); the first evaluation was checked whole.
+        first = (str(error).strip().splitlines() or [""])[0]
+        failed = f"{type(error).__name__}: {first}"
+        warnings.warn(f"the evaluation at the end failed: {failed}; summary's final_val_loss "
+                      "is null and final_eval_error says why", stacklevel=2)
     summary = self._summary()
+    if failed is not None:
+      summary["final_eval_error"] = failed
     if directory is not None:
       directory.finish(summary)
     return summary
@@ -488,8 +502,10 @@ class Engine:
                       "goodput": (s.units - rejected.rejected_units) / max(
                           1, s.units + dropped)})
     if self.eval_fn is not None:
-      summary["initial_val_loss"] = f.evaluation.initial_eval["val_loss"]
-      summary["final_val_loss"] = f.evaluation.last_eval["val_loss"]
+      last = f.evaluation.last_eval or {}
+      at_end = last.get(unit) == s.units and last.get("sim_time") == s.sim_time
+      summary["initial_val_loss"] = (f.evaluation.initial_eval or {}).get("val_loss")
+      summary["final_val_loss"] = last.get("val_loss") if at_end else None
     summary.update({
         "mean_staleness": float(np.mean(s.staleness)) if s.staleness else 0.0,
         "bytes_sent": traffic.bytes_sent, "peak_bytes_per_sync": traffic.peak_bytes_per_sync,

@@ -108,6 +108,8 @@ def check_loss_fn(loss_fn: Any, params: Any, batch: Any, model_state: Any = None
         "nnx.reseed(model, dropout=rng) (docs/DESIGN.md, 'Model state and randomness')")
   loss = out[0] if isinstance(out, tuple) else out
   metrics = out[1][1] if contract.state else (out[1] if isinstance(out, tuple) else None)
+  if isinstance(metrics, dict):  # names that meet or are empty: one line (S1, issue 78)
+    metric_names(metrics, call)
   if isinstance(metrics, dict) and inner.is_metric(inner.metric_leaves(metrics).get("loss")):
     raise ValueError(
         f"{call}'s metrics hold 'loss', which would be written over train_loss (the mean of "
@@ -209,22 +211,75 @@ def check_batch(worker: int, index: int, batch: Any, first: Any) -> None:
           "takes one batch shape)")
 
 
+def metric_names(metrics: dict, who: str) -> dict[str, Any]:
+  """A metrics dict's values by name, a nested dict's as ``outer/inner`` (docs/DESIGN.md,
+  "Model state and randomness"), every value kept (None too, for the caller to judge).
+
+  Raises:
+    ValueError: an empty name, or two names that meet (``{"a/b": 1, "a": {"b": 2}}`` would
+      both be written as ``a/b``, one over the other).
+  """
+  out: dict[str, Any] = {}
+  def walk(tree: dict, prefix: str) -> None:
+    for key, value in tree.items():
+      if str(key) == "":
+        raise ValueError(f"{who} returned a metric named '' (in {prefix[:-1] or 'the dict'!r}"
+                         "); allowed: non-empty names")
+      name = prefix + str(key)
+      if isinstance(value, dict):
+        walk(value, name + "/")
+      elif name in out:
+        raise ValueError(f"{who} returned two metrics named {name!r} (a nested dict's "
+                         f"'/'-joined name and a flat one); allowed: names that differ")
+      else:
+        out[name] = value
+  walk(metrics, "")
+  return out
+
+
+def _real_scalar(value: Any) -> bool:
+  """A real number (integer, floating point or boolean) of shape ()."""
+  from heloco_jax.training import inner  # pylint: disable=g-import-not-at-top
+  if not inner.is_metric(value):
+    return False
+  dtype = value.dtype if hasattr(value, "dtype") else jnp.result_type(value)
+  return not jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def _what(value: Any) -> str:
+  """How an error names a value that is not a real scalar."""
+  if value is None:
+    return "None"
+  if hasattr(value, "dtype") and np.shape(value) == ():
+    return str(value.dtype)
+  if hasattr(value, "shape"):
+    return f"of shape {tuple(np.shape(value))}"
+  if isinstance(value, complex):
+    return "complex128"
+  return f"a {type(value).__name__}"
+
+
 def eval_metrics(value: Any) -> dict[str, float]:
-  """An ``eval_fn``'s result as ``{"val_loss": ..., ...}`` of Python floats."""
+  """An ``eval_fn``'s result as ``{"val_loss": ..., ...}`` of Python floats: a real scalar
+  loss, or a dict of real scalars (nested dicts' by ``outer/inner``) holding ``val_loss``.
+  Every value is checked here, at the first evaluation, before any training."""
   value = jax.device_get(value)
   if not isinstance(value, dict):
+    if value is None or isinstance(value, (tuple, list, str, bytes)):
+      raise ValueError(f"eval_fn returned {_what(value)}; allowed: a real scalar loss, or a "
+                       "dict holding it as 'val_loss' (and any other real scalars)")
     value = {"val_loss": value}
   elif "val_loss" not in value:
-    raise ValueError(f"eval_fn returned a dict with keys {sorted(value)}; allowed: a scalar "
-                     "loss, or a dict holding it as 'val_loss' (and any other scalars)")
-  from heloco_jax.training import inner  # pylint: disable=g-import-not-at-top
+    raise ValueError(f"eval_fn returned a dict with keys {sorted(map(str, value))}; allowed: a "
+                     "scalar loss, or a dict holding it as 'val_loss' (and any other scalars)")
+  if isinstance(value["val_loss"], dict):
+    raise ValueError("eval_fn returned 'val_loss' a dict; allowed: a real scalar loss as "
+                     "'val_loss'")
   metrics = {}
-  for key, v in inner.metric_leaves(value).items():  # a nested dict's: outer/inner
-    if not inner.is_metric(v):
-      got = (f"of shape {tuple(np.shape(v))}" if hasattr(v, "shape")
-             else f"a {type(v).__name__}")
-      raise ValueError(f"eval_fn returned {key!r} {got}; allowed: scalars only (a loss, or "
-                       "a dict of scalars with 'val_loss')")
+  for key, v in metric_names(value, "eval_fn").items():
+    if not _real_scalar(v):
+      raise ValueError(f"eval_fn returned {key!r} {_what(v)}; allowed: real scalars only (a "
+                       "loss, or a dict of real scalars with 'val_loss')")
     metrics[key] = float(v)
   return metrics
 

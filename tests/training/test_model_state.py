@@ -170,7 +170,7 @@ def _state_loss_reporting_loss(params, batch, *, state):
      r"loss_fn\(params, batch\)'s metrics hold 'loss', which would be written over train_loss"),
     (_state_loss_reporting_loss, None, STATE0, r"state=\.\.\.\)'s metrics hold 'loss'"),
     (_flagged, lambda p: {"val_loss": 0.0, "run": "a"}, None,
-     r"eval_fn returned 'run' a str; allowed: scalars only"),
+     r"eval_fn returned 'run' a str; allowed: real scalars only"),
     (_flagged, lambda p: {"val_loss": 0.0, "steps": 1.0}, None,
      r"eval_fn returned \['steps'\], the eval row's own keys \(event, steps, sim_time"),
 ])

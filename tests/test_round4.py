@@ -1,0 +1,143 @@
+"""Issue 78 (reliability round 4): eval_fn's first result checked whole, a run's result never
+lost at its end, workdir files holding JSON of the wrong kind, metric names that meet, and
+renamed keywords named with their new home."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import heloco_jax as hj
+from heloco_jax.rundir import workdir as workdir_lib
+
+W = np.array([[1.0], [-2.0]], np.float32)
+
+
+def _loss(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] - y) ** 2)
+
+
+def _data(worker):
+  rng = np.random.default_rng(worker)
+  while True:
+    x = rng.normal(0, 1, (4, 2)).astype(np.float32)
+    yield x, x @ W
+
+
+def _simulate(**more):
+  kwargs = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
+                budget=hj.Budget(steps=8))
+  kwargs.update(more)
+  return hj.simulate(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_data(0), _data(1)],
+                     **kwargs)
+
+
+def _val(p):
+  return jnp.sum(p["w"] ** 2)
+
+
+# T2 (a result kept to the end, then KeyError: 'val_loss' in _summary) and T3 (complex).
+@pytest.mark.parametrize("result, message", [
+    (None, r"eval_fn returned None; allowed: a real scalar loss"),
+    ((1.0, 2.0), r"eval_fn returned a tuple; allowed: a real scalar loss"),
+    ({"val_loss": {"x": 1.0}}, r"eval_fn returned 'val_loss' a dict; allowed: a real scalar"),
+    ({"val_loss": 1.0, "acc": None}, r"eval_fn returned 'acc' None; allowed: real scalars"),
+    ({"val_loss": 1.0, "acc": (1.0,)}, r"eval_fn returned 'acc' a tuple; allowed: real scal"),
+    (1 + 2j, r"eval_fn returned 'val_loss' complex128; allowed: real scalars"),
+    ({"val_loss": 1.0, "c": jnp.complex64(1j)}, r"eval_fn returned 'c' complex64; allowed: re"),
+])
+def test_eval_fn_first_result_is_checked_whole_before_training(result, message):
+  calls = []
+  def eval_fn(p):
+    calls.append(1)
+    return result
+  with pytest.raises(ValueError, match=message) as raised:
+    _simulate(eval_fn=eval_fn)
+  assert "\n" not in str(raised.value)
+  assert len(calls) == 1  # refused at the first evaluation, before any training
+
+
+def test_a_nested_eval_value_still_reaches_the_row():
+  result = _simulate(eval_fn=lambda p: {"val_loss": _val(p), "a": {"b": 2.0}})
+  assert result.history[-1]["a/b"] == 2.0
+  assert result.summary["final_val_loss"] == result.history[-1]["val_loss"]
+
+
+def test_an_eval_fn_that_fails_at_the_end_keeps_the_run(tmp_path):
+  """An eval_fn whose last result is not allowed: the run's rows, summary.json and result are
+  kept, with a warning and the reason in the summary (before: KeyError in _summary, or the
+  refusal, and nothing returned or written after the training)."""
+  calls = []
+  def eval_fn(p):
+    calls.append(1)
+    return _val(p) if len(calls) == 1 else {"other": 1.0}
+  with pytest.warns(UserWarning, match=r"the evaluation at the end failed: ValueError: eval_fn "
+                    r"returned a dict with keys \['other'\]"):
+    result = _simulate(eval_fn=eval_fn, workdir=str(tmp_path / "run"))
+  assert result.summary["steps"] == 8 and len(calls) == 2
+  assert result.summary["final_val_loss"] is None
+  assert "eval_fn returned a dict" in result.summary["final_eval_error"]
+  with open(tmp_path / "run" / "summary.json") as f:
+    assert json.load(f)["final_eval_error"] == result.summary["final_eval_error"]
+
+
+@pytest.mark.parametrize("record", ["999999\n", "[1, 2]\n", "\"pid\"\n", "null\n"])
+def test_a_lock_record_that_is_not_an_object_is_taken_as_no_record(tmp_path, record):
+  """T4: before, AttributeError: 'int' object has no attribute 'get', for every run."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "lock").write_text(record)
+  result = _simulate(workdir=str(workdir))
+  assert result.summary["steps"] == 8
+  assert (workdir / "lock").read_text() == ""  # released at the end
+
+
+def _unfinished(tmp_path, **more):
+  """A workdir whose run finished, made unfinished again (summary.json removed): a resume
+  restores its last checkpoint, at the end of the run."""
+  workdir = str(tmp_path / "run")
+  result = _simulate(workdir=hj.Workdir(workdir, checkpoint_every=1), **more)
+  os.remove(os.path.join(workdir, "summary.json"))
+  return workdir, result
+
+
+@pytest.mark.parametrize("text, kind", [("[1, 2]\n", "a list"), ("3\n", "a int"),
+                                        ("\"x\"\n", "a str"), ("null\n", "null")])
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path, text, kind):
+  """T5: before, AttributeError: 'list' object has no attribute 'items' in _flatten."""
+  workdir, _ = _unfinished(tmp_path)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(text)
+  with pytest.raises(workdir_lib.WorkdirError) as raised:
+    _simulate(workdir=hj.Workdir(workdir, checkpoint_every=1))
+  message = str(raised.value)
+  assert "\n" not in message
+  assert f"config.json holds {kind}, not a JSON object" in message
+
+
+def _with_metrics(metrics):
+  def loss_fn(params, batch):
+    return _loss(params, batch), metrics
+  return loss_fn
+
+
+@pytest.mark.parametrize("metrics, message", [
+    ({"a/b": 1.0, "a": {"b": 2.0}}, r"returned two metrics named 'a/b'"),
+    ({"a": {"b": 2.0}, "a/b": 1.0}, r"returned two metrics named 'a/b'"),
+    ({"": 1.0}, r"returned a metric named '' \(in 'the dict'\); allowed: non-empty names"),
+    ({"a": {"": 1.0}}, r"returned a metric named '' \(in 'a'\); allowed: non-empty names"),
+])
+def test_metric_names_that_meet_or_are_empty_are_refused(metrics, message):
+  """S1: before, {"a/b": 1.0, "a": {"b": 2.0}} wrote one train_a/b (1.0) and dropped 2.0; a
+  metric named '' was written as train_."""
+  with pytest.raises(ValueError, match=r"loss_fn\(params, batch\) " + message) as raised:
+    hj.simulate(_with_metrics(metrics), {"w": jnp.zeros((2, 1), jnp.float32)},
+                [_data(0), _data(1)], inner_tx=optax.sgd(0.05), inner_steps=2,
+                budget=hj.Budget(steps=8))
+  assert "\n" not in str(raised.value)
+  with pytest.raises(ValueError, match=r"eval_fn " + message):
+    _simulate(eval_fn=lambda p: {"val_loss": _val(p), **metrics})
