@@ -246,6 +246,28 @@ def _workdir(workdir: Union[None, str, os.PathLike, Workdir]) -> Optional[Workdi
                    "hj.Workdir(path, ...)")
 
 
+# make_engine's options that only the simulated clock reads: (name, its no-op value, why), and
+# when it still applies on a real clock (docs/DESIGN.md, "Runtimes").
+_SIMULATED_CLOCK_ONLY = (
+    ("jitter", 0.0, "the simulated clock's per-step jitter; real devices vary by themselves",
+     lambda options: False),
+    ("speeds", "mixed", "simulated seconds per step; on real devices use "
+     "hj.devices_runtime(slowdown=...) or ray_runtime(slowdown=...)",
+     lambda options: options["dylu"]),  # DyLU's H_i read them on every runtime
+)
+
+
+def _refuse_on_a_real_clock(**options: Any) -> None:
+  """A one-line ValueError for an option a real clock would not apply (nothing is silently
+  ignored)."""
+  for name, default, why, applies in _SIMULATED_CLOCK_ONLY:
+    value = options[name]
+    if not applies(options) and not (value == default if isinstance(value, (str, float, int))
+                                     else False):
+      raise ValueError(f"{name}={value!r} is not allowed on a real clock (runtime=devices or "
+                       f"ray): {why}; allowed: {default!r}")
+
+
 def _membership(membership: Optional[membership_lib.Membership], num_workers: int
                 ) -> membership_lib.Membership:
   """The run's failure schedule (a one-line ValueError where it cannot run)."""
@@ -404,6 +426,9 @@ def make_engine(
                      "hj.simulated_runtime(...), hj.devices_runtime(...) or hj.ray_runtime(...)")
   determinism.require(factory.simulated_clock if deterministic is None else deterministic)
   outer_options, run_options = spec_method.split_options(method_options)
+  if not factory.simulated_clock:
+    _refuse_on_a_real_clock(jitter=jitter, speeds=speeds,
+                            dylu=bool(run_options.get("dylu", False)))
   palsgd_coins = run_options.get("coins", "shared")
   if palsgd_coins not in state_lib.PALSGD_COINS:
     raise ValueError(f"method_options['coins']={palsgd_coins!r} is not allowed; allowed: one "

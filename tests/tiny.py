@@ -83,6 +83,8 @@ def config(method: str = "mla", num_workers: int = 3, **overrides) -> ml_collect
     if leaf not in node:  # (a ConfigDict would take a new key silently)
       raise KeyError(f"tiny.config: {key!r} is no config key")
     node[leaf] = value
+  if c.runtime != "simulated" and "speeds" not in overrides:
+    c.speeds = default.get_config().speeds  # a real clock refuses simulated paces
   return c
 
 

@@ -53,3 +53,69 @@ class CommModel:
     """A DDP step of ``compute`` seconds and an all-reduce of ``allreduce`` seconds, the part
     of the all-reduce that ``ddp_overlap`` hides behind the backward pass not counted."""
     return compute + max(0.0, allreduce - self.ddp_overlap * compute)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A run's link (docs/ALGORITHMS.md, "Time and cost model"), which both clocks charge: the
+  simulated clock adds its seconds to simulated time, the real clock waits them in real time
+  (docs/DESIGN.md, "Runtimes": a slow link emulated on fast hardware).
+
+  Attributes:
+    comm: the cost model.
+    num_workers: K (an all-reduce's ring).
+    model_bytes: θ's bytes (a whole download, a DDP step's gradient).
+    upload_bytes, download_bytes: per fragment, a worker's Δ on the wire and the fragment's
+      θ (one entry: θ as one fragment).
+  """
+  comm: CommModel
+  num_workers: int
+  model_bytes: int
+  upload_bytes: tuple[int, ...]
+  download_bytes: tuple[int, ...]
+
+  @classmethod
+  def of(cls, comm: CommModel, num_workers: int, model_bytes: int,
+         upload_bytes=None, download_bytes=None) -> "Link":
+    return cls(comm, num_workers, model_bytes, tuple(upload_bytes or [model_bytes]),
+               tuple(download_bytes or [model_bytes]))
+
+  @property
+  def free(self) -> bool:
+    """Every transfer takes no time (the default model): a real clock waits nothing."""
+    return self.comm.latency == 0 and math.isinf(self.comm.bandwidth)
+
+  @property
+  def download(self) -> float:
+    """A dispatch's download of θ whole."""
+    return self.comm.message_seconds(self.model_bytes)
+
+  @property
+  def uploads(self) -> list[float]:
+    return [self.comm.message_seconds(b) for b in self.upload_bytes]
+
+  @property
+  def downloads(self) -> list[float]:
+    return [self.comm.message_seconds(b) for b in self.download_bytes]
+
+  @property
+  def allreduces(self) -> list[float]:
+    return [self.comm.allreduce_seconds(b, self.num_workers) for b in self.upload_bytes]
+
+  @property
+  def upload(self) -> float:
+    return self.uploads[0]
+
+  @property
+  def allreduce(self) -> float:
+    return self.allreduces[0]
+
+  def dispatch_seconds(self, download_bytes=None, sent: int = 0) -> float:
+    """A dispatch's transfers: θ's download (or one of ``download_bytes``) and the upload of
+    fragment ``sent``'s Δ."""
+    down = (self.download if download_bytes is None
+            else self.comm.message_seconds(download_bytes))
+    return down + self.uploads[sent]
+
+  def ddp_allreduce(self, workers: int) -> float:
+    return self.comm.allreduce_seconds(self.model_bytes, workers)

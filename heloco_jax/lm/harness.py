@@ -84,7 +84,8 @@ def runtime_factory(config: ml_collections.ConfigDict) -> factories.RuntimeFacto
         address=c.ray.address, num_cpus=c.ray.num_cpus, cpus_per_worker=c.ray.cpus_per_worker,
         gpus_per_worker=c.ray.gpus_per_worker, server_gpus=c.ray.server_gpus,
         log_to_driver=c.ray.log_to_driver, max_restarts=c.ray.max_restarts,
-        replacements=c.ray.replacements,
+        replacements=c.ray.replacements, devices_per_worker=c.ray.devices_per_worker,
+        workers_per_actor=c.ray.workers_per_actor, spares=c.ray.spares,
         slowdown=devices.slowdown_factors(c.devices.slowdown, c.num_workers),
         batch_size=c.batch_size)
   return {

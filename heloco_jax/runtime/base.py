@@ -33,6 +33,11 @@ Row = dict[str, Any]
 SYNCHRONIES = frozenset({"step", "round", "async"})
 
 
+class SettingError(ValueError):
+  """A runtime's setting does not fit the devices or data it meets (one line naming the key):
+  raised as it is, never blamed on the user's ``loss_fn``."""
+
+
 class Events(NamedTuple):
   """The membership events in an arrival queue (``heloco_jax.training.membership``): which
   entries are events, which of them bring work (a join), and their handler."""
@@ -193,6 +198,9 @@ class Clock(Protocol):
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
     """The seconds of the DDP steps ``planned`` (as the loop cut them) from ``start``;
     ``params``: θ after them, None when no worker computed them."""
+  def ddp_exposed(self, planned: Optional[list], step: int) -> Optional[float]:
+    """DDP step ``step``'s all-reduce seconds that its compute does not hide (None: not
+    known)."""
 
   async def wait_until(self, t: float) -> None:
     """Returns when the clock reads ``t`` (a simulated clock at once: the engine sets its
@@ -214,6 +222,12 @@ class ClockSettings:
   upload_bytes: Optional[Sequence[int]] = None
   download_bytes: Optional[Sequence[int]] = None
   overlap_steps: int = 0
+
+
+def link_of(settings: ClockSettings) -> cost.Link:
+  """The run's link (``cost.Link``): the same bytes and seconds on either clock."""
+  return cost.Link.of(settings.comm, len(settings.seconds_per_step), settings.model_bytes,
+                      settings.upload_bytes, settings.download_bytes)
 
 
 ClockFactory = Callable[[ClockSettings, Executor], Clock]

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from heloco_jax.runtime import base
 from heloco_jax.runtime.base import ClockSettings, Executor
 
 # Seconds per inner step for 5 workers (the HeLoCo authors' presets).
@@ -89,17 +90,33 @@ class RealClock:
 
   Across processes (``jax.distributed``) process 0's clock, so that every
   process takes the same budget decisions. Work starts at dispatch.
+
+  The run's link (``comm``, ``cost.Link``) is waited in real time: a dispatch's arrival
+  comes its download and upload seconds after its work is done (``transit``), a round
+  and a DDP step wait their all-reduce (docs/DESIGN.md, "Runtimes"). The default link is
+  free: nothing waits.
   """
 
   eager = True
   simulated = False
 
   def __init__(self, settings: ClockSettings, executor: Executor):
-    del settings  # real devices take real time
     self._agree = executor.agree
     self._start = time.perf_counter()
     self._ddp_step = math.inf  # the fastest DDP step timed (plan_ddp → ddp_seconds)
     self._ddp_timing: Optional[tuple[float, int]] = None  # (when, steps) planned last
+    self.link = link = base.link_of(settings)
+    self.comm, self.download, self.upload = link.comm, link.download, link.upload
+    self._transit: dict[int, float] = {}  # per worker, its dispatch's link seconds
+    self._ddp_exposed = 0.0  # each DDP step's all-reduce wait, last chunk
+
+  def transit(self, worker: int) -> float:
+    """The link seconds of ``worker``'s latest dispatch (its arrival waits them)."""
+    return self._transit.pop(worker, 0.0)
+
+  def _wait(self, seconds: float) -> None:
+    if seconds > 0:  # a synchronous step: nothing else runs meanwhile
+      time.sleep(seconds)
 
   def start(self, elapsed: float) -> None:
     self._start = time.perf_counter() - elapsed
@@ -109,21 +126,37 @@ class RealClock:
 
   def finish(self, worker: int, steps: int, now: float,
              download_bytes: Optional[int] = None) -> float:
-    del worker, steps, download_bytes
+    del steps
+    if not self.link.free:
+      self._transit[worker] = self.link.dispatch_seconds(download_bytes)
     return now  # the arrivals queue reads the time when the devices finish
 
   def round_seconds(self, real_steps: np.ndarray, start: float) -> float:
     del real_steps
+    self._wait(self.link.allreduce)
     return self.now() - start
 
   def fragment_arrival(self, worker: int, steps: int, now: float, received: Optional[int],
                        sent: int) -> float:
-    del worker, steps, received, sent
+    del steps
+    if not self.link.free:
+      self._transit[worker] = self.fragment_wait(worker, received, sent)
     return now  # the arrivals queue reads the time when the devices finish
+
+  def fragment_wait(self, worker: int, received: Optional[int], sent: int) -> float:
+    """A fragment sync's link seconds: θ's or the fragment's download and the upload of what
+    it sends (the real clock overlaps no steps with them)."""
+    del worker
+    down = self.link.download if received is None else self.link.downloads[received]
+    return down + self.link.uploads[sent]
+
+  def exposed_allreduce(self, fragment: int) -> float:
+    return self.link.allreduces[fragment]
 
   def fragment_round_seconds(self, steps: int, fragment: int, start: float,
                              present: Optional[np.ndarray] = None) -> float:
-    del steps, fragment, present
+    del steps, present
+    self._wait(self.link.allreduces[fragment])
     return self.now() - start
 
   def plan_ddp(self, chunk: int, start: float, limit: float,
@@ -133,6 +166,8 @@ class RealClock:
     chunk at the next event by them. None before a step has been timed, or with no
     schedule; exposed all-reduce seconds are unknown (None)."""
     if workers is None:  # no schedule: nothing to cut (and no clock read without a limit)
+      if not self.link.free:  # the chunk's compute, timed for its all-reduces (ddp_seconds)
+        self._ddp_timing = self.now(), chunk
       return (0 if limit > 0 and self.now() >= limit else chunk), None
     now = self.now()
     if limit > 0 and now >= limit:
@@ -145,12 +180,26 @@ class RealClock:
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
     jax.block_until_ready(params)
     now = self.now()
+    if self._ddp_timing is not None and not self.link.free:  # each step's exposed all-reduce
+      began, steps = self._ddp_timing
+      steps = steps if planned is None else len(planned)
+      compute = (now - began) / max(1, steps)
+      self._ddp_exposed = self.comm.ddp_step_seconds(compute, self.link.ddp_allreduce(
+          self.link.num_workers)) - compute
+      self._wait(steps * self._ddp_exposed)
+      now = self.now()
     if self._ddp_timing is not None and params is not None:  # the steps as cut (planned) ran
       began, steps = self._ddp_timing
       steps = steps if planned is None else len(planned)
       self._ddp_step = min(self._ddp_step, (now - began) / steps)  # compiles only slow it
       self._ddp_timing = None
     return now - start
+
+  def ddp_exposed(self, planned: Optional[list], step: int) -> Optional[float]:
+    """The all-reduce seconds each DDP step of the last chunk waited (None with a free
+    link: the real clock's network time is the link's)."""
+    del planned, step
+    return None if self.link.free else self._ddp_exposed
 
   async def wait_until(self, t: float) -> None:
     await asyncio.sleep(max(0.0, t - self.now()))

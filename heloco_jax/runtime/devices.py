@@ -42,7 +42,7 @@ from heloco_jax.training import inner as inner_lib
 from heloco_jax.training import server as server_lib
 
 
-class DeviceConfigError(ValueError):
+class DeviceConfigError(base.SettingError):
   """``config.devices`` does not fit the devices this process has."""
 
 
@@ -395,7 +395,7 @@ def device_arrivals(clock: clocks.RealClock, executor: DeviceExecutor,
                     emit: Callable[[dict], None]) -> "DeviceArrivals":
   """The queue of asynchronous results in flight, taken as the devices finish them."""
   del emit
-  return DeviceArrivals(clock.now, executor.groups.slowdown)
+  return DeviceArrivals(clock.now, executor.groups.slowdown, clock.transit)
 
 
 class DeviceArrivals:
@@ -409,11 +409,15 @@ class DeviceArrivals:
   Args:
     clock: the run's real clock (seconds since the run began).
     slowdown: per-worker factors ≥ 1.
+    transit: worker -> the link seconds of its dispatch just made (``RealClock.transit``),
+      which its arrival waits after its work is done.
   """
 
-  def __init__(self, clock: Callable[[], float], slowdown: Sequence[float]):
+  def __init__(self, clock: Callable[[], float], slowdown: Sequence[float],
+               transit: Callable[[int], float] = lambda worker: 0.0):
     self._clock = clock
     self._slowdown = slowdown
+    self._transit = transit
     self._tasks: dict[int, asyncio.Task] = {}
     self._work: dict[int, asyncio.Task] = {}  # each worker's wait for its work (in _tasks)
     self._threads = concurrent.futures.ThreadPoolExecutor(max(1, len(slowdown)),
@@ -428,11 +432,13 @@ class DeviceArrivals:
     await asyncio.get_running_loop().run_in_executor(self._threads, jax.block_until_ready,
                                                      job.delta)
 
-  async def _finish(self, worker: int, job: Any, dispatched: float) -> float:
+  async def _finish(self, worker: int, job: Any, dispatched: float, transit: float) -> float:
     await self._ready(worker, job)
     compute = time.perf_counter() - dispatched
     if self._slowdown[worker] > 1.0:
       await asyncio.sleep((self._slowdown[worker] - 1.0) * compute)
+    if transit > 0:  # the link: its download and upload (docs/DESIGN.md, "Runtimes")
+      await asyncio.sleep(transit)
     return self._clock()
 
   async def _until(self, work: Optional[asyncio.Future], at: float) -> float:
@@ -459,7 +465,8 @@ class DeviceArrivals:
     if job.delta is None and job.work is None:
       self._tasks[worker] = asyncio.ensure_future(self._until(None, job.finish))
     else:
-      self._work[worker] = asyncio.ensure_future(self._finish(worker, job, time.perf_counter()))
+      self._work[worker] = asyncio.ensure_future(
+          self._finish(worker, job, time.perf_counter(), self._transit(worker)))
       self._tasks[worker] = asyncio.ensure_future(self._until(self._work[worker], leaves))
 
   async def pop(self, rule: syncer_lib.GroupRule, events: Optional[base.Events] = None

@@ -509,7 +509,7 @@ class Engine:
     summary.update({
         "mean_staleness": float(np.mean(s.staleness)) if s.staleness else 0.0,
         "bytes_sent": traffic.bytes_sent, "peak_bytes_per_sync": traffic.peak_bytes_per_sync,
-        **({"network_seconds": traffic.network_seconds} if self.clock.simulated else {}),
+        "network_seconds": traffic.network_seconds,  # the link's, on either clock
         "wall_seconds": wall, f"{unit}_per_second": s.units / wall,
         "num_params": self.num_params})
     return summary

@@ -230,7 +230,7 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
   else:  # θ whole, or the fragment received (its message when downloads are compressed)
     parts = run.uplink.bytes_down if run.downlink is None else run.downlink.fragment_bytes
     downs = [run.uplink.model_bytes if q is None else parts[q] for q in received]
-  if fragments and run.clock.simulated:
+  if fragments:
     network = run.clock.fragment_wait(group[0], received[0], p)
   else:
     network = _dispatch_seconds(run.clock, len(group),
@@ -266,10 +266,7 @@ def _apply_arrivals(run: Run, group: list[int], units: int, now: float, fragment
 def _dispatch_seconds(clock: base.Clock, count: int,
                       downloads: Optional[list[int]] = None) -> Optional[float]:
   """``count`` workers' seconds on the network for a dispatch each (θ down, or each of
-  ``downloads`` bytes when compressed; Δ up), on a simulated clock; None on real time (not
-  known)."""
-  if not clock.simulated:
-    return None
+  ``downloads`` bytes when compressed; Δ up): the run's link, which either clock charges."""
   if downloads is None:
     return count * (clock.download + clock.upload)
   return sum(clock.comm.message_seconds(d) + clock.upload for d in downloads)
@@ -451,7 +448,7 @@ def _count_round(run: Run, fragment: int, loss: Any, workers: Optional[int] = No
   (default all), and its row."""
   up = run.uplink.bytes_up[fragment]
   k = run.spec.num_workers if workers is None else workers
-  network = k * run.clock.exposed_allreduce(fragment) if run.clock.simulated else None
+  network = k * run.clock.exposed_allreduce(fragment)
   run.features.traffic.sync(2 * k * up, network)  # all-reduce: each worker's Δ out, the mean back
   _emit_train(run, loss, fragment=fragment, bytes_up=k * up, bytes_down=k * up)
 
@@ -605,7 +602,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
     # Every step all-reduces the gradient: each worker's out, the mean back.
     gradient = run.uplink.model_bytes
     for step in range(chunk):
-      exposed = None if planned is None else planned[step][1]  # a real clock's: unknown
+      exposed = run.clock.ddp_exposed(planned, step)
       f.traffic.sync(2 * workers * gradient, None if exposed is None else workers * exposed)
     s.version += chunk if workers else 0
     s.units += chunk * workers * spec.units_per_step

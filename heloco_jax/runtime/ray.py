@@ -187,21 +187,38 @@ class WorkerActor:
   ``sharding.HostShards``.
   """
 
-  def __init__(self, loss_fn: Any, inner_tx: Any, reset_optimizer: bool, batch_size: int,
-               recipe: Optional[tuple] = None):
+  def __init__(self, loss_fn: Any, inner_tx: Any, reset_optimizer: bool,
+               recipe: Optional[tuple] = None, devices_per_worker: int = 0,
+               workers_per_actor: int = 1):
     inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
     devices = jax.devices()
     self._sending: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted send)
     self._downlinks = _Downlinks()
     self._layout = None
+    self._slots = workers_per_actor
+    # A host's chips (docs/GUIDE.md, "Pods"): each of the actor's workers_per_actor workers on
+    # its own devices_per_worker of them (0: an equal share of all), its batch split over them.
+    per_worker = devices_per_worker or max(1, len(devices) // workers_per_actor)
+    self.problem = None if per_worker * workers_per_actor <= len(devices) else (
+        f"ray.devices_per_worker={devices_per_worker} × ray.workers_per_actor="
+        f"{workers_per_actor} is not allowed on an actor with {len(devices)} device(s); allowed: "
+        f"at most {len(devices)} devices per actor in all (0: an equal share)")
+    if self.problem is not None:
+      return
+    self.group_size = per_worker
     if recipe is not None:
       self._layout = sharding.layout_on(*recipe, devices)
       self._inner = inner.with_layout(self._layout)
-    elif len(devices) > 1 and batch_size % len(devices) == 0:  # data-parallel inside
-      groups = devices_lib.group_devices(1, batch_size, devices=devices)
+    elif per_worker > 1 or workers_per_actor > 1:  # data-parallel over each worker's devices
+      groups = devices_lib.group_devices(workers_per_actor, per_worker,
+                                         [per_worker] * workers_per_actor, devices=devices)
       self._executor = devices_lib.DeviceExecutor(inner, groups)
     else:
-      self._executor = simulated.LocalExecutor(inner)
+      self._executor = simulated.LocalExecutor(inner, devices[:1])
+
+  def describe(self) -> tuple[list[str], Optional[str], int]:
+    """(this actor's devices, why its settings do not fit them or None, devices per worker)."""
+    return self.devices(), self.problem, getattr(self, "group_size", 0)
 
   def devices(self) -> list[str]:
     return [f"{d.platform}:{d.id}" for d in jax.devices()]
@@ -254,10 +271,11 @@ class WorkerActor:
       if fresh and previous is not None:
         previous = self._executor.fresh_moments(previous)
       if fragment is None:
-        state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+        state, delta, loss = self._executor.run_worker(worker % self._slots, previous, start,
+                                                       batches, key)
       else:
-        state, delta, loss = self._executor.run_fragment(worker, previous, fragment, batches,
-                                                         key)
+        state, delta, loss = self._executor.run_fragment(worker % self._slots, previous,
+                                                         fragment, batches, key)
       to_host = jax.device_get
     if compressor is not None:  # ALGORITHMS.md, "Compression in a run"
       if self._sending[0] != compressor:
@@ -448,12 +466,21 @@ class RayOptions:
     log_to_driver: the actors' stdout/stderr in this terminal.
     slowdown: per worker, a factor >= 1: worker i's result arrives after
       f_i × its compute time (controlled heterogeneity); () = none.
-    batch_size: the leading size of a batch, split over an actor's devices
-      when it has several and it divides (0: never split).
+    batch_size: the leading size of a batch, checked at the start against the devices
+      each worker splits it over (0: checked at the first dispatch).
     max_restarts: how often Ray restarts a worker actor that died (its task
-      then runs again); after that its workers move to a new actor or the live ones.
+      then runs again); after that its workers move to a spare, a new actor or the live
+      ones. With ``spares`` a dead actor is not restarted: a spare takes its workers.
     replacements: how many new worker actors the run may start in place of actors
       out of restarts (0: their workers move to the live actors).
+    devices_per_worker: the devices of its actor each worker's inner steps run
+      data-parallel over (θ replicated, the batch split; a TPU host's chips, a GPU
+      node's GPUs). 0: the actor's devices shared equally by its workers.
+    workers_per_actor: workers each actor runs, each on its own devices (e.g. 2 workers
+      of 4 chips on an 8-chip host); the actor runs their dispatches concurrently.
+    spares: standby worker actors started with the others, whose inner loop is compiled
+      at the first dispatch (docs/FAILURES.md, "Hot spares"): a dead actor's workers move
+      to one at once, instead of to an actor that must start and compile.
   """
   address: str = ""
   num_cpus: Optional[int] = None
@@ -465,6 +492,16 @@ class RayOptions:
   batch_size: int = 0
   max_restarts: int = 3
   replacements: int = 0
+  devices_per_worker: int = 0
+  workers_per_actor: int = 1
+  spares: int = 0
+
+  def __post_init__(self):
+    for name in ("devices_per_worker", "workers_per_actor", "spares", "max_restarts",
+                 "replacements", "batch_size"):
+      value, low = getattr(self, name), 1 if name == "workers_per_actor" else 0
+      if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"ray.{name}={value!r} is not allowed; allowed: an integer >= {low}")
 
 
 # Packages every actor imports itself; functions from any other module are sent by value.
@@ -568,19 +605,39 @@ class RayExecutor(simulated.OneProcess):
     def resources(cpus, gpus):
       return {k: v for k, v in (("num_cpus", cpus), ("num_gpus", gpus)) if v}
     _send_by_value(inner.loss_fn)
+    if recipe is not None and options.workers_per_actor > 1:
+      raise ValueError(f"ray.workers_per_actor={options.workers_per_actor} is not allowed with "
+                       "params sharded over a mesh; allowed: 1 (each actor's devices take θ's "
+                       "mesh)")
+    # With spares a dead actor is not restarted: a warm spare takes its workers at once.
+    restarts = 0 if options.spares else options.max_restarts
     worker = ray.remote(WorkerActor).options(
-        max_restarts=options.max_restarts, max_task_retries=options.max_restarts,
+        max_restarts=restarts, max_task_retries=restarts,
+        max_concurrency=options.workers_per_actor,
         **resources(options.cpus_per_worker, options.gpus_per_worker))
     self._new_actor = functools.partial(worker.remote, inner.loss_fn, inner.tx,
-                                        inner.reset_optimizer, options.batch_size, recipe)
+                                        inner.reset_optimizer, recipe,
+                                        options.devices_per_worker, options.workers_per_actor)
     self.replacements = options.replacements
-    self.actors = [self._new_actor() for _ in range(num_workers)]
+    busy = -(-num_workers // options.workers_per_actor)  # actors that run workers
+    self.actors = [self._new_actor() for _ in range(busy + options.spares)]
+    self._standby = list(range(busy, len(self.actors)))  # spares, not yet warm
+    self._warm: list[Any] = []  # the spares' warm-up dispatches (refs)
     # Started (JAX imported, loop built) before the clock starts.
-    self.actor_devices = ray.get([actor.devices.remote() for actor in self.actors])
+    described = ray.get([actor.describe.remote() for actor in self.actors])
+    self.actor_devices = [devices for devices, _, _ in described]
     self._pids = ray.get([actor.pid.remote() for actor in self.actors])
-    self._server_options = resources(0, options.server_gpus)
     self.alive = [True] * len(self.actors)
-    self._assigned = list(range(num_workers))  # worker -> actor
+    self._assigned = [w // options.workers_per_actor for w in range(num_workers)]
+    self.group_size = described[0][2]
+    problem = next((p for _, p, _ in described if p is not None), None)
+    if problem is None and options.batch_size and options.batch_size % self.group_size:
+      problem = self._unsplit(options.batch_size)
+    if problem is not None:
+      self.close()
+      raise devices_lib.DeviceConfigError(problem)
+    self._server_options = resources(0, options.server_gpus)
+    self._split_checked = False
     self._emit: Callable[[dict], None] = lambda row: None
     self._clock: Callable[[], float] = lambda: 0.0
     self._pickles: dict[int, tuple[compress.Compressor, bytes]] = {}  # id -> its bytes
@@ -610,8 +667,26 @@ class RayExecutor(simulated.OneProcess):
   def describe(self) -> str:
     sharded = (f", θ sharded over {dict(self.layout.mesh.shape)} in each actor"
                if self.layout is not None else "")
+    spares = f", {len(self._standby)} spare(s)" if self._standby else ""
     return (f"Ray worker actors ({'/'.join(str(len(d)) for d in self.actor_devices)} "
-            f"{self.actor_devices[0][0].split(':')[0]} devices each{sharded})")
+            f"{self.actor_devices[0][0].split(':')[0]} devices each, "
+            f"{self.group_size} per worker{sharded}{spares})")
+
+  def _unsplit(self, batch: int) -> str:
+    return (f"a batch of {batch} does not split over each worker's {self.group_size} devices "
+            "on Ray; allowed: a batch size that is a multiple of ray.devices_per_worker "
+            f"(= {self.group_size}), or ray.devices_per_worker that divides it")
+
+  def _check_split(self, batches: Any) -> None:
+    """A ValueError in one line, at the first dispatch, when the batch (``batches``: H steps'
+    batches, each (B, ...)) does not split over a worker's devices."""
+    if self._split_checked or self.layout is not None:
+      return
+    sizes = {np.shape(x)[1] for x in jax.tree.leaves(batches) if np.ndim(x) > 1}
+    for size in sizes:
+      if size % self.group_size:
+        raise devices_lib.DeviceConfigError(self._unsplit(size))
+    self._split_checked = True
 
   def run_worker(self, worker, previous, start, batches, key):
     """Worker ``worker``'s dispatch, returned three times (the handles of the end state, Δ
@@ -630,6 +705,7 @@ class RayExecutor(simulated.OneProcess):
       options.update(download=download.pickled,
                      held=held.dispatch.held if isinstance(held, Download) else held)
       start = download.message
+    self._check_split(batches)
     dispatch = Dispatch(args=(worker, start, previous, batches,
                               np.asarray(jax.random.key_data(key)), fresh), options=options)
     if download is not None:  # (the previous download is the worker's no more: no chain)
@@ -677,6 +753,9 @@ class RayExecutor(simulated.OneProcess):
     (dispatch.state, dispatch.delta, dispatch.train_loss, dispatch.done, dispatch.compression,
      dispatch.end_model_state, dispatch.held) = self.actors[actor].run.options(
          num_returns=7).remote(*dispatch.args, **dispatch.options)
+    if self._standby and not self._warm:  # the spares compile on the first dispatch's inputs
+      self._warm = [self.actors[a].run.options(num_returns=7).remote(
+          *dispatch.args, **dispatch.options)[3] for a in self._standby]
 
   def actor_of(self, worker: int) -> Any:
     """The actor that runs worker ``worker``'s dispatches now."""
@@ -700,7 +779,9 @@ class RayExecutor(simulated.OneProcess):
       return
     worker, lost = dispatch.args[0], dispatch.actor
     self.alive[lost] = False  # out of restarts: Ray has ended it; nothing is killed here
-    if self.replacements > 0:  # a new actor in its place (it starts while the task waits)
+    if self._standby:  # a warm spare in its place (docs/FAILURES.md, "Hot spares")
+      actor, event = self._standby.pop(0), "spare_took_over"
+    elif self.replacements > 0:  # a new actor in its place (it starts while the task waits)
       self.replacements -= 1
       self.actors.append(self._new_actor())
       self.alive.append(True)
@@ -788,15 +869,15 @@ def ray_arrivals(clock: clocks.RealClock, executor: RayExecutor,
                  emit: Callable[[dict], None]) -> "RayArrivals":
   """The queue of Ray dispatches in flight; restarts and re-sends are emitted as rows."""
   executor.watch(clock.now, emit)
-  return RayArrivals(clock.now, executor.slowdown, executor)
+  return RayArrivals(clock.now, executor.slowdown, executor, clock.transit)
 
 
 class RayArrivals(devices_lib.DeviceArrivals):
   """Arrivals of Ray dispatches, in the order the actors finish them (re-sent on death)."""
 
   def __init__(self, clock: Callable[[], float], slowdown: tuple[float, ...],
-               runtime: RayExecutor):
-    super().__init__(clock, slowdown)
+               runtime: RayExecutor, transit: Callable[[int], float] = lambda worker: 0.0):
+    super().__init__(clock, slowdown, transit)
     self._runtime = runtime
 
   async def _ready(self, worker: int, job: Any) -> None:

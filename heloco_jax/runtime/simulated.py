@@ -228,14 +228,9 @@ class SimulatedClock:
     del executor
     self.steps = StepClock(settings.seconds_per_step, settings.jitter, settings.seed)
     self.num_workers = len(settings.seconds_per_step)
-    comm, k = settings.comm, self.num_workers
-    ups = settings.upload_bytes or [settings.model_bytes]
-    downs = settings.download_bytes or [settings.model_bytes]
-    self.uploads = [comm.message_seconds(b) for b in ups]
-    self.downloads = [comm.message_seconds(b) for b in downs]
-    self.allreduces = [comm.allreduce_seconds(b, k) for b in ups]
-    self.download = comm.message_seconds(settings.model_bytes)
-    self.upload, self.allreduce = self.uploads[0], self.allreduces[0]
+    self.link = link = base.link_of(settings)  # the cost model both clocks charge
+    self.uploads, self.downloads, self.allreduces = link.uploads, link.downloads, link.allreduces
+    self.download, self.upload, self.allreduce = link.download, link.upload, link.allreduce
     self.overlap_steps = settings.overlap_steps
     self._slowest = float(np.max(settings.seconds_per_step))
     self._model_bytes = settings.model_bytes
@@ -315,6 +310,10 @@ class SimulatedClock:
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
     del start, params
     return sum(t for t, _ in planned)
+
+  def ddp_exposed(self, planned: Optional[list], step: int) -> Optional[float]:
+    """Step ``step``'s all-reduce seconds that its compute does not hide."""
+    return None if planned is None else planned[step][1]
 
   async def wait_until(self, t: float) -> None:
     del t  # simulated seconds pass when the engine sets its time

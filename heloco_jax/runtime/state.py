@@ -23,6 +23,7 @@ from heloco_jax.comm import downlink as downlink_lib
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.comm import uplink as uplink_lib
+from heloco_jax.runtime import base
 from heloco_jax.runtime import streaming as streaming_lib
 from heloco_jax.training import checks
 from heloco_jax.training import membership as membership_lib
@@ -396,6 +397,8 @@ class Run:
     if job.work is not None:
       try:
         self.state.workers[worker], job.delta, job.train_loss = job.work()
+      except base.SettingError:
+        raise
       except (TypeError, ValueError) as error:  # tracing the user's loss_fn or inner_tx
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "

@@ -296,3 +296,31 @@ def test_compressed_payload_across_devices_equals_the_simulated_runtime_bit_for_
   assert devices["summary"]["outer_updates"] == simulated["summary"]["outer_updates"] > 2
   assert devices["params"] == simulated["params"]
   assert _eval_losses(devices) == _eval_losses(simulated)
+
+
+def test_the_link_model_is_waited_on_the_real_clock_and_reported():
+  """Issue 77: ``comm=hj.CommModel(latency, bandwidth)`` on ``runtime=devices`` (before: ignored
+  without a word). One worker, 6 arrivals: each waits its download and its upload, latency +
+  bytes/bandwidth each, in real time; the summary's ``network_seconds`` is what the link
+  charged, as on the simulated clock, and the free default waits nothing."""
+  def loss(params, batch):
+    return jax.numpy.mean((batch @ params["w"] - 1.0) ** 2)
+
+  def stream():
+    rng = np.random.default_rng(0)
+    while True:
+      yield rng.normal(0, 1, (4, 8)).astype(np.float32)
+
+  params = {"w": np.zeros((8, 1), np.float32)}  # 32 bytes
+  common = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=2,
+                budget=hj.Budget(steps=12), runtime=hj.devices_runtime(batch_size=4))
+  free = hj.simulate(loss, params, [stream()], **common)  # compiles, then the timed runs
+  free = hj.simulate(loss, params, [stream()], **common)
+  comm = hj.CommModel(latency=0.25, bandwidth=32 / 0.05)  # 0.3 s a message
+  linked = hj.simulate(loss, params, [stream()], comm=comm, **common)
+  simulated = hj.simulate(loss, params, [stream()], comm=comm, **{**common, "runtime": None})
+  assert free.summary["network_seconds"] == 0.0
+  assert linked.summary["outer_updates"] == 6
+  assert linked.summary["network_seconds"] == pytest.approx(6 * 2 * 0.3)
+  assert linked.summary["network_seconds"] == pytest.approx(simulated.summary["network_seconds"])
+  assert linked.summary["sim_time"] >= free.summary["sim_time"] + 6 * 2 * 0.3 - 0.05

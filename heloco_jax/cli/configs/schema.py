@@ -281,6 +281,12 @@ KEYS: tuple[Key, ...] = (
         "runs again); after that its workers move to a new actor or the live ones"),
     Key("ray.replacements", 0, integer(0), "new worker actors the run may start in place of "
         "actors out of restarts (0: their workers move to the live actors)"),
+    Key("ray.devices_per_worker", 0, integer(0), "devices of its actor each worker runs "
+        "data-parallel over, its batch split (0: the actor's devices shared by its workers)"),
+    Key("ray.workers_per_actor", 1, integer(1), "workers each actor runs, each on its own "
+        "devices (e.g. 2 workers of 4 chips on an 8-chip host)"),
+    Key("ray.spares", 0, integer(0), "standby worker actors, compiled at the first dispatch: "
+        "a dead actor's workers move to one at once (no restart)"),
     # comm
     Key("comm.latency", 0.0, number(0.0), "seconds per message or all-reduce"),
     Key("comm.bandwidth", None, optional(number(0.0, low_open=True), "free transfers"),

@@ -1,0 +1,130 @@
+"""Issue 77: Ray worker actors that own several devices (a TPU host's chips, a GPU node's GPUs).
+
+Every actor here sees 4 host CPU devices (``--xla_force_host_platform_device_count=4``, which
+each actor inherits, as an actor on a Cloud TPU VM host sees its chips). Before: every such
+run crashed (``IndexError`` in ``DeviceExecutor.run_worker``)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tiny
+
+from test_ray import needs_ray
+
+pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
+
+# One Ray instance for every run of the script (each run joins it): the asynchronous methods of
+# the registry with 2 actors of 4 devices, the variants with HeLoCo, 2 workers on one actor,
+# one worker against the simulated runtime, and a stop and resume.
+PODS_SCRIPT = """
+import itertools, json, math
+import jax, jax.numpy as jnp, numpy as np, optax, ray
+import heloco_jax as hj
+from heloco_jax.runtime import ray as ray_runtime
+from heloco_jax.training import methods
+
+def loss(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+def stream(seed=0):
+  rng = np.random.default_rng(seed)
+  while True:
+    x = rng.normal(0, 1, (16, 32)).astype(np.float32)
+    yield x, x[:, :1] - x[:, 1:2]
+
+held_out = next(stream(99))
+params = {"w": jnp.asarray(np.random.default_rng(1).normal(0, 0.3, (32, 16)), jnp.float32),
+          "v": jnp.zeros((16, 1))}
+described = []
+init = ray_runtime.RayExecutor.__init__
+def recording(self, *args, **kwargs):
+  init(self, *args, **kwargs)
+  described.append(self.describe())
+ray_runtime.RayExecutor.__init__ = recording
+ray_runtime._make_private_token()
+ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+common = dict(inner_tx=optax.sgd(0.05), inner_steps=4,
+              eval_fn=jax.jit(lambda p: loss(p, held_out)))
+
+def run(method="heloco", workers=2, steps=64, ray_options=None, **options):
+  result = hj.simulate(loss, params, [stream(i) for i in range(workers)], method=method,
+                       runtime=hj.ray_runtime(**(ray_options or {})),
+                       **{**common, "budget": hj.Budget(steps=steps, eval_every_steps=steps),
+                          **options})
+  return {**{k: result.summary[k] for k in ("initial_val_loss", "final_val_loss", "steps",
+                                            "outer_updates")},
+          "described": described[-1], "events": sorted({r["event"] for r in result.history})}
+
+out = {"methods": {m: run(m) for m, spec in methods.METHODS.items() if spec.synchrony == "async"}}
+int8 = hj.compress.error_feedback(hj.compress.int8())
+out["fragments_int8"] = run(streaming=hj.Streaming(fragments=2), compress=int8)
+out["schedule"] = run(membership=hj.Membership(((1, 0.0, math.inf),)))
+out["two_per_actor"] = run(ray_options={"workers_per_actor": 2})
+out["spare"] = run(ray_options={"spares": 1})
+
+# One worker: its arrivals in one order on either clock. On 4 devices (the batch split, the
+# gradients all-reduced) against the simulated runtime's one device: equal within float32
+# reassociation; stopped after 5 arrivals (checkpoints every 2) and resumed by the same call:
+# equal to the uninterrupted Ray run bit for bit.
+batches = list(itertools.islice(stream(), 100))
+one = dict(method="heloco", budget=hj.Budget(steps=40), compress=int8, **common)
+on_ray = hj.simulate(loss, params, [batches], runtime=hj.ray_runtime(), **one)
+simulated = hj.simulate(loss, params, [batches], **one)
+import tempfile
+resume = dict(one, runtime=hj.ray_runtime(),
+              workdir=hj.Workdir(tempfile.mkdtemp(), checkpoint_every=2))
+def stop(row):
+  if row["event"] == "arrival" and row["outer_updates"] == 5:
+    raise KeyboardInterrupt
+try:
+  hj.simulate(loss, params, [batches], on_row=stop, **resume)
+except KeyboardInterrupt:
+  pass
+resumed = hj.simulate(loss, params, [batches], **resume)
+leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]
+out["one_worker"] = {
+    "max_difference": max(float(np.abs(a - b).max())
+                          for a, b in zip(leaves(on_ray.params), leaves(simulated.params))),
+    "moved": max(float(np.abs(a - b).max()) for a, b in zip(leaves(on_ray.params),
+                                                          leaves(params))),
+    "resumed_equal": all(np.array_equal(a, b) for a, b in zip(leaves(resumed.params),
+                                                               leaves(on_ray.params)))}
+try:
+  hj.simulate(loss, params, [stream(s) for s in range(2)], method="heloco",
+              runtime=hj.ray_runtime(devices_per_worker=3), budget=hj.Budget(steps=8), **{
+                  k: v for k, v in common.items() if k != "eval_fn"})
+  out["unsplit"] = None
+except ValueError as error:
+  out["unsplit"] = str(error)
+print("RESULT", json.dumps(out))
+"""
+
+
+@needs_ray
+@pytest.mark.slow  # ~3 min of Ray runs on 2 cores: the default suite stays under 15 minutes
+def test_worker_actors_with_four_devices_each_run_every_method_and_feature():
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", PODS_SCRIPT], capture_output=True, env=env,
+                       text=True, timeout=1200, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(next(line for line in out.stdout.splitlines()
+                           if line.startswith("RESULT "))[7:])
+  runs = {**{f"method {m}": r for m, r in result["methods"].items()},
+          **{k: result[k] for k in ("fragments_int8", "schedule", "two_per_actor", "spare")}}
+  assert {"heloco", "mla", "async_nesterov", "delayed_nesterov", "cgad"} <= set(
+      result["methods"])
+  for name, run in runs.items():
+    assert run["steps"] == 64 or name == "schedule", (name, run)
+    assert run["final_val_loss"] < 0.5 * run["initial_val_loss"], (name, run)
+    per_worker = 2 if name == "two_per_actor" else 4
+    assert f"4 devices each, {per_worker} per worker" in run["described"], (name, run)
+  assert "1 spare(s)" in result["spare"]["described"]
+  assert "left" not in result["schedule"]["events"]  # worker 1 away from the start
+  one = result["one_worker"]
+  assert one["moved"] > 0.05 and one["max_difference"] < 1e-5, one
+  assert one["resumed_equal"], one
+  assert result["unsplit"] is not None and "ray.devices_per_worker" in result["unsplit"]
