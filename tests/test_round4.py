@@ -141,3 +141,41 @@ def test_metric_names_that_meet_or_are_empty_are_refused(metrics, message):
   assert "\n" not in str(raised.value)
   with pytest.raises(ValueError, match=r"eval_fn " + message):
     _simulate(eval_fn=lambda p: {"val_loss": _val(p), **metrics})
+
+
+def _cli_line(capsys, argv):
+  """The one line ``heloco-jax train argv`` ends with (exit status 2)."""
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
+  assert train.main(argv) == 2
+  err = capsys.readouterr().err
+  lines = err.strip().splitlines()
+  assert "Traceback" not in err and lines[0].startswith("heloco-jax train: "), err
+  return lines[0]
+
+
+def test_a_config_file_that_is_not_python_is_one_clear_line(tmp_path, capsys):
+  """Before: "does not load: AttributeError: 'NoneType' object has no attribute 'loader'"."""
+  path = tmp_path / "hostname"
+  path.write_text("myhost\n")
+  line = _cli_line(capsys, [f"--workdir={tmp_path / 'run'}", f"--config={path}"])
+  assert f"--config={str(path)!r} is not a Python file (its name does not end in .py)" in line
+  assert "NoneType" not in line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--config.seed=1", "--config.seed=2"], "--config.seed"),
+    (["--config.seed=1", "--config.seed", "2"], "--config.seed"),
+    (["--workdir=/tmp/a"], "--workdir"),
+])
+def test_a_flag_given_twice_is_refused_naming_it(tmp_path, capsys, argv, flag):
+  """Before: the last --config.seed won silently."""
+  line = _cli_line(capsys, [f"--workdir={tmp_path / 'run'}", *argv])
+  assert f"{flag} is given twice; allowed: once" in line
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_cgad_age_decay_refusal_names_the_config_key(tmp_path, capsys):
+  """Before: the refusal named config.outer.decay, which is no key."""
+  line = _cli_line(capsys, [f"--workdir={tmp_path / 'run'}", "--config.method=cgad",
+                            "--config.outer.age_decay=1e300"])
+  assert line.startswith("heloco-jax train: config.outer.age_decay=1e+300 is not allowed"), line

@@ -83,6 +83,19 @@ def _parse(argv: list[str]):
   return workdir.value, config.value, allow.value, cache.value
 
 
+def _check_once(argv: Sequence[str]) -> None:
+  """A flag given twice (``--config.seed=1 --config.seed=2``) as one line (ValueError): absl
+  would take the last one silently."""
+  seen = set()
+  for arg in argv:
+    if not (arg[:1] == "-" and arg.lstrip("-")[:1].isalpha()):  # a value (-0.5), not a flag
+      continue
+    name = "--" + arg.lstrip("-").split("=", 1)[0]
+    if name in seen:
+      raise ValueError(f"{name} is given twice; allowed: once (which value did you mean?)")
+    seen.add(name)
+
+
 def _check_config_file(argv: Sequence[str]) -> None:
   """A ``--config=PATH`` that does not load, or whose ``get_config()`` fails or returns no
   ``ConfigDict``, as one line (ValueError) instead of a traceback."""
@@ -96,8 +109,11 @@ def _check_config_file(argv: Sequence[str]) -> None:
   if not os.path.isfile(path):
     raise ValueError(f"--config={path!r}: no such file; allowed: a Python file with "
                      "get_config()")
+  spec = importlib.util.spec_from_file_location("heloco_user_config", path)
+  if spec is None or spec.loader is None:  # importlib loads .py files only
+    raise ValueError(f"--config={path!r} is not a Python file (its name does not end in .py); "
+                     "allowed: a Python file with get_config()")
   try:
-    spec = importlib.util.spec_from_file_location("heloco_user_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
   except Exception as error:  # pylint: disable=broad-except  (the user's file)
@@ -337,6 +353,7 @@ def _main(argv: list[str]) -> int:
           f"{config_help.describe(default.get_config())}")
     return 0
   try:
+    _check_once(argv)
     _check_config_file(argv)
   except ValueError as error:
     return _error(str(error))

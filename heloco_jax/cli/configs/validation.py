@@ -26,8 +26,9 @@ from heloco_jax.rundir import writers
 from heloco_jax.runtime import clocks, devices
 from heloco_jax.training.methods import METHODS
 
-# Arguments of the outer factories whose config key differs from their name.
-_OUTER_KEYS = {"c": "dn_c"}
+# Arguments of the outer factories whose config key differs from their name
+# (training/methods.py: hj.delayed_nesterov's c, hj.cgad's b1, decay and cutoff).
+_OUTER_KEYS = {"c": "dn_c", "b1": "momentum", "decay": "age_decay", "cutoff": "age_cutoff"}
 
 
 class ConfigError(ValueError):
