@@ -85,6 +85,11 @@ def options(method):
               budget=hj.Budget(steps=48), **streaming)
 
 
+def real_clock_options(method):
+  """``options(method)`` on a real clock, which refuses simulated paces (its devices' own)."""
+  return {k: v for k, v in options(method).items() if k != "speeds"}
+
+
 def full_copies(tree):
   """Paths of spread leaves one of whose devices holds the whole array."""
   found = []
@@ -152,7 +157,7 @@ def on_devices(method):
   import asyncio  # pylint: disable=g-import-not-at-top
   engine = hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
                           runtime=hj.devices_runtime(batch_size=8), eval_fn=evaluate,
-                          **options(method))
+                          **real_clock_options(method))
   seen = {i: set() for i in range(K)}  # the devices each worker's live states sit on
   try:
     def look(row):
@@ -180,7 +185,8 @@ def rounds_on_devices(method):
   8 devices; equal to the unsharded simulated run up to float reassociation."""
   import asyncio  # pylint: disable=g-import-not-at-top
   engine = hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
-                          runtime=hj.devices_runtime(batch_size=8), **options(method))
+                          runtime=hj.devices_runtime(batch_size=8),
+                          **real_clock_options(method))
   try:
     asyncio.run(engine.run())
     workers = engine.state.workers
@@ -235,7 +241,8 @@ def stopped_and_resumed_on_devices(workdir):
   def build():
     return hj.make_engine(loss_fn, sharded_params(), [Stream(i) for i in range(K)],
                           runtime=hj.devices_runtime(batch_size=8), eval_fn=evaluate,
-                          workdir=hj.Workdir(workdir, checkpoint_every=2), **options("heloco"))
+                          workdir=hj.Workdir(workdir, checkpoint_every=2),
+                          **real_clock_options("heloco"))
   engine = build()
   try:
     def stop(e):
@@ -266,7 +273,7 @@ def _cnn_run(method, sharded, runtime=None):
   engine = hj.make_engine(
       cnn.cnn_loss, place(cnn.PARAMS), cnn.cnn_data(), model_state=place(cnn.STATS),
       method=method, inner_steps=4, inner_tx=optax.sgd(0.1), eval_fn=cnn.cnn_eval,
-      budget=hj.Budget(steps=48), speeds=[1.0, 2.0],
+      budget=hj.Budget(steps=48), **({"speeds": [1.0, 2.0]} if runtime is None else {}),
       streaming=hj.Streaming(fragments=2, overlap_steps=1),
       **({} if runtime is None else {"runtime": runtime}))
   try:

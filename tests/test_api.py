@@ -288,7 +288,8 @@ RAY_SCRIPT = """
 import heloco_jax as hj, sys
 sys.path.insert(0, {tests!r})
 import test_api as t
-result = t._run("heloco", runtime=hj.ray_runtime(num_cpus=2), budget=hj.Budget(steps=48))
+result = t._run("heloco", runtime=hj.ray_runtime(num_cpus=2), budget=hj.Budget(steps=48),
+               speeds="mixed")  # the default: a real clock refuses simulated paces
 print("heloco", result.summary["final_val_loss"] < result.summary["initial_val_loss"],
       result.summary["outer_updates"])
 """

@@ -9,9 +9,10 @@ things live changes:
     arrival group's pseudo-gradients as object refs (they go from the worker's
     node to the server's, not through the engine) and reads θ back only to
     evaluate and to checkpoint;
-  * one worker actor per worker owns its accelerators (``gpus_per_worker``;
-    with several devices its batch is split over them, as on
-    ``runtime=devices``) and builds the inner loop from the user's
+  * one worker actor per worker (or per ``workers_per_actor`` workers, each on its own
+    ``devices_per_worker`` of the actor's devices: a TPU host's chips, a GPU node's GPUs)
+    owns its accelerators (``gpus_per_worker``; with several devices a worker's batch is
+    split over them, as on ``runtime=devices``) and builds the inner loop from the user's
     ``loss_fn`` and ``inner_tx`` (sent with cloudpickle): a dispatch sends the
     start point (an object ref of the server's dispatch point), the worker's
     previous inner state, its batches and a PRNG key;
@@ -44,6 +45,9 @@ its workers' dispatches are sent, with the same inputs, to a new actor
 started in its place while ``RayOptions.replacements`` lasts (an
 ``{"event": "actor_added"}`` row: a scale-up back to K actors), else to the
 live actor that runs the fewest workers (an ``{"event": "redispatched"}``
+row). With
+``RayOptions.spares`` standby actors, compiled on the first dispatch's inputs, a dead
+actor is not restarted: a spare takes its workers at once (a ``{"event": "spare_took_over"}``
 row). No
 healthy actor is ever killed: an error is handled once, by the dispatch it
 belongs to. θ lives on the server and is never touched by a worker's death;

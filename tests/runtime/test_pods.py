@@ -6,6 +6,7 @@ run crashed (``IndexError`` in ``DeviceExecutor.run_worker``)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -119,12 +120,111 @@ def test_worker_actors_with_four_devices_each_run_every_method_and_feature():
       result["methods"])
   for name, run in runs.items():
     assert run["steps"] == 64 or name == "schedule", (name, run)
-    assert run["final_val_loss"] < 0.5 * run["initial_val_loss"], (name, run)
+    # learns (Delayed Nesterov at its outer lr 0.07 the slowest: 0.68× in 64 steps)
+    assert run["final_val_loss"] < 0.8 * run["initial_val_loss"], (name, run)
     per_worker = 2 if name == "two_per_actor" else 4
-    assert f"4 devices each, {per_worker} per worker" in run["described"], (name, run)
+    assert re.search(rf"\(4(/4)* cpu devices each, {per_worker} per worker", run["described"]
+                     ), (name, run)
   assert "1 spare(s)" in result["spare"]["described"]
   assert "left" not in result["schedule"]["events"]  # worker 1 away from the start
   one = result["one_worker"]
   assert one["moved"] > 0.05 and one["max_difference"] < 1e-5, one
   assert one["resumed_equal"], one
   assert result["unsplit"] is not None and "ray.devices_per_worker" in result["unsplit"]
+
+
+# Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), 2 CPUs each, the driver on the
+# head; 3 worker actors of 1 CPU each and 4 host devices each, so that both nodes hold workers.
+# The whole run, then one where the node that does not hold the server actor is removed after
+# the 4th arrival: its actors die (no restarts, nowhere to restart them), their workers move to
+# the surviving actor.
+CLUSTER_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax, ray
+from ray.cluster_utils import Cluster
+import heloco_jax as hj
+from heloco_jax.runtime import ray as ray_runtime
+sys.path.insert(0, sys.argv[1])
+from test_pods import regression
+
+ray_runtime._make_private_token()
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+second = cluster.add_node(num_cpus=2)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address)
+loss, params, stream, held_out = regression()
+options = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=4,
+               budget=hj.Budget(steps=96, eval_every_steps=96),
+               eval_fn=jax.jit(lambda p: loss(p, held_out)),
+               runtime=hj.ray_runtime(cpus_per_worker=1, max_restarts=0))
+def nodes(engine):
+  executor = engine.runtime.executor
+  where = lambda actor: ray.util.state.get_actor(actor._actor_id.hex()).node_id
+  return ({where(a) for a in executor.actors}, where(engine.server.actor))
+def run(kill=False):
+  engine = hj.make_engine(loss, params, [stream(i) for i in range(3)], **options)
+  seen = {"arrivals": 0}
+  def on_row(row):
+    if kill and row.get("event") == "arrival":
+      seen["arrivals"] += 1
+      if seen["arrivals"] == 4:
+        workers, server = nodes(engine)
+        seen["nodes"] = len(workers)
+        victim = next(n for n in [cluster.head_node, second] if n.node_id != server)
+        cluster.remove_node(victim)
+  import asyncio
+  try:
+    if not kill:
+      workers, _ = nodes(engine)
+      seen["nodes"] = len(workers)
+    summary = asyncio.run(engine.run(on_row))
+  finally:
+    engine.close()
+  events = [r["event"] for r in engine.rows if r["event"] not in ("arrival", "eval")]
+  return {"summary": {k: summary[k] for k in ("steps", "outer_updates", "initial_val_loss",
+                                              "final_val_loss")},
+          "events": events, "nodes": seen.get("nodes")}
+print("RESULT", json.dumps({"whole": run(), "killed": run(kill=True)}))
+ray.shutdown()
+cluster.shutdown()
+"""
+
+
+def regression():
+  """The pods tests' problem: (loss, params, stream(seed), a held-out batch)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def loss(params, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+  def stream(seed=0):
+    rng = np.random.default_rng(seed)
+    while True:
+      x = rng.normal(0, 1, (16, 32)).astype(np.float32)
+      yield x, x[:, :1] - x[:, 1:2]
+  params = {"w": jnp.asarray(np.random.default_rng(1).normal(0, 0.3, (32, 16)), jnp.float32),
+            "v": jnp.zeros((16, 1))}
+  return loss, params, stream, next(stream(99))
+
+
+@needs_ray
+@pytest.mark.slow  # a 2-node Ray cluster, two runs: ~2 min on 2 cores
+def test_a_two_node_cluster_runs_heloco_and_a_lost_node_leaves_every_token_accounted_for():
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
+  tests = os.path.dirname(os.path.abspath(__file__))
+  out = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, tests], capture_output=True,
+                       env=env, text=True, timeout=1200, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads(next(line for line in out.stdout.splitlines()
+                           if line.startswith("RESULT "))[7:])
+  whole, killed = result["whole"], result["killed"]
+  assert whole["nodes"] == killed["nodes"] == 2  # worker actors on both nodes
+  assert whole["summary"]["steps"] == 96 and whole["summary"]["outer_updates"] == 24
+  assert whole["summary"]["final_val_loss"] < 0.5 * whole["summary"]["initial_val_loss"]
+  assert "redispatched" in killed["events"]  # the survivors took the lost node's workers
+  s = killed["summary"]
+  # Every step of the budget arrived: the lost actors' dispatches were sent again, not lost.
+  assert s["steps"] == 96 and s["outer_updates"] == 24, s
+  assert s["final_val_loss"] < 0.5 * s["initial_val_loss"], s
