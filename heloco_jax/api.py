@@ -468,6 +468,7 @@ def make_engine(
   contract = inner_lib.LossContract.of(loss_fn)
   model_state_lib.check_model_state(model_state, contract)
   model_state_lib.check_merge(model_state_merge)
+  checks.check_eval_fn(eval_fn, model_state)
   streams = [state_lib.WorkerStream(source, worker=i) for i, source in enumerate(data)]
   checks.check_loss_fn(loss_fn, params, streams[0].peek(), model_state)
   seconds = clocks.seconds_per_step(speeds, num_workers)

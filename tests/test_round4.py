@@ -2,6 +2,7 @@
 lost at its end, workdir files holding JSON of the wrong kind, metric names that meet, and
 renamed keywords named with their new home."""
 
+import itertools
 import json
 import os
 
@@ -32,8 +33,13 @@ def _simulate(**more):
   kwargs = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],
                 budget=hj.Budget(steps=8))
   kwargs.update(more)
-  return hj.simulate(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_data(0), _data(1)],
+  return hj.simulate(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_batches(0), _batches(1)],
                      **kwargs)
+
+
+def _batches(worker):
+  """Worker ``worker``'s 16 batches as a list (re-iterable: a workdir run resumes it)."""
+  return list(itertools.islice(_data(worker), 16))
 
 
 def _val(p):
@@ -179,3 +185,44 @@ def test_a_cgad_age_decay_refusal_names_the_config_key(tmp_path, capsys):
   line = _cli_line(capsys, [f"--workdir={tmp_path / 'run'}", "--config.method=cgad",
                             "--config.outer.age_decay=1e300"])
   assert line.startswith("heloco-jax train: config.outer.age_decay=1e+300 is not allowed"), line
+
+
+def _state_loss(params, batch, *, state):
+  return _loss(params, batch), ({"n": state["n"] + 1.0}, {})
+
+
+def test_an_eval_fn_taking_state_without_model_state_is_one_line():
+  """Before: the user's own TypeError (missing keyword 'state') at the first evaluation."""
+  def eval_fn(params, *, state):
+    return _val(params) + state["n"]
+  with pytest.raises(ValueError, match=r"^eval_fn takes the keyword state, but model_state is "
+                     r"None; allowed: model_state="):
+    _simulate(eval_fn=eval_fn)
+  # a default for state is no requirement
+  assert "val_loss" in _simulate(eval_fn=lambda params, *, state=None: _val(params)).history[0]
+
+
+def test_an_eval_fn_without_state_beside_a_model_state_is_warned_of_once():
+  """Before: its evaluations silently did not see the run's model state."""
+  params = {"w": jnp.zeros((2, 1), jnp.float32)}
+  with pytest.warns(UserWarning, match=r"eval_fn does not take the keyword state") as caught:
+    hj.simulate(_state_loss, params, [_data(0), _data(1)], inner_tx=optax.sgd(0.05),
+                inner_steps=2, budget=hj.Budget(steps=8), eval_fn=_val,
+                model_state={"n": jnp.zeros((), jnp.float32)})
+  assert sum("keyword state" in str(w.message) for w in caught) == 1
+
+
+def test_a_garbage_line_in_metrics_jsonl_on_resume_names_the_file_and_line(tmp_path):
+  """Before: "Expecting value: line 1 column 1 (char 0)", naming neither."""
+  workdir, _ = _unfinished(tmp_path)
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path) as f:
+    lines = f.readlines()
+  lines[2] = "#" * (len(lines[2]) - 1) + "\n"  # the same bytes and rows: the checkpoint's
+  with open(path, "w") as f:
+    f.writelines(lines)
+  with pytest.raises(workdir_lib.WorkdirError) as raised:
+    _simulate(workdir=hj.Workdir(workdir, checkpoint_every=1))
+  message = str(raised.value)
+  assert "\n" not in message
+  assert message.startswith(f"{path}, line 3, is not a JSON row (Expecting value")

@@ -494,8 +494,24 @@ class RunDirectory:
 
   def rows_so_far(self) -> list[Row]:
     """The rows metrics.jsonl holds (after ``restore``: those of the run's earlier parts)."""
-    with open(self._file("metrics.jsonl")) as f:
-      return [json.loads(line) for line in f if line.strip()]
+    path, rows = self._file("metrics.jsonl"), []
+    with open(path) as f:
+      for number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+        except ValueError as error:  # the file and line to mend (docs/DESIGN.md, metrics.jsonl)
+          raise WorkdirError(f"{path}, line {number}, is not a JSON row "
+                             f"({getattr(error, 'msg', error)}); allowed: the rows the run wrote: "
+                             f"mend that line, or use a new {self._flag}"
+                             ) from None
+        if not isinstance(row, dict):
+          raise WorkdirError(f"{path}, line {number}, is not a JSON row (a "
+                             f"{type(row).__name__}, not an object); allowed: the rows the run "
+                             f"wrote: mend that line, or use a new {self._flag}")
+        rows.append(row)
+    return rows
 
   def write_row(self, row: Row) -> None:
     """Appends ``row`` to metrics.jsonl (flushed at once); NaN and ±Inf as null."""

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import inspect
 import marshal
+import warnings
 from typing import Any
 
 import jax
@@ -209,6 +210,29 @@ def check_batch(worker: int, index: int, batch: Any, first: Any) -> None:
           f"{tuple(np.shape(leaf))} {np.result_type(leaf)}; allowed: the first batch's, "
           f"{tuple(np.shape(want))} {np.result_type(want)} (every inner step of every worker "
           "takes one batch shape)")
+
+
+def check_eval_fn(eval_fn: Any, model_state: Any) -> None:
+  """``eval_fn(params, *, state)`` goes with ``model_state`` (a one-line refusal without it);
+  an ``eval_fn`` without ``state`` beside a ``model_state`` is warned of once: its
+  evaluations do not see the run's model state (docs/FLAX_MODELS.md)."""
+  if eval_fn is None:
+    return
+  if not callable(eval_fn):
+    raise ValueError(f"eval_fn={eval_fn!r} is not allowed; allowed: None or a function "
+                     "params -> loss (or -> a dict with 'val_loss')")
+  try:
+    state = inspect.signature(eval_fn).parameters.get("state")
+  except (TypeError, ValueError):
+    return
+  if model_state is None and state is not None and state.default is inspect.Parameter.empty:
+    raise ValueError("eval_fn takes the keyword state, but model_state is None; allowed: "
+                     "model_state= the initial state (with a loss_fn that takes state), or "
+                     "an eval_fn(params) without state")
+  if model_state is not None and state is None:
+    warnings.warn("eval_fn does not take the keyword state, so its evaluations do not see the "
+                  "run's model_state (e.g. BatchNorm statistics); eval_fn(params, *, state) "
+                  "gets the server's copy (docs/FLAX_MODELS.md)", stacklevel=3)
 
 
 def metric_names(metrics: dict, who: str) -> dict[str, Any]:
