@@ -44,6 +44,7 @@ from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import cost
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import syncer as syncer_lib
+from heloco_jax.rundir import upgrades
 from heloco_jax.rundir import workdir as workdir_lib
 from heloco_jax.runtime import clocks, factories
 from heloco_jax.runtime import engine as engine_lib
@@ -554,9 +555,12 @@ def make_engine(
 def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[str, Any]) -> None:
   """Attaches ``workdir`` to ``engine`` and resumes its run; notes come as warnings."""
   config_json = workdir.config_json or _spec_json(engine, settings)
+  defaults_json = workdir.defaults_json
+  if workdir.config_json is None and defaults_json is None:  # the API's own layout
+    defaults_json = _defaults_json(engine)
   directory = workdir_lib.RunDirectory(workdir.path, config_json, engine.spec.checkpoint_every,
                                        workdir.keep_checkpoints, workdir.allow_config_change,
-                                       flag=workdir.flag, defaults_json=workdir.defaults_json,
+                                       flag=workdir.flag, defaults_json=defaults_json,
                                        renamed=workdir.renamed)
   try:
     engine.attach(directory, *directory.restore(engine))
@@ -629,20 +633,37 @@ def simulate(loss_fn: Callable[..., Any], params: Any, data: Sequence[Iterable[A
     engine.close()
 
 
+def _spec_dict(spec: state_lib.RunSpec) -> dict[str, Any]:
+  """A ``RunSpec`` as config.json records it (standard JSON: null for "none")."""
+  out = dataclasses.asdict(spec)
+  out["method"] = spec.method.name
+  if callable(spec.fragment_layout):  # its code, not its address: a resume matches
+    out["fragment_layout"] = checks.function_fingerprint(spec.fragment_layout)
+  out["comm"] = {"latency": spec.comm.latency,
+                 "bandwidth": None if math.isinf(spec.comm.bandwidth) else spec.comm.bandwidth,
+                 "ddp_overlap": spec.comm.ddp_overlap}
+  if math.isinf(spec.syncer.timeout):
+    out["syncer"]["timeout"] = None
+  out["membership"] = [[w, leave, None if math.isinf(back) else back]
+                       for w, leave, back in spec.membership.absences]
+  return out
+
+
 def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
-  """The run's settings as JSON (a workdir's config.json): what a resume must match."""
-  spec = dataclasses.asdict(engine.spec)
-  spec["method"] = engine.spec.method.name
-  if callable(engine.spec.fragment_layout):  # its code, not its address: a resume matches
-    spec["fragment_layout"] = checks.function_fingerprint(engine.spec.fragment_layout)
-  spec["comm"] = {"latency": engine.spec.comm.latency,
-                  "bandwidth": None if math.isinf(engine.spec.comm.bandwidth)
-                  else engine.spec.comm.bandwidth,
-                  "ddp_overlap": engine.spec.comm.ddp_overlap}
-  if math.isinf(engine.spec.syncer.timeout):  # standard JSON: null for "none"
-    spec["syncer"]["timeout"] = None
-  spec["membership"] = [[w, leave, None if math.isinf(back) else back]
-                        for w, leave, back in engine.spec.membership.absences]
+  """The run's settings as JSON (a workdir's config.json): what a resume must match, with
+  the layout's version (``heloco_jax/rundir/upgrades.py``)."""
+  spec = _spec_dict(engine.spec)
   spec["options"] = settings  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
+  spec[upgrades.SCHEMA_KEY] = upgrades.SCHEMA_VERSION
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def _defaults_json(engine: engine_lib.Engine) -> str:
+  """What a key absent from an older config.json of the API ran with: its ``RunSpec``
+  field's default, or ``upgrades.ADDED``'s (docs/DESIGN.md, "Files a run writes")."""
+  defaulted = upgrades.spec_defaults(engine.spec)
+  recorded = _spec_dict(dataclasses.replace(engine.spec, **defaulted))
+  defaults = {key: recorded[key] for key in defaulted}
+  defaults.update(upgrades.ADDED)
+  return json.dumps(defaults, sort_keys=True, default=str)

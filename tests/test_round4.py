@@ -226,3 +226,78 @@ def test_a_garbage_line_in_metrics_jsonl_on_resume_names_the_file_and_line(tmp_p
   message = str(raised.value)
   assert "\n" not in message
   assert message.startswith(f"{path}, line 3, is not a JSON row (Expecting value")
+
+
+# ---------------------------------------------------------------- upgrade-safe workdirs
+
+def _stopped_run(tmp_path, budget=16):
+  """A workdir holding a run stopped after its first arrival rows (checkpointed)."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / "run")
+  engine = hj.make_engine(_loss, {"w": jnp.zeros((2, 1), jnp.float32)},
+                          [_batches(0), _batches(1)], inner_tx=optax.sgd(0.05), inner_steps=2,
+                          speeds=[1.0, 2.0], budget=hj.Budget(steps=budget),
+                          workdir=hj.Workdir(workdir, checkpoint_every=1))
+  engine.on_row = lambda row: engine.request_stop() if row["event"] == "arrival" else None
+  try:
+    with pytest.raises(hj.Stopped):
+      asyncio.run(engine.run())
+  finally:
+    engine.close()
+  return workdir
+
+
+def _edit_config(workdir, edit):
+  path = os.path.join(workdir, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  edit(config)
+  with open(path, "w") as f:
+    json.dump(config, f)
+  return config
+
+
+def test_an_api_workdir_without_a_key_at_its_default_resumes_bit_for_bit(tmp_path):
+  """Before: WorkdirError: ... differing keys: seed (absent -> 0)."""
+  whole = _simulate(budget=hj.Budget(steps=16))
+  workdir = _stopped_run(tmp_path)
+  config = _edit_config(workdir, lambda c: (c.pop("seed"), c.pop("config_schema", None)))
+  assert "seed" not in config and config["params"] == [[2, 1]]
+  resumed = _simulate(budget=hj.Budget(steps=16), workdir=hj.Workdir(workdir, checkpoint_every=1))
+  assert resumed.summary["steps"] == 16
+  np.testing.assert_array_equal(resumed.params["w"], whole.params["w"])  # bit for bit
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["config_schema"] == 1  # the resume records today's layout
+
+
+def test_a_workdir_of_the_oldest_layout_resumes(tmp_path):
+  """Every key today's API records at its RunSpec default, absent (as a version that did not
+  know them wrote it), with no config_schema: it resumes; the fixture lists today's keys."""
+  from heloco_jax.rundir import upgrades  # pylint: disable=g-import-not-at-top
+  workdir = _stopped_run(tmp_path)
+  with open(os.path.join(workdir, "config.json")) as f:
+    today = json.load(f)
+  fixture = os.path.join(os.path.dirname(__file__), "rundir", "fixtures", "api_config_v1.json")
+  with open(fixture) as f:
+    recorded = json.load(f)
+  assert sorted(today) == sorted(recorded), "a new key: add its old value to upgrades.ADDED"
+  assert recorded["config_schema"] == upgrades.SCHEMA_VERSION
+  def oldest(config):
+    for key in ("config_schema", "seed", "fragments", "overlap_steps", "fragment_alpha",
+                "fragment_layout", "palsgd_coins", "rejection_limit", "dylu", "jitter"):
+      config.pop(key)
+  _edit_config(workdir, oldest)
+  resumed = _simulate(budget=hj.Budget(steps=16), workdir=hj.Workdir(workdir, checkpoint_every=1))
+  assert resumed.summary["steps"] == 16
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(seed=5), r"differing keys: seed \(5 -> 0\)\. Use a new workdir"),
+    (lambda c: c.update(config_schema=99), r"records config_schema=99, a layout newer than"),
+])
+def test_a_recorded_value_that_differs_is_still_refused_in_one_line(tmp_path, edit, message):
+  workdir = _stopped_run(tmp_path)
+  _edit_config(workdir, edit)
+  with pytest.raises(workdir_lib.WorkdirError, match=message) as raised:
+    _simulate(budget=hj.Budget(steps=16), workdir=hj.Workdir(workdir, checkpoint_every=1))
+  assert "\n" not in str(raised.value)

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from heloco_jax.rundir import checkpoint, processes, safe_files
+from heloco_jax.rundir import checkpoint, processes, safe_files, upgrades
 
 Row = dict[str, Any]
 
@@ -56,8 +56,9 @@ Row = dict[str, Any]
 RUN_FILES = ("lock", "config.json", "metrics.jsonl", "summary.json", "run_id")
 RUN_DIRS = ("checkpoints", "tensorboard", "plots")
 # Config keys that say where a run's processes meet, not what they compute: a resumed
-# jax.distributed run may take another coordinator address (docs/DESIGN.md, "Scaling out").
-MAY_CHANGE_ON_RESUME = ("distributed.coordinator",)
+# jax.distributed run may take another coordinator address (docs/DESIGN.md, "Scaling out");
+# and the layout's version, which a newer library reads (rundir/upgrades.py).
+MAY_CHANGE_ON_RESUME = ("distributed.coordinator", upgrades.SCHEMA_KEY)
 
 
 class Checkpointable(Protocol):
@@ -387,6 +388,10 @@ class RunDirectory:
       kind = "null" if recorded is None else f"a {type(recorded).__name__}"
       raise WorkdirError(f"{path} holds {kind}, not a JSON object, so the checkpoints' config "
                          f"is unknown; use a new {flag}{instead}")
+    try:
+      upgrades.check_version(recorded, path, flag)
+    except ValueError as error:
+      raise WorkdirError(str(error)) from None
     return config_differences(recorded, json.loads(config_json), self._defaults, self._renamed)
 
   def restore(self, run: Checkpointable) -> tuple[Optional[int], list[str]]:
