@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -44,7 +45,6 @@ from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import cost
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import syncer as syncer_lib
-from heloco_jax.rundir import upgrades
 from heloco_jax.rundir import workdir as workdir_lib
 from heloco_jax.runtime import clocks, factories
 from heloco_jax.runtime import engine as engine_lib
@@ -283,6 +283,48 @@ def _membership(membership: Optional[membership_lib.Membership], num_workers: in
   return membership
 
 
+# Keywords the grouped front door (issue 57) renamed, and their new homes: refused in one
+# line naming the new home for at least one release (CHANGELOG.md, as the CLI's
+# configs/schema.py RENAMED does for its flags).
+RENAMED_KEYWORDS: Mapping[str, str] = {
+    "budget_steps": "budget=hj.Budget(steps=...)",
+    "budget_tokens": "budget=hj.Budget(tokens=..., tokens_per_step=...)",
+    "budget_sim_seconds": "budget=hj.Budget(sim_seconds=...)",
+    "tokens_per_step": "budget=hj.Budget(tokens_per_step=...)",
+    "eval_every_steps": "budget=hj.Budget(eval_every_steps=...)",
+    "eval_every_tokens": "budget=hj.Budget(eval_every_tokens=...)",
+    "checkpoint_every": "workdir=hj.Workdir(path, checkpoint_every=...)",
+    "fragments": "streaming=hj.Streaming(fragments=...)",
+    "fragment_layout": "streaming=hj.Streaming(layout=...)",
+    "overlap_steps": "streaming=hj.Streaming(overlap_steps=...)",
+    "fragment_alpha": "streaming=hj.Streaming(alpha=...)",
+    "grace_window": "syncer=hj.Syncer(grace_window=...)",
+    "outer_options": "method_options={...}",
+    "lookahead_dispatch": "method_options={'lookahead_dispatch': ...}",
+    "dylu": "method_options={'dylu': ...}",
+    "palsgd_coins": "method_options={'coins': ...}",
+    "palsgd_warmup_steps": "method_options={'warmup_steps': ...}",
+}
+
+
+def refuse_renamed(call: str, options: Mapping[str, Any]) -> None:
+  """A keyword of ``RENAMED_KEYWORDS`` in ``options`` as one line naming its new home."""
+  for name in options:
+    if name in RENAMED_KEYWORDS:
+      raise TypeError(f"{call}() got {name}=, which was renamed: use {RENAMED_KEYWORDS[name]} "
+                      "(CHANGELOG.md)")
+
+
+def _refusing_renamed(function: Callable[_P, Any]) -> Callable[_P, Any]:
+  """``function`` refusing ``RENAMED_KEYWORDS`` in one line (its signature unchanged)."""
+  @functools.wraps(function)
+  def call(*args: Any, **kwargs: Any) -> Any:
+    refuse_renamed(function.__name__, kwargs)
+    return function(*args, **kwargs)
+  return call  # type: ignore[return-value]
+
+
+@_refusing_renamed
 def make_engine(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -610,6 +652,7 @@ def simulate(loss_fn: Callable[..., Any], params: Any, data: Sequence[Iterable[A
   engine_lib.require_no_event_loop(
       "hj.simulate()", "`engine = hj.make_engine(...)`, `summary = await engine.run()`, "
       "`engine.rows` and `engine.params`")
+  refuse_renamed("simulate", options)
   unknown = sorted(set(options) - set(inspect.signature(make_engine).parameters))
   if unknown:  # as Python words it for a declared signature
     raise TypeError(f"simulate() got an unexpected keyword argument {unknown[0]!r}")
@@ -651,19 +694,19 @@ def _spec_dict(spec: state_lib.RunSpec) -> dict[str, Any]:
 
 def _spec_json(engine: engine_lib.Engine, settings: dict[str, Any]) -> str:
   """The run's settings as JSON (a workdir's config.json): what a resume must match, with
-  the layout's version (``heloco_jax/rundir/upgrades.py``)."""
+  the layout's version (``heloco_jax/rundir/workdir.py``)."""
   spec = _spec_dict(engine.spec)
   spec["options"] = settings  # JSON as far as it goes; other values by their repr
   spec["params"] = [list(np.shape(x)) for x in jax.tree.leaves(engine.params)]
-  spec[upgrades.SCHEMA_KEY] = upgrades.SCHEMA_VERSION
+  spec[workdir_lib.SCHEMA_KEY] = workdir_lib.SCHEMA_VERSION
   return json.dumps(spec, indent=2, sort_keys=True, default=str) + "\n"
 
 
 def _defaults_json(engine: engine_lib.Engine) -> str:
   """What a key absent from an older config.json of the API ran with: its ``RunSpec``
-  field's default, or ``upgrades.ADDED``'s (docs/DESIGN.md, "Files a run writes")."""
-  defaulted = upgrades.spec_defaults(engine.spec)
+  field's default, or ``workdir_lib.ADDED``'s (docs/DESIGN.md, "Files a run writes")."""
+  defaulted = workdir_lib.spec_defaults(engine.spec)
   recorded = _spec_dict(dataclasses.replace(engine.spec, **defaulted))
   defaults = {key: recorded[key] for key in defaulted}
-  defaults.update(upgrades.ADDED)
+  defaults.update(workdir_lib.ADDED)
   return json.dumps(defaults, sort_keys=True, default=str)

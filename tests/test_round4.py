@@ -273,15 +273,14 @@ def test_an_api_workdir_without_a_key_at_its_default_resumes_bit_for_bit(tmp_pat
 def test_a_workdir_of_the_oldest_layout_resumes(tmp_path):
   """Every key today's API records at its RunSpec default, absent (as a version that did not
   know them wrote it), with no config_schema: it resumes; the fixture lists today's keys."""
-  from heloco_jax.rundir import upgrades  # pylint: disable=g-import-not-at-top
   workdir = _stopped_run(tmp_path)
   with open(os.path.join(workdir, "config.json")) as f:
     today = json.load(f)
   fixture = os.path.join(os.path.dirname(__file__), "rundir", "fixtures", "api_config_v1.json")
   with open(fixture) as f:
     recorded = json.load(f)
-  assert sorted(today) == sorted(recorded), "a new key: add its old value to upgrades.ADDED"
-  assert recorded["config_schema"] == upgrades.SCHEMA_VERSION
+  assert sorted(today) == sorted(recorded), "a new key: its old value in workdir_lib.ADDED"
+  assert recorded["config_schema"] == workdir_lib.SCHEMA_VERSION
   def oldest(config):
     for key in ("config_schema", "seed", "fragments", "overlap_steps", "fragment_alpha",
                 "fragment_layout", "palsgd_coins", "rejection_limit", "dylu", "jitter"):
@@ -301,3 +300,18 @@ def test_a_recorded_value_that_differs_is_still_refused_in_one_line(tmp_path, ed
   with pytest.raises(workdir_lib.WorkdirError, match=message) as raised:
     _simulate(budget=hj.Budget(steps=16), workdir=hj.Workdir(workdir, checkpoint_every=1))
   assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("name, value, home", [
+    ("budget_steps", 100, r"budget=hj\.Budget\(steps=\.\.\.\)"),
+    ("checkpoint_every", 5, r"workdir=hj\.Workdir\(path, checkpoint_every=\.\.\.\)"),
+    ("fragments", 2, r"streaming=hj\.Streaming\(fragments=\.\.\.\)"),
+    ("grace_window", 1.0, r"syncer=hj\.Syncer\(grace_window=\.\.\.\)"),
+])
+@pytest.mark.parametrize("call", ["simulate", "make_engine"])
+def test_a_renamed_keyword_is_refused_in_one_line_naming_its_new_home(call, name, value, home):
+  """Before: Python's bare "unexpected keyword argument 'budget_steps'"."""
+  with pytest.raises(TypeError, match=rf"^{call}\(\) got {name}=, which was renamed: use "
+                     rf"{home} \(CHANGELOG\.md\)$"):
+    getattr(hj, call)(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_batches(0)],
+                      **{name: value})

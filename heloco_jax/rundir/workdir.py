@@ -31,6 +31,7 @@ null.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import json
@@ -46,9 +47,48 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from heloco_jax.rundir import checkpoint, processes, safe_files, upgrades
+from heloco_jax.rundir import checkpoint, processes, safe_files
 
 Row = dict[str, Any]
+
+
+# What a workdir written by an earlier version resumes with (docs/DESIGN.md, "Files a run
+# writes"). hj.simulate(workdir=...)'s config.json records SCHEMA_KEY (SCHEMA_VERSION) and every
+# resolved value; a resume compares it with the call key by key (config_differences): a key an
+# older config.json did not record is taken at ADDED's value, or else at its RunSpec field's
+# default (a field is added with the default that keeps the old behaviour), so only a key whose
+# recorded value differs from the call's is refused. A newer SCHEMA_KEY is refused. The CLI's
+# config.json is its resolved config: an absent key is taken at configs/schema.py's default and
+# a former name as its current one (schema.RENAMED).
+SCHEMA_VERSION = 1
+SCHEMA_KEY = "config_schema"
+
+# Keys of the API's config.json (dotted) an earlier layout did not record, and the value
+# that reproduces how such a run ran, where it is not the RunSpec field's default
+# (``spec_defaults``). Add a row with every key whose absent value means something else.
+ADDED: Mapping[str, Any] = MappingProxyType({
+    SCHEMA_KEY: 0,  # a config.json without it: the layout before versions were recorded
+})
+
+
+def spec_defaults(spec: Any) -> dict[str, Any]:
+  """The defaults of ``spec``'s (a ``RunSpec``'s) fields that have one, by field name."""
+  out = {}
+  for field in dataclasses.fields(spec):
+    if field.default is not dataclasses.MISSING:
+      out[field.name] = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+      out[field.name] = field.default_factory()
+  return out
+
+
+def check_version(recorded: Mapping[str, Any], path: str, flag: str) -> None:
+  """Refuses a ``config.json`` of a newer layout than this library's (one line)."""
+  version = recorded.get(SCHEMA_KEY, ADDED[SCHEMA_KEY])
+  if isinstance(version, bool) or not isinstance(version, int) or version > SCHEMA_VERSION:
+    raise ValueError(f"{path} records {SCHEMA_KEY}={version!r}, a layout newer than this "
+                     f"heloco_jax's ({SCHEMA_VERSION}); allowed: resume it with the version "
+                     f"that wrote it (or newer), or use a new {flag}")
 
 
 # What a run writes in its workdir: files (opened without following links) and directories
@@ -57,8 +97,8 @@ RUN_FILES = ("lock", "config.json", "metrics.jsonl", "summary.json", "run_id")
 RUN_DIRS = ("checkpoints", "tensorboard", "plots")
 # Config keys that say where a run's processes meet, not what they compute: a resumed
 # jax.distributed run may take another coordinator address (docs/DESIGN.md, "Scaling out");
-# and the layout's version, which a newer library reads (rundir/upgrades.py).
-MAY_CHANGE_ON_RESUME = ("distributed.coordinator", upgrades.SCHEMA_KEY)
+# and the layout's version, which a newer library reads (SCHEMA_KEY above).
+MAY_CHANGE_ON_RESUME = ("distributed.coordinator", SCHEMA_KEY)
 
 
 class Checkpointable(Protocol):
@@ -389,7 +429,7 @@ class RunDirectory:
       raise WorkdirError(f"{path} holds {kind}, not a JSON object, so the checkpoints' config "
                          f"is unknown; use a new {flag}{instead}")
     try:
-      upgrades.check_version(recorded, path, flag)
+      check_version(recorded, path, flag)
     except ValueError as error:
       raise WorkdirError(str(error)) from None
     return config_differences(recorded, json.loads(config_json), self._defaults, self._renamed)
