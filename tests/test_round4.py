@@ -315,3 +315,29 @@ def test_a_renamed_keyword_is_refused_in_one_line_naming_its_new_home(call, name
                      rf"{home} \(CHANGELOG\.md\)$"):
     getattr(hj, call)(_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_batches(0)],
                       **{name: value})
+
+
+def test_no_module_of_the_package_imports_in_a_circle_type_checking_imports_too():
+  """Before: runtime/state.py imported runtime/streaming.py, which imported state's Run under
+  TYPE_CHECKING (tests/test_layout.py's graph leaves those out)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(hj.__file__).parent
+  def name(path):
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+  modules = {name(p): p for p in root.rglob("*.py") if p.name != "__init__.py"}
+  graph = {}
+  for module, path in modules.items():
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+      elif isinstance(node, ast.Import):
+        found |= {a.name for a in node.names}
+    graph[module] = {m for m in found if m in modules and m != module}
+  def reaches(start, goal, seen):
+    return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+               for n in graph[start])
+  circles = sorted(m for m in graph if any(reaches(other, m, set()) for other in graph[m]))
+  assert not circles, circles

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,23 @@ import numpy as np
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.runtime.base import Job
 
-if TYPE_CHECKING:
-  from heloco_jax.runtime.state import Run
+
+
+class Run(Protocol):
+  """What this module reads of a run: ``runtime.state.Run``, named by its attributes and not
+  imported (state.py imports this module; no import circle, docs/DESIGN.md's layout)."""
+  spec: Any
+  state: Any
+  server: Any
+  features: Any
+  fragments: Any
+  executor: Any
+  clock: Any
+  downlink: Any
+  model_states: Any
+  batches: Any
+
+  def next_key(self) -> Any: ...
 
 
 @dataclasses.dataclass
