@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.runtime import base, clocks, streaming
 from heloco_jax.runtime.base import Job
@@ -315,24 +316,41 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
     present = await _present(run)  # everyone away: the next round starts when one comes back
     if present is None:
       return
+    # The keys draw PALSGD's coins: one per round for all (shared) or one per worker.
+    keys = jnp.stack([run.next_key()] * k if spec.palsgd_coins == "shared"
+                     else [run.next_key() for _ in range(k)])
+    # A round is checked against the budget before it is computed (its work would not be
+    # applied): its steps, less PALSGD's pseudo-sync steps (which read no data and cost no
+    # compute time), drawn ahead from its keys; on the simulated clock also its seconds.
+    pseudo = inner_lib.pseudo_sync_steps(inner.tx, keys, h) if palsgd else np.zeros(k, int)
+    start, ahead = s.sim_time, None
+    if pseudo is not None:
+      planned = np.where(present, h - pseudo, 0)
+      if run.clock.simulated:
+        ahead = run.clock.round_seconds(planned, start)
+        part = present & ~membership.lost(present, start, start + ahead)
+      else:  # the real clock's seconds are known after the round
+        part = present
+      if spec.budget.over(s.units + int(planned[part].sum()) * spec.units_per_step,
+                          start + (ahead or 0.0)):
+        return
     # Every worker restarts from θ, keeping its own step count (and its optimizer
     # state unless reset_optimizer).
     theta = executor.to_rounds(run.server.params)
     starts = inner.start_many(theta, run.model_states.for_round(s.workers), k)
     batches = jax.tree.map(lambda *xs: np.stack(xs), *[run.batches(i, h) for i in range(k)])
-    # The keys draw PALSGD's coins: one per round for all (shared) or one per worker.
-    keys = jnp.stack([run.next_key()] * k if spec.palsgd_coins == "shared"
-                     else [run.next_key() for _ in range(k)])
     states, metrics = executor.run_round(starts, batches, keys, theta if palsgd else None)
-    # PALSGD: pseudo-sync steps read no data and cost no compute time.
     real_steps = np.where(present, h - executor.to_host(metrics.pseudo_sync).sum(axis=1), 0)
-    start, duration = s.sim_time, run.clock.round_seconds(real_steps, s.sim_time)
+    if pseudo is not None and not np.array_equal(real_steps, planned):
+      raise RuntimeError(f"PALSGD's coins drawn ahead ({planned}) are not the round's "
+                         f"({real_steps}): please report it")
+    duration = run.clock.round_seconds(real_steps, start) if ahead is None else ahead
     # ALGORITHMS.md, "Elastic membership": a worker that leaves before the barrier loses its
     # part of the round; the others' parts are averaged.
     lost = membership.lost(present, start, start + duration)
     part = present & ~lost
     units = s.units + int(real_steps[part].sum()) * spec.units_per_step
-    if spec.budget.over(units, start + duration):
+    if spec.budget.over(units, start + duration):  # a real clock's seconds ran out during it
       return
     s.units, s.sim_time = units, start + duration
     accepted = _screen_round(run, states, real_steps, part)
@@ -349,7 +367,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       f.compression.states[0] = (residuals if part.all() else
                           _where_part(run, part, residuals, f.compression.states[0]))
     elif accepted.any():
-      delta = executor.round_delta(run.server.params, states.params, accepted)
+      delta = _round_delta(run, run.server.params, states.params, accepted)
     if accepted.any():
       run.server.apply(delta, 0)
       s.version += 1
@@ -426,6 +444,16 @@ def _only_part(metrics: inner_lib.InnerMetrics, part: np.ndarray) -> inner_lib.I
   """``metrics`` with the steps of the workers that took no part marked as reading no batch
   (``inner.train_loss`` leaves them out)."""
   return metrics._replace(pseudo_sync=metrics.pseudo_sync | ~jnp.asarray(part)[:, None])
+
+
+def _round_delta(run: Run, params: Any, ends: Any, accepted: np.ndarray) -> Any:
+  """A round's Δ: the executor's θ − mean of the accepted ends (today's bits), or the run's
+  aggregation rule over the accepted Δ_i (ALGORITHMS.md, "Aggregation")."""
+  rule, executor = run.spec.syncer.aggregate, run.executor
+  if isinstance(rule, aggregate_lib.Mean):
+    return executor.round_delta(params, ends, accepted)
+  return executor.to_server(aggregate_lib.round_delta(
+      rule, executor.to_rounds(params), ends, executor.to_rounds(accepted)))
 
 
 def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray,
@@ -543,7 +571,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       f.compression.states[p] = (residuals if part.all() else
                                  _where_part(run, part, residuals, f.compression.states[p]))
     elif accepted.any():
-      delta = executor.round_delta(server.params, ends, accepted)
+      delta = _round_delta(run, server.params, ends, accepted)
     if accepted.any():
       server.apply(delta, 0)
       s.version += 1

@@ -32,10 +32,11 @@ import dataclasses
 import functools
 import inspect
 import numbers
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 import optax
 
@@ -243,7 +244,24 @@ def palsgd_inner(direction: optax.GradientTransformation, learning_rate: Schedul
     updates = jax.tree.map(pick, pulled, step_updates)
     return updates, PalsgdState(jax.tree.map(pick, state.inner, inner), coin)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = PalsgdTransform(init_fn, update_fn)
+  tx.pseudo_sync_prob = p  # the engine draws a round's coins ahead (``pseudo_sync_steps``)
+  return tx
+
+
+class PalsgdTransform(optax.GradientTransformationExtraArgs):
+  """``palsgd_inner``'s transform: an optax one that also knows its ``pseudo_sync_prob``."""
+
+
+def pseudo_sync_steps(tx: Any, keys: jax.Array, steps: int) -> Optional[np.ndarray]:
+  """Per key of ``keys`` (a round's, one per worker), how many of ``steps`` steps of
+  ``run`` with ``tx`` are PALSGD pseudo-sync steps: the coins ``run`` draws, drawn ahead, so
+  that a round is checked against its budget before it is computed; None when ``tx`` does
+  not say its probability (not ``palsgd_inner``'s)."""
+  p = getattr(tx, "pseudo_sync_prob", None)
+  if p is None:
+    return None
+  return np.asarray(jnp.sum(_coins(keys, steps, True) < p, axis=1))
 
 
 class InnerState(NamedTuple):
@@ -401,12 +419,16 @@ class InnerLoop:
       the loop makes keep it (None: wherever XLA puts them).
     spmd_axis_name: the mesh axis stacked workers (``run_many``) are split
       over (``jax.vmap``'s ``spmd_axis_name``); None: not split.
+    loop: how the H steps of a dispatch run: "scan" (one ``lax.scan``, one program),
+      "steps" (one compiled step per Python iteration) or "auto" (``auto_loop``: "steps"
+      for a ``loss_fn`` with a convolution on CPU, else "scan"; docs/DESIGN.md, "The inner
+      loop"). The two give the same math, not the same float bits.
   """
 
   def __init__(self, loss_fn: Callable[..., Any],
                inner_tx: Optional[optax.GradientTransformation] = None,
                reset_optimizer: bool = True, layout: Optional[sharding.Layout] = None,
-               spmd_axis_name: Optional[str] = None):
+               spmd_axis_name: Optional[str] = None, loop: Loop = "auto"):
     self.loss_fn = loss_fn
     self.contract = LossContract.of(loss_fn)
     self.tx = optax.with_extra_args_support(adamw() if inner_tx is None else inner_tx)
@@ -414,10 +436,19 @@ class InnerLoop:
     self.layout = layout
     self._constrain = layout.constrain if layout is not None else lambda tree: tree
     self._vmap = functools.partial(jax.vmap, spmd_axis_name=spmd_axis_name)
-    self.run_jit = jax.jit(self.run, donate_argnums=0)
+    check_loop(loop)
+    self.loop = loop
+    self.spmd_axis_name = spmd_axis_name
+    self._resolved: Optional[str] = None if loop == "auto" else loop
+    self.run_scan = jax.jit(self.run, donate_argnums=0)
     self.start_jit = jax.jit(self.start)  # one program instead of eager per-leaf copies and zeros
-    self.run_many = jax.jit(self._vmap(self.run, in_axes=(0, 0, 0, None)) if spmd_axis_name is None
-                            else self._run_per_slice(spmd_axis_name), donate_argnums=0)
+    self.run_many_scan = jax.jit(self._vmap(self.run, in_axes=(0, 0, 0, None))
+                                 if spmd_axis_name is None
+                                 else self._run_per_slice(spmd_axis_name), donate_argnums=0)
+    # "steps": one compiled step per Python iteration (``run_steps``)
+    self.step_jit = jax.jit(self._one_step, donate_argnums=0)
+    self.step_many = jax.jit(jax.vmap(self._one_step, in_axes=(0, 0, 0, None)),
+                             donate_argnums=0)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)
 
@@ -443,7 +474,8 @@ class InnerLoop:
   def with_layout(self, layout: Optional[sharding.Layout],
                   spmd_axis_name: Optional[str] = None) -> "InnerLoop":
     """The same loop compiled for ``layout`` (a worker group's or a round's mesh)."""
-    return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout, spmd_axis_name)
+    return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout, spmd_axis_name,
+                     self.loop)
 
   def _run_per_slice(self, axis: str) -> Callable[..., tuple[InnerState, InnerMetrics]]:
     """``run`` for K stacked workers split over the mesh axis ``axis``, one worker per slice:
@@ -555,13 +587,118 @@ class InnerLoop:
 
     def body(state, inputs):
       batch, u = inputs
-      extra = {} if anchor is None else {"anchor": anchor, "uniform": u}
-      new, loss, user = self.step(state, batch, **extra)
-      new = self._constrain(new)
-      pseudo = getattr(new.opt_state, "pseudo_sync", jnp.zeros((), bool))
-      if anchor is not None:  # PALSGD: a pseudo-sync step reads no batch; its model state
-        new = new._replace(model_state=jax.tree.map(  # stays as it was
-            lambda a, b: jnp.where(pseudo, a, b), state.model_state, new.model_state))
-      return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step, user)
+      return self._one_step(state, batch, u, anchor)
 
     return jax.lax.scan(body, state, (batches, uniform))
+
+  def _one_step(self, state: InnerState, batch: Any, u: jax.Array, anchor: Any
+                ) -> tuple[InnerState, InnerMetrics]:
+    """One step of ``run``: ``u`` is the step's coin (PALSGD, with an ``anchor``)."""
+    extra = {} if anchor is None else {"anchor": anchor, "uniform": u}
+    new, loss, user = self.step(state, batch, **extra)
+    new = self._constrain(new)
+    pseudo = getattr(new.opt_state, "pseudo_sync", jnp.zeros((), bool))
+    if anchor is not None:  # PALSGD: a pseudo-sync step reads no batch; its model state
+      new = new._replace(model_state=jax.tree.map(  # stays as it was
+          lambda a, b: jnp.where(pseudo, a, b), state.model_state, new.model_state))
+    return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step, user)
+
+  def loop_for(self, state: InnerState, batch: Callable[[], Any], anchor: Any = None) -> str:
+    """The loop this InnerLoop runs ("scan" or "steps"), decided at its first dispatch from
+    one worker's ``state`` and one step's ``batch()`` (``auto_loop``)."""
+    if self._resolved is None:
+      if self.layout is not None or self.spmd_axis_name is not None:
+        self._resolved = "scan"  # a sharded θ keeps one program (docs/DESIGN.md)
+      else:
+        jaxpr = jax.make_jaxpr(self._one_step)(
+            _abstract(state), _abstract(batch()), jax.ShapeDtypeStruct((), jnp.float32),
+            anchor if anchor is None else _abstract(anchor))
+        self._resolved = auto_loop(_platform(state), _has_convolution(jaxpr))
+    return self._resolved
+
+  def run_jit(self, state: InnerState, batches: Any, key: jax.Array, anchor: Any = None
+              ) -> tuple[InnerState, InnerMetrics]:
+    """``run`` compiled (``state`` donated), as ``loop_for`` says: one scan or H steps."""
+    if self.loop_for(state, lambda: jax.tree.map(lambda x: x[0], batches), anchor) == "scan":
+      return self.run_scan(state, batches, key, anchor)
+    return self.run_steps(state, batches, key, anchor)
+
+  def run_many(self, states: InnerState, batches: Any, keys: jax.Array, anchor: Any = None
+               ) -> tuple[InnerState, InnerMetrics]:
+    """``run`` for K workers stacked on a leading axis (``vmap``), as ``loop_for`` says."""
+    one = jax.tree.map(lambda x: x[0], states) if self._resolved is None else states
+    if self.loop_for(one, lambda: jax.tree.map(lambda x: x[0, 0], batches), anchor) == "scan":
+      return self.run_many_scan(states, batches, keys, anchor)
+    return self.run_steps(states, batches, keys, anchor, many=True)
+
+  def run_steps(self, state: InnerState, batches: Any, key: jax.Array, anchor: Any = None,
+                many: bool = False) -> tuple[InnerState, InnerMetrics]:
+    """``run`` as H compiled steps from Python (``many``: K stacked workers, vmapped): the
+    scan's body, its coins drawn alike; the metrics stacked on the step axis."""
+    axis = 1 if many else 0
+    steps = jax.tree.leaves(batches)[0].shape[axis]
+    shape = (len(key), steps) if many else (steps,)
+    uniform = (np.zeros(shape, np.float32) if anchor is None  # on the host: no op per step
+               else np.asarray(_coins(key, steps, many)))
+    step = self.step_many if many else self.step_jit
+    metrics = []
+    for i in range(steps):
+      batch = jax.tree.map(lambda x, i=i: x[:, i] if many else x[i], batches)
+      state, m = step(state, batch, uniform[:, i] if many else uniform[i], anchor)
+      metrics.append(m)
+    return state, _stack_steps(metrics, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _coins(key: jax.Array, steps: int, many: bool) -> jax.Array:
+  """PALSGD's uniform numbers of ``run``, one per step (``many``: per key of a stack)."""
+  draw = functools.partial(jax.random.uniform, shape=(steps,))
+  return jax.vmap(draw)(key) if many else draw(key)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _stack_steps(metrics: list, axis: int) -> Any:
+  """Per-step metrics stacked on ``axis`` (one compiled program)."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs, axis=axis), *metrics)
+
+
+Loop = Literal["auto", "scan", "steps"]
+
+
+def check_loop(loop: Any) -> None:
+  if loop not in ("auto", "scan", "steps"):
+    raise ValueError(f"loop={loop!r} is not allowed; allowed: 'auto', 'scan' or 'steps'")
+
+
+def auto_loop(platform: str, convolution: bool) -> str:
+  """"steps" for a step with a convolution on CPU, else "scan": XLA:CPU runs a convolution
+  inside a while loop several times slower than alone (``python -m benchmarks.users_model``,
+  docs/DESIGN.md, "The inner loop"); a scan keeps the bits of earlier releases elsewhere."""
+  return "steps" if platform == "cpu" and convolution else "scan"
+
+
+def _platform(tree: Any) -> str:
+  """The platform of ``tree``'s first placed array (else JAX's default backend)."""
+  for leaf in jax.tree.leaves(tree):
+    sharding_ = getattr(leaf, "sharding", None)
+    if sharding_ is not None:
+      return next(iter(sharding_.device_set)).platform
+  return jax.default_backend()
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _has_convolution(jaxpr: Any) -> bool:
+  """Whether a (closed) jaxpr, or one inside it, has a convolution."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "conv_general_dilated":
+      return True
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          if _has_convolution(sub):
+            return True
+  return False

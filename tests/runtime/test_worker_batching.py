@@ -48,10 +48,10 @@ def test_sequential_workers_train_as_the_vmapped_ones_with_one_compiled_loop(met
     runs[batching] = (engine.rows, engine.params)
     warmup = method == "palsgd"  # PALSGD's DDP warm-up steps on the K batches together
     if batching == "sequential":  # one worker's program for every worker of every round
-      assert inner.run_jit._cache_size() == 1 + warmup  # pylint: disable=protected-access
-      assert inner.run_many._cache_size() == 0  # pylint: disable=protected-access
+      assert inner.run_scan._cache_size() == 1 + warmup  # pylint: disable=protected-access
+      assert inner.run_many_scan._cache_size() == 0  # pylint: disable=protected-access
     else:
-      assert inner.run_many._cache_size() == 1  # pylint: disable=protected-access
+      assert inner.run_many_scan._cache_size() == 1  # pylint: disable=protected-access
     engine.close()
   (rows_v, params_v), (rows_s, params_s) = runs["vmap"], runs["sequential"]
   assert [r["event"] for r in rows_v] == [r["event"] for r in rows_s]
