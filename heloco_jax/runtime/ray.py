@@ -119,6 +119,10 @@ class ServerActor(server_lib.OuterServer):
   def dispatch_point(self) -> Any:
     return sharding.to_host(super().dispatch_point())
 
+  def node(self) -> str:
+    """The id of the Ray node this actor runs on."""
+    return import_ray().get_runtime_context().get_node_id()
+
   def get_params(self) -> Any:
     return sharding.to_host(self.params)
 
@@ -229,6 +233,10 @@ class WorkerActor:
 
   def pid(self) -> int:
     return os.getpid()
+
+  def node(self) -> str:
+    """The id of the Ray node this actor runs on."""
+    return import_ray().get_runtime_context().get_node_id()
 
   def run(self, worker: int, start: Any, previous: Optional[inner_lib.InnerState],
           batches: Any, key_data: np.ndarray, fresh: bool, compressor: Optional[bytes] = None,
@@ -652,9 +660,15 @@ class RayExecutor(simulated.OneProcess):
     return tree if self.layout is None else self.layout.from_host(tree)
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> RayServer:
-    actor = self._ray.remote(ServerActor).options(**self._server_options).remote(
-        outer_tx, sharding.to_host(params), options,
-        self.layout.recipe if self.layout is not None else None)
+    """The server actor, on the driver's node where it fits there (θ is never lost with a
+    worker's node; soft: elsewhere when the node lacks ``server_gpus``)."""
+    from ray.util import scheduling_strategies  # pylint: disable=g-import-not-at-top
+    here = scheduling_strategies.NodeAffinitySchedulingStrategy(
+        self._ray.get_runtime_context().get_node_id(), soft=True)
+    actor = self._ray.remote(ServerActor).options(
+        scheduling_strategy=here, **self._server_options).remote(
+            outer_tx, sharding.to_host(params), options,
+            self.layout.recipe if self.layout is not None else None)
     return RayServer(actor, self.layout)
 
   synchronies = frozenset({"async"})
@@ -864,7 +878,10 @@ class RayExecutor(simulated.OneProcess):
   def close(self) -> None:
     """Stops the actors (and the local Ray instance this runtime started)."""
     for actor in self.actors:
-      self._ray.kill(actor, no_restart=True)
+      try:
+        self._ray.kill(actor, no_restart=True)
+      except Exception:  # pylint: disable=broad-except  (gone with its node: nothing to stop)
+        pass
     if self._started:
       self._ray.shutdown()
 
