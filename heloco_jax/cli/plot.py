@@ -7,7 +7,8 @@ writes"); a run still in progress works too (a half-written last line is skipped
   ``hj.simulate`` does without ``tokens_per_step``), ``loss_vs_sim_time.png``: validation
   loss, the runs overlaid and labelled by method and speeds;
 - ``<key>_vs_tokens.png`` (or ``_vs_steps``) for every other number the eval rows hold (an
-  ``eval_fn``'s accuracy);
+  ``eval_fn``'s accuracy; ``a/b`` as ``a_b``, and a key a file name cannot hold, or two that
+  would meet, cut to 80 safe characters and a hash of the key);
 - ``staleness_per_worker.png``: per run, a histogram of staleness stacked by worker;
 - ``alignment.png``: per run, cos(Δ, m) over simulated time and, for HeLoCo, the fraction of
   blocks in each branch (pass, keep, shrink, rotate);
@@ -15,15 +16,19 @@ writes"); a run still in progress works too (a half-written last line is skipped
 
 The last three need arrival rows: synchronous methods (ddp, local_sgd, diloco, palsgd) have
 none, so their runs appear in the loss figures only.
+An arrival row whose ``sim_time`` is not finite is left out, with a one-line warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import re
 import sys
+import warnings
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -77,7 +82,13 @@ class Run:
                          "per line (only a half-written last line is skipped)") from None
       rows.append(_checked(row, metrics_path, number))
     self.evals = [r for r in rows if r.get("event") == "eval"]
-    self.arrivals = [r for r in rows if r.get("event") == "arrival"]
+    arrivals = [r for r in rows if r.get("event") == "arrival"]
+    self.arrivals = [r for r in arrivals if math.isfinite(r["sim_time"])]
+    if len(self.arrivals) < len(arrivals):  # matplotlib would leave them out without a word
+      dropped = len(arrivals) - len(self.arrivals)
+      warnings.warn(f"{metrics_path}: {dropped} arrival row{'s' if dropped > 1 else ''} with a "
+                    "sim_time that is not finite (Infinity or NaN) "
+                    f"{'are' if dropped > 1 else 'is'} left out of the figures", stacklevel=2)
 
 
 def _number(value: Any) -> bool:
@@ -140,6 +151,12 @@ def _extra_eval_keys(runs: Sequence[Run]) -> list[str]:
   return list(keys)
 
 
+def _printable(key: str, limit: int = 60) -> str:
+  """``key`` as an axis label: control characters as escapes, cut at ``limit``."""
+  text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in key)
+  return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _labels(runs: Sequence[Run]) -> list[str]:
   """Each run's label, with its directory name where two labels would be the same."""
   counts = {label: sum(r.label == label for r in runs) for label in {r.label for r in runs}}
@@ -150,6 +167,20 @@ def _labels(runs: Sequence[Run]) -> list[str]:
 def _grid(plt, n: int, width: float = 4.2, height: float = 3.2):
   fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
   return fig, axes[0]
+
+
+def _file_names(keys: Sequence[str]) -> dict[str, str]:
+  """Each eval key's figure name: its characters a file name allows ('a/b' -> 'a_b'), at most
+  80, and a hash of the key where that changed it beyond '/' or two keys would meet (a key
+  300 characters long, or holding a NUL, names no file)."""
+  names, taken = {}, {"loss"}
+  for key in keys:
+    name = re.sub(r"[^\w.\-]", "_", key.replace("/", "_"), flags=re.ASCII)
+    if name != key.replace("/", "_") or len(name) > 80 or name in taken or name.startswith("."):
+      name = f"{name[:80]}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    names[key] = name
+    taken.add(name)
+  return names
 
 
 def _save(plt, fig, path: str) -> str:
@@ -178,7 +209,9 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
   # against each unit some run counts, and against simulated seconds.
   axes_ = [(unit, unit) for unit in UNITS if any(unit in e for r in runs for e in r.evals)]
   axes_.append(("sim_time", "simulated seconds"))
-  for key in ["val_loss", *_extra_eval_keys(runs)]:
+  extra = _extra_eval_keys(runs)
+  names = {"val_loss": "loss", **_file_names(extra)}
+  for key in ["val_loss", *extra]:
     for axis, xlabel in axes_:
       if key != "val_loss" and axis == "sim_time":
         continue
@@ -189,11 +222,10 @@ def plot(run_dirs: Sequence[str], out: str) -> list[str]:
           ax.plot([e[axis] for e in evals], [np.nan if e[key] is None else e[key]
                                              for e in evals], marker=".", label=label)
       ax.set_xlabel(xlabel)
-      ax.set_ylabel("validation loss" if key == "val_loss" else key)
+      ax.set_ylabel("validation loss" if key == "val_loss" else _printable(key))
       ax.grid(alpha=0.3)
       ax.legend(fontsize=8)
-      name = "loss" if key == "val_loss" else key.replace("/", "_")
-      paths.append(_save(plt, fig, os.path.join(out, f"{name}_vs_{axis}.png")))
+      paths.append(_save(plt, fig, os.path.join(out, f"{names[key]}_vs_{axis}.png")))
 
   with_arrivals = [(r, label) for r, label in zip(runs, labels) if r.arrivals]
   if not with_arrivals:
@@ -261,7 +293,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   out = args.out or (os.path.join(args.run_dirs[0], "plots") if len(args.run_dirs) == 1
                      else "plots")
   try:
-    paths = plot(args.run_dirs, out)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      paths = plot(args.run_dirs, out)
   except ValueError as error:  # safe_files.LinkError too
     print(f"heloco-jax plot: {error}", file=sys.stderr)
     return 2
@@ -269,6 +303,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"heloco-jax plot: cannot write to --out={out!r}: {error.strerror or error}",
           file=sys.stderr)
     return 2
+  for warning in caught:
+    if issubclass(warning.category, UserWarning) and "left out of the figures" in str(
+        warning.message):
+      print(f"heloco-jax plot: warning: {warning.message}", file=sys.stderr)
+    else:  # a library's own (matplotlib's)
+      warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
   for path in paths:
     print(path)
   return 0

@@ -25,7 +25,8 @@ class _Runs(dict):
 
   def __missing__(self, method):
     self[method] = str(self.root / method)
-    assert cli.main(["train", f"--workdir={self[method]}", *TINY, f"--config.method={method}",
+    tiny = [arg for arg in TINY if not arg.startswith("--config.speeds=")]  # a flag once only
+    assert cli.main(["train", f"--workdir={self[method]}", *tiny, f"--config.method={method}",
                      "--config.budget.tokens=2048", "--config.speeds=[1.0,2.0,3.0]",
                      "--config.writers=jsonl", "--config.palsgd_warmup_steps=0"]) == 0
     return self[method]
@@ -105,3 +106,54 @@ def test_an_api_run_counted_in_steps_gets_its_loss_and_each_eval_metric_drawn(tm
     assert os.path.getsize(tmp_path / "out" / name) > 5_000, name
   assert "loss_vs_tokens.png" not in written
   capsys.readouterr()
+
+
+def _write_run(path, evals, arrivals=()):
+  """A run directory written by hand: ``evals`` and ``arrivals`` as metrics.jsonl rows."""
+  import json  # pylint: disable=g-import-not-at-top
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for row in evals:
+      f.write(json.dumps({"event": "eval", "tokens": 0, "sim_time": 0.0, "outer_updates": 0,
+                          "val_loss": 1.0, **row}) + "\n")
+    for row in arrivals:
+      f.write(json.dumps({"event": "arrival", "worker": 0, "staleness": 0, "sim_time": 1.0,
+                          **row}) + "\n")
+
+
+@pytest.mark.parametrize("key", ["k" * 300, "a\x00b", "a/b"])
+def test_an_eval_key_that_makes_no_file_name_gets_a_safe_one(tmp_path, capsys, key):
+  """Issue 78: an eval key 300 characters long or holding a NUL: "cannot write to --out",
+  blaming --out, after 2 figures were written. Its figure gets a safe file name now (the
+  key's characters a file name allows, cut short, with a hash of the key when changed)."""
+  _write_run(tmp_path / "run", [{"tokens": t, key: 0.5 + t} for t in (0, 10)])
+  assert cli.main(["plot", str(tmp_path / "run"), f"--out={tmp_path / 'out'}"]) == 0
+  written = sorted(os.listdir(tmp_path / "out"))
+  extra = [name for name in written if not name.startswith("loss_vs_")]
+  assert len(extra) == 1, written
+  assert len(extra[0]) <= 128 and "\x00" not in extra[0] and extra[0].endswith("_vs_tokens.png")
+  if key == "a/b":
+    assert extra == ["a_b_vs_tokens.png"]  # as before
+  assert capsys.readouterr().out.split() == [str(tmp_path / "out" / n) for n in (
+      "loss_vs_tokens.png", "loss_vs_sim_time.png", extra[0])]
+
+
+def test_eval_keys_that_meet_in_one_file_name_get_one_figure_each(tmp_path, capsys):
+  """"a/b" and "a_b" were both drawn into a_b_vs_tokens.png, the second over the first."""
+  _write_run(tmp_path / "run", [{"tokens": t, "a/b": 1.0, "a_b": 2.0} for t in (0, 10)])
+  assert cli.main(["plot", str(tmp_path / "run"), f"--out={tmp_path / 'out'}"]) == 0
+  assert len(os.listdir(tmp_path / "out")) == 4
+  capsys.readouterr()
+
+
+def test_arrival_rows_with_a_non_finite_sim_time_are_named_in_a_warning(tmp_path, capsys):
+  """Issue 78: an arrival row whose sim_time is Infinity or NaN was dropped without a word."""
+  _write_run(tmp_path / "run", [{"tokens": t} for t in (0, 10)],
+             [{"sim_time": 1.0}, {"sim_time": float("inf")}, {"sim_time": float("nan")},
+              {"sim_time": 2.0}])
+  assert cli.main(["plot", str(tmp_path / "run"), f"--out={tmp_path / 'out'}"]) == 0
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"heloco-jax plot: warning: {tmp_path / 'run' / 'metrics.jsonl'}: 2 arrival "
+                 "rows with a sim_time that is not finite (Infinity or NaN) are left out of the "
+                 "figures"], err
+  assert os.path.getsize(tmp_path / "out" / "arrivals_timeline.png") > 5_000
