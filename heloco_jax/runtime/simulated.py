@@ -386,7 +386,7 @@ class LocalExecutor(OneProcess):
   def describe(self) -> str:
     if self.layout is not None:
       return f"simulated workers (θ sharded over {dict(self.layout.mesh.shape)})"
-    return "simulated workers"
+    return f"simulated workers (worker_batching={self.batching})"  # "auto" resolved
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     return self._round_delta(params, ends, accepted)
