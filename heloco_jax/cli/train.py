@@ -321,11 +321,19 @@ def _stop_for_a_silent_peer(message: str) -> None:
     os._exit(3)  # pylint: disable=protected-access  (the main thread is stuck in a collective)
 
 
-def _check_same_command(config: Any) -> None:
-  """Refuses, on every process, a ``jax.distributed`` run whose processes resolved other
-  configs (all keys but ``distributed.process_id`` and the coordinator) or share a
-  ``process_id``."""
-  import hashlib  # pylint: disable=g-import-not-at-top
+def _flat(tree: Any, prefix: str = "") -> dict:
+  """{"a": {"b": 1}} -> {"config.a.b": 1}."""
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}").items()}
+
+
+def _check_same_command(config: Any, workdir: str, allow_config_change: bool) -> None:
+  """Refuses, on every process, a ``jax.distributed`` run whose processes share a
+  ``process_id``, name another ``--workdir`` (their checkpoints are one collective write: it
+  would wait forever), another ``--allow_config_change``, or resolved other configs (all keys
+  but ``distributed.process_id`` and the coordinator), naming the keys that differ."""
+  import json  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -341,8 +349,27 @@ def _check_same_command(config: Any) -> None:
   with shared.unlocked():
     shared.distributed.process_id = 0
     shared.distributed.coordinator = ""
-  digest = hashlib.sha256(shared.to_json_best_effort(sort_keys=True).encode()).hexdigest()
-  processes.check_same("resolved configs", digest)
+  mine = {"--workdir": os.path.abspath(workdir), "--allow_config_change": allow_config_change,
+          "config": json.loads(shared.to_json_best_effort(sort_keys=True))}
+  commands = [json.loads(value) for value in processes.exchange(
+      "commands", json.dumps(mine, sort_keys=True))]
+  first = commands[0]
+  for i, command in enumerate(commands[1:], 1):
+    for flag in ("--workdir", "--allow_config_change"):
+      if command[flag] != first[flag]:
+        raise processes.ProcessesError(
+            f"{flag} differs: process {i} gave {command[flag]!r}, process 0 {first[flag]!r}; "
+            f"allowed: the same {flag} on every process (process i > 0 writes DIR/process_i)")
+    theirs, ours = _flat(command["config"], "config"), _flat(first["config"], "config")
+    keys = sorted(key for key in {*theirs, *ours} if theirs.get(key, "absent") != ours.get(
+        key, "absent"))
+    if keys:
+      named = ", ".join(f"{key} ({ours.get(key, 'absent')!r} on process 0, "
+                        f"{theirs.get(key, 'absent')!r} on process {i})" for key in keys[:4])
+      raise processes.ProcessesError(
+          f"the processes' resolved configs differ: process {i} against process 0: {named}"
+          f"{f' and {len(keys) - 4} more' if len(keys) > 4 else ''}; allowed: the same command "
+          "on every process but config.distributed.process_id")
 
 
 def _main(argv: list[str]) -> int:
@@ -370,6 +397,7 @@ def _main(argv: list[str]) -> int:
   from heloco_jax.cli.configs import validation  # pylint: disable=g-import-not-at-top
   from heloco_jax.lm import harness  # pylint: disable=g-import-not-at-top
   from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
+  from heloco_jax.rundir import processes  # pylint: disable=g-import-not-at-top
   from heloco_jax.rundir import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   from heloco_jax.runtime import devices  # pylint: disable=g-import-not-at-top
   from heloco_jax.runtime import engine as engine_lib  # pylint: disable=g-import-not-at-top
@@ -379,9 +407,12 @@ def _main(argv: list[str]) -> int:
     determinism.configure(validation.deterministic(config))  # the CLI owns its process
     devices.initialize_distributed(config.distributed.coordinator,
                                    config.distributed.num_processes,
-                                   config.distributed.process_id)
+                                   config.distributed.process_id,
+                                   config.distributed.timeout)
     validation.validate(config)
   except (validation.ConfigError, determinism.DeterminismError) as error:
+    return _error(str(error))
+  except processes.ProcessesError as error:  # a peer did not arrive (FAILURES.md)
     return _error(str(error))
   except RuntimeError as error:  # jax.distributed could not reach the coordinator
     return _error(f"config.distributed.coordinator={config.distributed.coordinator!r}: "
@@ -393,10 +424,9 @@ def _main(argv: list[str]) -> int:
     return _error(f"--compilation_cache: {error}")
   config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
   try:  # the processes of a jax.distributed run: one command but process_id (FAILURES.md)
-    _check_same_command(config)
+    _check_same_command(config, workdir, allow_config_change)
   except RuntimeError as error:  # processes.ProcessesError
     return _error(str(error))
-  from heloco_jax.rundir import processes  # pylint: disable=g-import-not-at-top
   processes.watch_peers(_stop_for_a_silent_peer)
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
   from heloco_jax.cli.configs import default, schema  # pylint: disable=g-import-not-at-top

@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import errno
 import math
-import socket
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -136,37 +134,28 @@ def group_devices(num_workers: int, batch_size: int, group_sizes: Any = "",
 
 
 def initialize_distributed(coordinator: Optional[str], num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> None:
+                           process_id: Optional[int] = None, timeout_s: float = 60.0) -> None:
   """``jax.distributed.initialize`` (before any other JAX call); nothing without a coordinator.
 
   "auto" lets JAX find the coordinator (Cloud TPU VMs, SLURM, Open MPI);
-  HOST:PORT with ``num_processes`` and ``process_id`` names it.
+  HOST:PORT with ``num_processes`` and ``process_id`` names it. With HOST:PORT the processes
+  first wait for each other at most ``timeout_s`` (``processes.roll_call``: one line naming
+  the missing process ids, or a second process 0; docs/FAILURES.md, "Several processes"),
+  then JAX connects them, within ``timeout_s`` again.
+
+  Raises:
+    processes.ProcessesError: a process did not arrive in time, or one refused the others.
   """
   if not coordinator:
     return
+  from heloco_jax.rundir import processes  # pylint: disable=g-import-not-at-top
+  wait = max(1, math.ceil(timeout_s))
   if coordinator == "auto":
-    jax.distributed.initialize()
+    jax.distributed.initialize(initialization_timeout=wait)
   else:
-    if process_id == 0:
-      _refuse_a_second_process_0(coordinator)
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
-
-
-def _refuse_a_second_process_0(coordinator: str) -> None:
-  """A RuntimeError when something already listens at ``coordinator`` on this host: process 0
-  serves the coordinator there, so a second process 0 would wait for peers forever (JAX's
-  server shares the port). A coordinator on another host is not checked."""
-  host, _, port = coordinator.rpartition(":")
-  family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-  with socket.socket(family, socket.SOCK_STREAM) as probe:
-    try:
-      probe.bind((host.strip("[]"), int(port)))
-    except OSError as error:
-      if error.errno == errno.EADDRINUSE:
-        raise RuntimeError(
-            f"something already listens at {coordinator} (another process with "
-            "config.distributed.process_id=0?); allowed: each process_id once, and a free "
-            "port for process 0") from None
+    processes.roll_call(coordinator, num_processes, process_id, timeout_s)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=wait)
 
 
 class DeviceExecutor(simulated.OneProcess):

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -26,8 +27,16 @@ def _rows(workdir, event="eval"):
     return [row for row in map(json.loads, f) if row["event"] == event]
 
 
+def _once(args):
+  """``args`` with each flag once, its last value (the CLI refuses a flag given twice)."""
+  last = {arg.split("=", 1)[0]: i for i, arg in enumerate(args)}
+  return [arg for i, arg in enumerate(args) if last[arg.split("=", 1)[0]] == i]
+
+
 def _commands(workdir, args):
-  """The commands of the 2 processes of a jax.distributed run of ``args`` in ``workdir``."""
+  """The commands of the 2 processes of a jax.distributed run of ``args`` in ``workdir``
+  (speeds, simulated seconds per step, left out: a real clock refuses them)."""
+  args = [arg for arg in _once(args) if not arg.startswith("--config.speeds=")]
   common = [sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}", *args,
             "--config.runtime=devices",
             f"--config.distributed.coordinator=127.0.0.1:{tiny.free_port()}",
@@ -105,7 +114,9 @@ def test_fragments_and_compressed_deltas_across_two_processes_equal_one_process(
   assert codes == [0, 0], outputs
   for name, runtime, devices in (("one", "devices", 4), ("simulated", "simulated", 1)):
     subprocess.run([sys.executable, "-m", "heloco_jax.cli.train",
-                    f"--workdir={tmp_path / name}", *args, f"--config.runtime={runtime}"],
+                    f"--workdir={tmp_path / name}", f"--config.runtime={runtime}",
+                    *[arg for arg in _once(args)
+                      if runtime == "simulated" or "speeds=" not in arg]],
                    env={**env, "XLA_FLAGS": tiny.xla_flags(devices)}, check=True,
                    capture_output=True, timeout=300)
   rows = {name: _rows(tmp_path / name) for name in ("dist", "one", "simulated")}
@@ -258,12 +269,98 @@ def test_a_link_at_process_1s_folder_stops_both_processes_and_writes_nothing_thr
 
 def test_processes_started_with_other_configs_are_refused_before_any_step(tmp_path):
   commands = _commands(tmp_path / "run", _DILOCO)
-  commands[1].append("--config.inner_steps=3")  # before: gloo aborted ("Received data size")
+  # before: gloo aborted ("Received data size"); TINY gives inner_steps=2 (a flag once only)
+  commands[1] = [arg.replace("inner_steps=2", "inner_steps=3") for arg in commands[1]]
   codes, outputs = tiny.run_processes(commands, {**os.environ, **_CPU2}, timeout=200)
   assert codes == [2, 2], outputs
   for output in outputs:
     assert "the processes' resolved configs differ: process 1 against process 0" in output
+    # Issue 78: the line names the key (before: only that the hashes differ)
+    assert "config.inner_steps (2 on process 0, 3 on process 1)" in output, output
   assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_processes_given_other_workdirs_are_refused_before_any_step(tmp_path):
+  """Issue 78, H1: the same command but --workdir. Before: both trained, then waited
+  silently at the first checkpoint until killed (250 s), each workdir holding
+  checkpoints/1.orbax-checkpoint-tmp."""
+  args = [*_DILOCO[:-1], "--config.checkpoint.every=1"]
+  commands = _commands(tmp_path / "a", args)
+  commands[1][3] = f"--workdir={tmp_path / 'b'}"
+  start = time.monotonic()
+  codes, outputs = tiny.run_processes(commands, {**os.environ, **_CPU2}, timeout=150)
+  assert codes == [2, 2], outputs
+  assert time.monotonic() - start < 90
+  for output in outputs:
+    assert (f"--workdir differs: process 1 gave {str(tmp_path / 'b')!r}, process 0 "
+            f"{str(tmp_path / 'a')!r}") in output, output
+  assert not any((tmp_path / name / "checkpoints").exists() for name in "ab")
+
+
+def test_a_process_whose_peer_never_starts_stops_in_one_line(tmp_path):
+  """Issue 78, H2: process 0 alone, then process 1 alone, with distributed.timeout=5.
+  Before: each printed nothing for 5 minutes, then JAX aborted (rc 134, "Terminating process
+  because the JAX distributed service detected fatal errors", a C++ stack trace)."""
+  env = {**os.environ, **_CPU2}
+  commands = _commands(tmp_path / "run", [*_DILOCO, "--config.distributed.timeout=5"])
+  coordinator = commands[0][-3].split("=", 1)[1]
+  for i, missing in ((0, "process 1 of 2 did not arrive"),
+                     (1, "process 0 (the coordinator) did not answer")):
+    start = time.monotonic()
+    done = subprocess.run(commands[i], env=env, capture_output=True, text=True, timeout=120)
+    waited = time.monotonic() - start
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert missing in lines[0] and coordinator in lines[0], lines[0]
+    assert "config.distributed.timeout=5" in lines[0]
+    assert waited < 60, waited
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _roll_calls(ids, num_processes=None, timeout_s=3.0, delays=None):
+  """processes.roll_call on threads, one per id: {index: None or its one-line error}."""
+  from heloco_jax.rundir import processes
+  coordinator = f"127.0.0.1:{tiny.free_port()}"
+  results = {}
+
+  def call(index, process_id):
+    time.sleep((delays or {}).get(index, 0.0))
+    try:
+      n = num_processes[index] if isinstance(num_processes, list) else num_processes
+      processes.roll_call(coordinator, n or len(ids), process_id, timeout_s)
+      results[index] = None
+    except processes.ProcessesError as error:
+      results[index] = str(error)
+
+  threads = [threading.Thread(target=call, args=(i, p)) for i, p in enumerate(ids)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=30)
+  return coordinator, results
+
+
+def test_the_roll_call_waits_for_peers_that_start_later():
+  """processes.roll_call: process 0 started after its peers, a peer 1 s after process 0."""
+  _, results = _roll_calls([1, 0, 2], delays={1: 0.5, 2: 1.5})
+  assert results == {0: None, 1: None, 2: None}
+
+
+def test_the_roll_call_names_the_missing_process_on_every_process():
+  coordinator, results = _roll_calls([0, 1], num_processes=3, timeout_s=1.0)
+  assert "process 2 of 3 did not arrive" in results[0] and coordinator in results[0]
+  assert "process 2 of 3 did not arrive" in results[1], results[1]
+  assert all("\n" not in message for message in results.values())
+
+
+def test_the_roll_call_refuses_a_process_id_given_twice_and_another_num_processes():
+  _, results = _roll_calls([0, 1, 1])
+  assert all("config.distributed.process_id=1 was given to 2 processes" in message
+             for message in results.values()), results
+  _, results = _roll_calls([0, 1], num_processes=[2, 3])
+  assert all("config.distributed.num_processes: process 1 gave 3, process 0 2" in message
+             for message in results.values()), results
 
 
 def test_a_second_process_0_is_refused_in_one_line(tmp_path):

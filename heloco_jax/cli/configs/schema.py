@@ -266,6 +266,8 @@ KEYS: tuple[Key, ...] = (
         "with HOST:PORT: how many processes", type=int),
     Key("distributed.process_id", None, optional(integer(0), "with HOST:PORT: required"),
         "with HOST:PORT: this process's index", type=int),
+    Key("distributed.timeout", 60.0, number(1.0),
+        "seconds a process waits for the others to start (then one line names the missing)"),
     # ray
     Key("ray.address", "", TEXT, "'' = start a local Ray instance; auto or HOST:6379 = join one"),
     Key("ray.num_cpus", None, optional(integer(1), "all of this machine's"),

@@ -98,7 +98,8 @@ def validate_distributed(config: ml_collections.ConfigDict) -> None:
   """The ``distributed.*`` keys; runs before ``jax.distributed.initialize`` (no JAX calls)."""
   dist = config.distributed
   check_keys(config, ("method", "runtime", "distributed.coordinator",
-                      "distributed.num_processes", "distributed.process_id"))
+                      "distributed.num_processes", "distributed.process_id",
+                      "distributed.timeout"))
   if not dist.coordinator:
     return
   if (not _runtime_factory(config).multiprocess
