@@ -13,7 +13,7 @@ heterogeneous workers (``hj.simulate``), or a server for a loop of your own
 """
 
 from heloco_jax.api import Budget, SimulationResult, Workdir, make_engine, simulate
-from heloco_jax.comm import compress, fragments
+from heloco_jax.comm import aggregate, compress, fragments
 from heloco_jax.comm.cost import CommModel
 from heloco_jax.comm.compress import Compression
 from heloco_jax.comm.fragments import Streaming
@@ -55,7 +55,7 @@ from heloco_jax.training.sharding import fsdp_specs
 __version__ = "0.1.0"
 
 __all__ = [
-    "METHODS", "Budget", "BudgetError", "Streaming", "Compression", "compress", "fragments", "CommModel", "DeterminismError",
+    "METHODS", "Budget", "BudgetError", "Streaming", "Compression", "aggregate", "compress", "fragments", "CommModel", "DeterminismError",
     "DivergenceError", "Stopped",
     "Membership", "PalsgdState", "Server", "SimulationResult", "Syncer", "TensorBoardWriter", "WorkdirError",
     "Workdir", "Writers", "devices_runtime", "simulated_runtime", "stop_on_signals",

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import cost
 from heloco_jax.comm import fragments as fragments_lib
@@ -200,10 +201,12 @@ def _syncer(syncer: Optional[syncer_lib.Syncer], method: Any,
     return syncer_lib.Syncer()
   if not isinstance(syncer, syncer_lib.Syncer):
     raise ValueError(f"syncer={syncer!r} is not allowed; allowed: None or hj.Syncer(...)")
-  if method.synchrony != "async" and syncer != syncer_lib.Syncer():
+  if method.synchrony != "async" and syncer != syncer_lib.Syncer(aggregate=syncer.aggregate):
     raise ValueError(f"syncer={syncer!r} is not allowed with method={method.name!r}; allowed: "
-                     "None (a syncer groups the arrivals of an asynchronous method)")
-  refused = syncer.refusal(num_workers)
+                     "None or hj.Syncer(aggregate=...) (a syncer groups the arrivals of an "
+                     "asynchronous method)")
+  refused = (syncer.refusal(num_workers) if method.synchrony == "async"
+             else syncer.aggregate_refusal(num_workers, method.synchrony))
   if refused:
     name, value, allowed = refused
     raise ValueError(f"syncer.{name}={value!r} is not allowed; allowed: {allowed}")
@@ -687,6 +690,9 @@ def _spec_dict(spec: state_lib.RunSpec) -> dict[str, Any]:
                  "ddp_overlap": spec.comm.ddp_overlap}
   if math.isinf(spec.syncer.timeout):
     out["syncer"]["timeout"] = None
+  out["syncer"].pop("aggregate")  # by its repr; the default absent, as before it existed
+  if spec.syncer.aggregate != aggregate_lib.Mean():
+    out["syncer"]["aggregate"] = repr(spec.syncer.aggregate)
   out["membership"] = [[w, leave, None if math.isinf(back) else back]
                        for w, leave, back in spec.membership.absences]
   return out

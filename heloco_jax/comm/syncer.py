@@ -13,7 +13,8 @@ window and token-weighted means. Here, per outer update:
      tokens (units) arrival j trained on (``"tokens"``), as ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j.
 
 Workers whose arrival waits in an open group are idle until it closes. The defaults (quorum
-1, no grace, mean) are one update per arrival.
+1, no grace, mean) are one update per arrival. ``aggregate`` chooses how the accepted merge
+(``heloco_jax.comm.aggregate``; rounds too), or how each single arrival is screened.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import dataclasses
 import math
 import numbers
 from typing import Literal, Optional, Sequence, get_args
+
+from heloco_jax.comm import aggregate as aggregate_lib
 
 Weights = Literal["mean", "tokens"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)
@@ -62,12 +65,15 @@ class Syncer:
     grace_window: w ≥ 0, seconds after a group closes within which arrivals join it.
     adaptive_grace: κ ≥ 0; > 0: w = κ·ḡ instead of ``grace_window``.
     weights: "mean" or "tokens".
+    aggregate: how the accepted arrivals (a group's, or a round's) become one update, or
+      how each arrival is screened (``hj.aggregate``; default ``hj.aggregate.mean()``).
   """
   quorum: int = 1
   timeout: float = math.inf
   grace_window: float = 0.0
   adaptive_grace: float = 0.0
   weights: Weights = "mean"
+  aggregate: aggregate_lib.Aggregate = aggregate_lib.Mean()
 
   def refusal(self, num_workers: int) -> Optional[tuple[str, object, str]]:
     """(name, value, allowed) of the first setting that is not allowed, or None."""
@@ -83,6 +89,33 @@ class Syncer:
       return "timeout", self.timeout, "a number > 0 with quorum > 1"
     if self.weights not in WEIGHTS:
       return "weights", self.weights, "one of " + ", ".join(repr(w) for w in WEIGHTS)
+    return self.aggregate_refusal(num_workers, "async")
+
+  def aggregate_refusal(self, num_workers: int, synchrony: str
+                        ) -> Optional[tuple[str, object, str]]:
+    """(name, value, allowed) when ``aggregate`` is not allowed with K workers and a method
+    of ``synchrony`` ("async", "round", "step"), or None (ALGORITHMS.md, "Aggregation")."""
+    rule = self.aggregate
+    if not isinstance(rule, aggregate_lib.Aggregate):
+      return "aggregate", rule, "an hj.aggregate rule (" + ", ".join(aggregate_lib.RULES) + ")"
+    if synchrony == "step" and not isinstance(rule, aggregate_lib.Mean):
+      return "aggregate", rule, "hj.aggregate.mean() with DDP (it averages gradients)"
+    if synchrony == "round" and not rule.rounds:
+      return "aggregate", rule, ("a rule over peers in synchronous rounds (mean, trimmed_mean, "
+                                 "median, centered_clip, norm_clip); screen is for "
+                                 "asynchronous arrivals")
+    if synchrony == "async" and rule.peers and not self.groups:
+      return "aggregate", rule, ("mean() or screen(...) on single arrivals (quorum=1, no grace "
+                                 f"window): {rule.name} needs peers, e.g. quorum >= 3")
+    if self.weights == "tokens" and not rule.weighted:
+      return "aggregate", rule, f"a token-weighted rule with weights='tokens' ({rule.name} is not)"
+    # K: a round's workers, or a group's quorum (its size unless a grace window adds more)
+    peers = num_workers if synchrony != "async" or self.grace_window > 0 or (
+        self.adaptive_grace > 0) else self.quorum
+    refused = rule.refusal(peers)
+    if refused:
+      name, value, allowed = refused
+      return f"aggregate.{name}", value, allowed
     return None
 
   @property

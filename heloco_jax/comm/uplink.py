@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import fragments as fragments_lib
 
@@ -32,6 +33,7 @@ class Uplink:
     compressor: a ``heloco_jax.comm.compress.Compressor``, or None: Δ is sent as it is.
     params: θ (shapes and dtypes: the bytes of a message).
     fragments: θ's split (``heloco_jax.comm.fragments.Fragments``).
+    aggregate: how a round's received Δ_i combine (``hj.aggregate``; default the mean).
 
   Attributes:
     bytes_up: per fragment, one worker's Δ of it on the wire (the compressor's payload).
@@ -40,8 +42,10 @@ class Uplink:
   """
 
   def __init__(self, compressor: Optional[compress_lib.Compressor], params: Any,
-               fragments: fragments_lib.Fragments):
+               fragments: fragments_lib.Fragments,
+               aggregate: aggregate_lib.Aggregate = aggregate_lib.Mean()):
     self.compressor = compressor
+    self.aggregate = aggregate
     self.fragments = fragments
     parts = [fragments.take(params, p) for p in range(fragments.num)]
     self.bytes_up = [compress_lib.payload_nbytes(compressor, part) for part in parts]
@@ -54,7 +58,7 @@ class Uplink:
                                                  like=jax.eval_shape(lambda x: x, part)))
                        for part in parts]
       self._init = jax.jit(compressor.init)
-      self._round = jax.jit(functools.partial(_compressed_round_delta, compressor))
+      self._round = jax.jit(functools.partial(_compressed_round_delta, compressor, aggregate))
       self._exchanges: dict[jax.sharding.Mesh, Callable[..., Any]] = {}
 
   def init(self, params: Any, num_workers: int, stacked: bool) -> Any:
@@ -103,11 +107,12 @@ class Uplink:
                        f"{len(accepted)} workers' ends; allowed: one worker per slice of "
                        "``workers``")
     if mesh not in self._exchanges:
-      self._exchanges[mesh] = _exchange(self.compressor, mesh)
+      self._exchanges[mesh] = _exchange(self.compressor, self.aggregate, mesh)
     return self._exchanges[mesh](params, ends, accepted, states)
 
 
-def _compressed_round_delta(compressor: compress_lib.Compressor, params: Any, ends: Any,
+def _compressed_round_delta(compressor: compress_lib.Compressor,
+                            aggregate: aggregate_lib.Aggregate, params: Any, ends: Any,
                             accepted: jax.Array, states: Any) -> tuple[Any, Any]:
   """``Uplink.round_delta`` (ALGORITHMS.md, "Compression in a run"); a rejected worker keeps
   its state (``compress.transmit``)."""
@@ -118,16 +123,16 @@ def _compressed_round_delta(compressor: compress_lib.Compressor, params: Any, en
   # Worker by worker, not jax.vmap: batched, XLA rounds the quantizers' scaling differently
   # (a few ulps off the unbatched compressor and the NumPy reference).
   received, states = jax.tree.map(lambda *xs: jnp.stack(xs), *sent)
-  return _accepted_mean(received, accepted), states
+  return _combined(aggregate, received, accepted), states
 
 
-def _accepted_mean(received: Any, accepted: jax.Array) -> Any:
-  """The mean of the accepted workers' received Δ_i (stacked on axis 0)."""
-  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
-  def mean(r):  # a rejected worker's Δ may hold NaN: 0·NaN is NaN, so it is dropped first
-    kept = jnp.where(accepted.reshape((-1,) + (1,) * (r.ndim - 1)), r, 0)
-    return jnp.tensordot(weights.astype(r.dtype), kept, axes=1)
-  return jax.tree.map(mean, received)
+def _combined(aggregate: aggregate_lib.Aggregate, received: Any, accepted: jax.Array) -> Any:
+  """The accepted workers' received Δ_i (stacked on axis 0) as one: their mean
+  (``aggregate.accepted_mean``, today's bits) or a peer rule's (ALGORITHMS.md, "Aggregation")."""
+  if isinstance(aggregate, aggregate_lib.Mean):
+    return aggregate_lib.accepted_mean(received, accepted)
+  return aggregate_lib.combine(aggregate, received,
+                               accepted.astype(jnp.float32) / jnp.sum(accepted))
 
 
 def _gather_bits(x: jax.Array) -> jax.Array:
@@ -139,7 +144,7 @@ def _gather_bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jax.lax.all_gather(bits, "workers"), x.dtype)
 
 
-def _exchange(compressor: compress_lib.Compressor,
+def _exchange(compressor: compress_lib.Compressor, aggregate: aggregate_lib.Aggregate,
               mesh: jax.sharding.Mesh) -> Callable[..., Any]:
   """``Uplink.round_delta`` on ``mesh``: each worker (a slice of the ``workers`` axis)
   sends its Δ_i where its end is; the messages are all-gathered over ``workers`` (what
@@ -156,7 +161,7 @@ def _exchange(compressor: compress_lib.Compressor,
     received = [compress_lib.receive(compressor, jax.tree.map(lambda m, i=i: m[i], messages),
                                      like) for i in range(len(accepted))]
     received = jax.tree.map(lambda *xs: jnp.stack(xs), *received)
-    return _accepted_mean(received, accepted), jax.tree.map(lambda x: x[None], state)
+    return _combined(aggregate, received, accepted), jax.tree.map(lambda x: x[None], state)
 
   # check_vma=False: the mean is computed from the gathered messages alike on every worker
   # (replicated), which jax 0.10's all_gather does not mark.

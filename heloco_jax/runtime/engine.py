@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import compress
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import uplink as uplink_lib
@@ -140,13 +141,15 @@ class Engine:
     fragments = fragments_lib.split(params, spec.fragments, spec.fragment_layout)
     make_server = (functools.partial(executor.make_server, packed=True) if packed_outer
                    else executor.make_server)
+    if spec.syncer.aggregate != aggregate_lib.Mean():  # ALGORITHMS.md, "Aggregation"
+      make_server = functools.partial(make_server, aggregate=spec.syncer.aggregate)
     if spec.streaming:
       server = server_lib.FragmentServers(make_server, outer_tx, params, fragments,
                                           lookahead=lookahead,
                                           fetch=lambda point: executor.fetch(point, "point"))
     else:
       server = make_server(outer_tx, params, lookahead=lookahead)
-    uplink = uplink_lib.Uplink(compressor, params, fragments)
+    uplink = uplink_lib.Uplink(compressor, params, fragments, spec.syncer.aggregate)
     downlink = (executor.make_downlink(download_compressor, params, server, fragments)
                 if download_compressor is not None else None)
     clock = runtime.clock(base.ClockSettings(

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.runtime import base, clocks, streaming
 from heloco_jax.runtime.base import Job
@@ -366,7 +367,7 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       f.compression.states[0] = (residuals if part.all() else
                           _where_part(run, part, residuals, f.compression.states[0]))
     elif accepted.any():
-      delta = executor.round_delta(run.server.params, states.params, accepted)
+      delta = _round_delta(run, run.server.params, states.params, accepted)
     if accepted.any():
       run.server.apply(delta, 0)
       s.version += 1
@@ -443,6 +444,16 @@ def _only_part(metrics: inner_lib.InnerMetrics, part: np.ndarray) -> inner_lib.I
   """``metrics`` with the steps of the workers that took no part marked as reading no batch
   (``inner.train_loss`` leaves them out)."""
   return metrics._replace(pseudo_sync=metrics.pseudo_sync | ~jnp.asarray(part)[:, None])
+
+
+def _round_delta(run: Run, params: Any, ends: Any, accepted: np.ndarray) -> Any:
+  """A round's Δ: the executor's θ − mean of the accepted ends (today's bits), or the run's
+  aggregation rule over the accepted Δ_i (ALGORITHMS.md, "Aggregation")."""
+  rule, executor = run.spec.syncer.aggregate, run.executor
+  if isinstance(rule, aggregate_lib.Mean):
+    return executor.round_delta(params, ends, accepted)
+  return executor.to_server(aggregate_lib.round_delta(
+      rule, executor.to_rounds(params), ends, executor.to_rounds(accepted)))
 
 
 def _screen_round(run: Run, states: inner_lib.InnerState, real_steps: np.ndarray,
@@ -560,7 +571,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
       f.compression.states[p] = (residuals if part.all() else
                                  _where_part(run, part, residuals, f.compression.states[p]))
     elif accepted.any():
-      delta = executor.round_delta(server.params, ends, accepted)
+      delta = _round_delta(run, server.params, ends, accepted)
     if accepted.any():
       server.apply(delta, 0)
       s.version += 1

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import downlink
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.runtime import base
@@ -88,12 +89,9 @@ class SimulatedArrivals:
 
 
 def round_delta(params: Any, ends: Any, accepted: jax.Array) -> Any:
-  """A round's Δ = θ − mean of the accepted workers' end parameters (stacked on axis 0)."""
-  weights = accepted.astype(jnp.float32) / jnp.sum(accepted)
-  def mean(end):  # a rejected worker's end may hold NaN: 0·NaN is NaN, so it is dropped first
-    kept = jnp.where(accepted.reshape((-1,) + (1,) * (end.ndim - 1)), end, 0)
-    return jnp.tensordot(weights.astype(end.dtype), kept, axes=1)
-  return jax.tree.map(lambda theta, end: theta - mean(end), params, ends)
+  """A round's Δ = θ − mean of the accepted workers' end parameters (stacked on axis 0;
+  ``hj.aggregate.accepted_mean``)."""
+  return jax.tree.map(jnp.subtract, params, aggregate_lib.accepted_mean(ends, accepted))
 
 
 @jax.jit

@@ -424,8 +424,9 @@ class Run:
     return {} if loss is None else {"train_loss": loss}
 
   def reject(self, worker: int, reason: str, staleness: int, units: int) -> None:
-    """A ``rejected`` row for ``worker``'s non-finite pseudo-gradient of ``units`` units."""
-    self.features.rejection.reject(units)
+    """A ``rejected`` row for ``worker``'s pseudo-gradient of ``units`` units (non-finite, or
+    refused by an aggregation screen: ``reason``)."""
+    self.features.rejection.reject(units, reason)
     self.emit({"event": "rejected", "worker": worker, "reason": reason,
                "staleness": staleness, "sim_time": self.state.sim_time,
                "outer_updates": self.state.version})

@@ -1,4 +1,5 @@
-"""The one rejection policy: a pseudo-gradient with a NaN or Inf never reaches θ.
+"""The one rejection policy: a pseudo-gradient with a NaN or Inf never reaches θ, nor one an
+aggregation screen refuses (``hj.aggregate.screen``: reasons "norm" and "cosine").
 
 Every runtime and both loops (asynchronous arrivals, synchronous rounds) ask
 ``reasons`` which pseudo-gradients to reject; a rejected worker restarts with
@@ -74,6 +75,7 @@ class RejectionState:
   Attributes:
     rejected: pseudo-gradients rejected.
     rejected_units: the units they held.
+    rejected_by: per reason ("nan", "inf", "norm", "cosine"), the pseudo-gradients rejected.
     rejected_in_a_row: the streak since the last applied update: its ``count``, the
       ``kinds`` ("nan", "inf") and the ``workers`` that sent them.
     limit: rejections in a row that stop the run (the engine's, from
@@ -82,15 +84,18 @@ class RejectionState:
   rejected: int = 0
   rejected_units: int = 0
   rejected_in_a_row: Any = dataclasses.field(default_factory=_no_streak)
+  rejected_by: dict[str, int] = dataclasses.field(default_factory=dict)
   limit: int = dataclasses.field(default=2, metadata={"setting": True})
 
   def restored(self) -> None:
     if isinstance(self.rejected_in_a_row, int):  # checkpoints that kept the count only
       self.rejected_in_a_row = {**_no_streak(), "count": self.rejected_in_a_row}
 
-  def reject(self, units: int) -> None:
+  def reject(self, units: int, reason: Optional[str] = None) -> None:
     self.rejected += 1
     self.rejected_units += units
+    if reason is not None:
+      self.rejected_by[reason] = self.rejected_by.get(reason, 0) + 1
 
   def update(self, rejected: list[Optional[str]], workers: Optional[list[int]] = None) -> None:
     """Counts a group's reasons (of ``workers``, default 0..n-1); raises
@@ -115,6 +120,11 @@ class RejectionState:
   def _message(self, which: str) -> str:
     kinds, workers = self.rejected_in_a_row["kinds"], self.rejected_in_a_row["workers"]
     named = ", ".join(str(w) for w in workers) or "?"
+    if not set(kinds) <= {"nan", "inf"}:  # an aggregation screen's (ALGORITHMS.md)
+      return (f"{which} (from worker{'s' if len(workers) != 1 else ''} {named}) were rejected "
+              f"({', '.join(kinds)}): the training diverges or the screen is too strict; "
+              "likely fixes: a looser hj.aggregate.screen (norm, cosine, warmup), or a lower "
+              "inner learning rate")
     return (f"{which} (from worker{'s' if len(workers) != 1 else ''} {named}) were "
             f"non-finite ({', '.join(kinds) or 'nan or inf'}) and were rejected: "
             "the training diverges; likely fixes: a lower inner learning rate (or outer "

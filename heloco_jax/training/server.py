@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from heloco_jax import outer
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.outer import lookahead as lookahead_lib
 from heloco_jax.outer import packing
 from heloco_jax.outer import weighting as weighting_lib
@@ -107,6 +108,12 @@ _alignment = _reading(lookahead_lib.MOMENTUM_STATES, "outer_momentum",
                       lambda sub_state, delta: alignment(delta,
                                                          lookahead_lib.momentum_of(sub_state)))
 _heloco_row = _reading((outer.HeLoCoState,), "heloco_diagnostics", heloco_row)
+# A screen's (‖Δ‖, cos(Δ, m)) with the momentum an arrival meets (ALGORITHMS.md, "Aggregation").
+_norm_and_cosine = _reading(lookahead_lib.MOMENTUM_STATES, "outer_momentum",
+                            lambda sub_state, delta: aggregate_lib.norm_and_cosine(
+                                delta, lookahead_lib.momentum_of(sub_state)))
+_stack_scaled = jax.jit(lambda deltas, scales: jax.tree.map(
+    lambda *xs: jnp.stack([(s * x).astype(x.dtype) for s, x in zip(scales, xs)]), *deltas))
 _pack = jax.jit(packing.pack)
 _unpack = jax.jit(packing.unpack)
 _unpack_all = jax.jit(packing.unpack_all)
@@ -177,13 +184,16 @@ class OuterServer:
       a few per leaf, equal to the tree's within float32 rounding. Only for a rule whose
       state is elementwise or reads leaves through ``packing`` (every registry rule); not
       with θ sharded. ``params``, ``outer_state``, ``get`` and ``set`` stay trees.
+    aggregate: how a group's accepted arrivals merge, or each arrival is screened
+      (``hj.aggregate``; default ``mean()``, today's).
   """
 
   def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
                lookahead: bool = False,
                place: Callable[[Any], Any] = _identity,
                layout: Optional[sharding.Layout] = None,
-               packed: bool = False):
+               packed: bool = False,
+               aggregate: aggregate_lib.Aggregate = aggregate_lib.Mean()):
     if packed and (layout is not None or outer_tx is None):
       raise ValueError("packed=True is not allowed "
                        + ("with θ sharded" if layout is not None else "without an outer rule")
@@ -212,6 +222,13 @@ class OuterServer:
     self._aligns = not self._heloco and holds(self._state, lookahead_lib.MOMENTUM_STATES)
     self.version = 0
     self._dispatched: dict[int, int] = {}
+    self.aggregate = aggregate
+    self._screen = isinstance(aggregate, aggregate_lib.Screen)
+    if self._screen and aggregate.cosine is not None and not holds(
+        self._state, lookahead_lib.MOMENTUM_STATES):
+      raise ValueError(f"aggregate={aggregate!r} is not allowed with this outer rule; allowed: "
+                       "cosine=None (the cosine screen reads an outer momentum)")
+    self.accepted_norms: list[float] = []  # a screen's history (its last ``window``)
 
   @property
   def params(self) -> Any:
@@ -290,6 +307,10 @@ class OuterServer:
       return results
     if self.packed:  # once: the cosine check, a group's mean and the step read the buffers
       deltas = tuple(_pack(d) if i in applied else d for i, d in enumerate(deltas))
+    if self._screen:
+      deltas, applied = self._screened(deltas, applied, results)
+      if not applied:
+        return results
     if self._aligns:
       for i in applied:
         results[i]["cosine_mean"] = _alignment(self._state, deltas[i])
@@ -308,11 +329,40 @@ class OuterServer:
     return to_host(results) if fetch else results
 
   def _combine(self, deltas: list[Any], taus: list[int], omegas: list[float]) -> Any:
-    """A group: Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G| (ω_j = 1: the mean)."""
+    """A group: Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G| (ω_j = 1: the mean); a peer rule
+    (``hj.aggregate``) over ρ(τ_j)/ρ(τ_max)·Δ_j with weights ω_j/|G| instead."""
     weight = self._arrival_weight
+    if self.aggregate.peers:
+      scales = [weight(tau) / weight(max(taus)) for tau in taus]
+      weights = jnp.asarray([omega / len(deltas) for omega in omegas], jnp.float32)
+      return aggregate_lib.combine(self.aggregate, _stack_scaled(deltas, scales), weights)
     scales = [weight(tau) / weight(max(taus)) * omega / len(deltas)
               for tau, omega in zip(taus, omegas)]
-    return jax.tree.map(lambda *xs: sum(s * x for s, x in zip(scales, xs)), *deltas)
+    return aggregate_lib.weighted_sum(deltas, scales)
+
+  def _screened(self, deltas: tuple[Any, ...], applied: list[int], results: list[Row]
+                ) -> tuple[tuple[Any, ...], list[int]]:
+    """A screen (``hj.aggregate.screen``) of each finite arrival against the norms accepted
+    before it and its cosine with the momentum (one host read per arrival): a rejected one's
+    reason set ("norm", "cosine"), a clipped one scaled."""
+    rule, kept, deltas = self.aggregate, [], list(deltas)
+    for i in applied:
+      if rule.cosine is not None:
+        norm, cosine = (float(x) for x in jax.device_get(_norm_and_cosine(self._state,
+                                                                            deltas[i])))
+        cosine = cosine if np.isfinite(cosine) and cosine != 0.0 else None
+      else:
+        norm, cosine = float(aggregate_lib.global_norm(deltas[i])), None
+      reason, factor = rule.verdict(norm, cosine, self.accepted_norms)
+      if reason is not None:
+        results[i]["reason"] = reason
+        continue
+      if factor != 1.0:
+        deltas[i] = aggregate_lib.scaled(deltas[i], jnp.float32(factor))
+        results[i]["clipped"] = factor
+      self.accepted_norms = (self.accepted_norms + [norm * factor])[-rule.window:]
+      kept.append(i)
+    return tuple(deltas), kept
 
   # ------------------------------------------------ a loop of your own
 
