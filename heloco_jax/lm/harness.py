@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from heloco_jax.comm import compress, cost, fragments
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.lm import data as data_lib
 from heloco_jax.lm import evaluate
@@ -167,7 +168,7 @@ def syncer(config: ml_collections.ConfigDict) -> syncer_lib.Syncer:
   c = config.syncer
   return syncer_lib.Syncer(quorum=c.quorum, timeout=math.inf if c.timeout is None else c.timeout,
                            grace_window=c.grace_window, adaptive_grace=c.adaptive_grace,
-                           weights=c.weights)
+                           weights=c.weights, aggregate=aggregate_lib.parse(c.aggregate))
 
 
 def membership(config: ml_collections.ConfigDict) -> Optional[membership_lib.Membership]:

@@ -203,3 +203,17 @@ def test_bad_arguments_are_refused_in_one_line_naming_them(method, syncer, messa
   with pytest.raises(ValueError) as error:
     _run(method, False, syncer, steps=20)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_cli_key_names_the_rule_and_its_refusals():
+  import tiny  # pylint: disable=g-import-not-at-top
+  from heloco_jax.cli.configs import validation  # pylint: disable=g-import-not-at-top
+  from heloco_jax.lm import harness  # pylint: disable=g-import-not-at-top
+  config = tiny.config("diloco", num_workers=5, **{"budget.tokens": 1600, "syncer.aggregate": "trimmed_mean(f=2)"})
+  validation.validate(config)
+  assert harness.syncer(config).aggregate == A.trimmed_mean(2)
+  for value, message in (("trimmed_mean(f=3)", "syncer.aggregate.f=3 is not allowed"),
+                         ("mode", "syncer.aggregate='mode' is not allowed")):
+    config = tiny.config("diloco", num_workers=5, **{"budget.tokens": 1600, "syncer.aggregate": value})
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
+      validation.validate(config)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from heloco_jax.comm import compress, fragments, syncer
+from heloco_jax.comm import aggregate, compress, fragments, syncer
 from heloco_jax.lm import data, model
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
 from heloco_jax.outer.heloco import WEIGHT_ORDERS
@@ -329,6 +329,10 @@ KEYS: tuple[Key, ...] = (
         "syncer.grace_window)"),
     Key("syncer.weights", "mean", one_of(syncer.WEIGHTS),
         "how a group's pseudo-gradients merge: mean, or weighted by the tokens each trained on"),
+    Key("syncer.aggregate", "mean", Check(aggregate.parse, "an hj.aggregate rule: " + ", ".join(
+        aggregate.RULES) + " (keywords in parentheses, e.g. trimmed_mean(f=1))"),
+        "how accepted pseudo-gradients become one update (rounds, quorum groups) or each "
+        "arrival is screened (docs/ALGORITHMS.md, \"Aggregation\")"),
     # chaos
     Key("chaos.schedule", "", TEXT,
         "workers away: 'W@LEAVE-BACK,W@LEAVE' in seconds of the run's clock (W@0-T: a new worker "

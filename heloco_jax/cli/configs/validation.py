@@ -155,7 +155,9 @@ _STREAMING_KEYS = {"fragments": "streaming.fragments", "overlap_steps": "streami
 def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
   """The syncer keys: a quorum within the workers; grouping only for asynchronous methods."""
   c = config.syncer
-  refused = harness.syncer(config).refusal(config.num_workers)
+  rule = harness.syncer(config)
+  refused = (rule.refusal(config.num_workers) if method.synchrony == "async"
+             else rule.aggregate_refusal(config.num_workers, method.synchrony))
   if refused:
     name, value, allowed = refused
     _fail(f"syncer.{name}", value, allowed)
