@@ -341,3 +341,34 @@ def test_no_module_of_the_package_imports_in_a_circle_type_checking_imports_too(
                for n in graph[start])
   circles = sorted(m for m in graph if any(reaches(other, m, set()) for other in graph[m]))
   assert not circles, circles
+
+
+def _nan_state_loss(params, batch, *, state):
+  """A new state that is NaN at every step, used by neither the loss nor the evaluation."""
+  return _loss(params, batch), ({"n": state["n"] * jnp.nan, "count": state["count"] + 1}, {})
+
+
+@pytest.mark.parametrize("method", ["mla", "diloco", "ddp"])
+def test_a_model_state_that_is_not_finite_is_warned_of_once_naming_its_leaf(method):
+  """Before: the run ended "done" with an all-NaN model_state, without a word."""
+  params = {"w": jnp.zeros((2, 1), jnp.float32)}
+  with pytest.warns(UserWarning, match=r"model_state leaf 'n' is not finite") as caught:
+    result = hj.simulate(
+        _nan_state_loss, params, [_data(0), _data(1)], method=method, inner_tx=optax.sgd(0.05),
+        inner_steps=2, budget=hj.Budget(steps=8),
+        eval_fn=lambda params, *, state: _val(params),
+        model_state={"n": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.int32)})
+  messages = [str(w.message) for w in caught if "not finite" in str(w.message)]
+  assert len(messages) == 1 and "\n" not in messages[0], messages
+  assert "loss_fn's new state" in messages[0]
+  assert np.isnan(result.model_state["n"])  # returned as it is: the run goes on
+
+
+def test_a_finite_model_state_gives_no_warning():
+  import warnings  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    hj.simulate(_state_loss, {"w": jnp.zeros((2, 1), jnp.float32)}, [_data(0), _data(1)],
+                inner_tx=optax.sgd(0.05), inner_steps=2, budget=hj.Budget(steps=8),
+                eval_fn=lambda params, *, state: _val(params),
+                model_state={"n": jnp.zeros((), jnp.float32)})

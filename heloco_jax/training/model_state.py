@@ -28,6 +28,7 @@ worker, the same on a replay, and exact on a resume (the step count is checkpoin
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Literal, Optional
 
 import jax
@@ -131,6 +132,13 @@ def _round_mean(stacked: Any, accepted: jax.Array) -> Any:
   return jax.tree.map(mean, stacked)
 
 
+@jax.jit
+def _finite_leaves(tree: Any) -> jax.Array:
+  """Whether each floating-point leaf of ``tree`` is finite, as one array (one transfer)."""
+  return jnp.stack([jnp.all(jnp.isfinite(x)) if _is_float(x) else jnp.array(True)
+                    for x in jax.tree.leaves(tree)])
+
+
 @dataclasses.dataclass
 class ModelStates:
   """The server's copy of the model state and the workers' keys (module docstring).
@@ -152,6 +160,7 @@ class ModelStates:
   rng: bool
   to_server: Callable[[Any], Any] = lambda tree: tree
   to_rounds: Callable[[Any], Any] = lambda tree: tree
+  warned: bool = False  # of a model state that is not finite (``_check_finite``)
 
   @property
   def active(self) -> bool:
@@ -200,6 +209,26 @@ class ModelStates:
     return states._replace(rng=jnp.stack([worker_rng(self.seed, w)
                                           for w in range(self.num_workers)]))
 
+  def _check_finite(self, merge: str) -> None:
+    """Warns once, in one line naming the leaf, when the server's copy stops being finite.
+    A loss or an evaluation that reads the state stops the run (rejection); a state that
+    neither reads would end the run "done" with NaN in it without a word."""
+    if self.warned or self.merged is None or not jax.tree.leaves(self.merged):
+      return
+    finite = np.asarray(_finite_leaves(self.merged))
+    if finite.all():
+      return
+    self.warned = True
+    paths = [checks.leaf_path(path) for path, _ in
+             jax.tree_util.tree_leaves_with_path(self.merged)]
+    bad = [path for path, ok in zip(paths, finite) if not ok]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    warnings.warn(f"model_state leaf {bad[0]!r}{more} is not finite (NaN or Inf) after {merge}: "
+                  "the loss_fn's new state holds NaN or Inf there, and the server's copy keeps "
+                  "it; neither the loss nor the evaluation reads it (or the run would stop), so "
+                  "the run goes on and returns it as it is (docs/DESIGN.md, 'Model state and "
+                  "randomness')", UserWarning, stacklevel=3)
+
   def arrive(self, state: inner_lib.InnerState) -> None:
     """An accepted asynchronous arrival's model state merged into the server's copy."""
     if self.merged is None:
@@ -210,6 +239,7 @@ class ModelStates:
     else:
       self.merged = _toward(self.merged, arriving, jnp.asarray(1.0 / self.num_workers,
                                                                jnp.float32))
+    self._check_finite("an arrival's merge")
 
   def round(self, states: inner_lib.InnerState, accepted: Any) -> None:
     """A round's accepted workers' model states (stacked) merged into the server's copy."""
@@ -218,8 +248,10 @@ class ModelStates:
     if self.merge == "latest":
       accepted = np.arange(self.num_workers) == int(np.argmax(np.asarray(accepted)))
     self.merged = self.to_server(_round_mean(states.model_state, jnp.asarray(accepted)))
+    self._check_finite("a round's merge")
 
   def ddp(self, state: inner_lib.InnerState) -> None:
     """DDP's one state is the model state."""
     if self.merged is not None:
       self.merged = self.to_server(state.model_state)
+      self._check_finite("a DDP step")
