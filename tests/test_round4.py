@@ -372,3 +372,48 @@ def test_a_finite_model_state_gives_no_warning():
                 inner_tx=optax.sgd(0.05), inner_steps=2, budget=hj.Budget(steps=8),
                 eval_fn=lambda params, *, state: _val(params),
                 model_state={"n": jnp.zeros((), jnp.float32)})
+
+
+def test_a_cli_workdir_of_the_layout_before_config_schema_and_distributed_timeout_resumes(
+    tmp_path, capsys):
+  """The CLI's config.json records config_schema (as the API's); one written before it and
+  before distributed.timeout resumes and ends as the uninterrupted run; a newer
+  config_schema is refused in one line."""
+  from heloco_jax.cli import train  # pylint: disable=g-import-not-at-top
+  base = ["--config.num_workers=2", "--config.model.d_model=32", "--config.model.num_layers=1",
+          "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
+          "--config.data.max_bytes_per_language=40000",
+          "--config.data.val_sequences_per_language=8", "--config.budget.eval_every_tokens=1000",
+          "--config.method=mla", "--config.budget.tokens=2000", "--config.checkpoint.every=4"]
+
+  def outputs():  # metrics.jsonl, and summary.json but its wall-clock fields
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = {k: v for k, v in json.load(f).items()
+                 if k not in ("wall_seconds", "tokens_per_second")}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      return f.read(), summary
+
+  workdir = str(tmp_path / "run")
+  assert train.main([f"--workdir={workdir}", *base]) == 0
+  reference = outputs()
+  os.remove(os.path.join(workdir, "summary.json"))  # as if killed after its last checkpoint
+  path = os.path.join(workdir, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  assert config["config_schema"] == workdir_lib.SCHEMA_VERSION
+  del config["config_schema"], config["distributed"]["timeout"]
+  with open(path, "w") as f:
+    json.dump(config, f)
+  assert train.main([f"--workdir={workdir}", *base]) == 0
+  assert outputs() == reference
+  with open(path) as f:
+    config = json.load(f)
+  assert config["config_schema"] == 1 and config["distributed"]["timeout"] == 60.0
+  os.remove(os.path.join(workdir, "summary.json"))
+  config["config_schema"] = 99
+  with open(path, "w") as f:
+    json.dump(config, f)
+  capsys.readouterr()
+  assert train.main([f"--workdir={workdir}", *base]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "records config_schema=99, a layout newer than" in err[0], err

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import json
 import os
 import sys
 import time
@@ -333,8 +334,6 @@ def _check_same_command(config: Any, workdir: str, allow_config_change: bool) ->
   ``process_id``, name another ``--workdir`` (their checkpoints are one collective write: it
   would wait forever), another ``--allow_config_change``, or resolved other configs (all keys
   but ``distributed.process_id`` and the coordinator), naming the keys that differ."""
-  import json  # pylint: disable=g-import-not-at-top
-
   import jax  # pylint: disable=g-import-not-at-top
 
   from heloco_jax.rundir import processes  # pylint: disable=g-import-not-at-top
@@ -422,7 +421,11 @@ def _main(argv: list[str]) -> int:
                           else compilation_cache)
   except ValueError as error:  # safe_files.LinkError
     return _error(f"--compilation_cache: {error}")
-  config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+  # config.json: the resolved config and the layout's version (docs/DESIGN.md, "Files a run
+  # writes"; rundir/workdir.py, SCHEMA_KEY), as the API's
+  recorded = json.loads(config.to_json_best_effort(sort_keys=True))
+  recorded[workdir_lib.SCHEMA_KEY] = workdir_lib.SCHEMA_VERSION
+  config_json = json.dumps(recorded, indent=2, sort_keys=True) + "\n"
   try:  # the processes of a jax.distributed run: one command but process_id (FAILURES.md)
     _check_same_command(config, workdir, allow_config_change)
   except RuntimeError as error:  # processes.ProcessesError
