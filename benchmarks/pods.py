@@ -53,8 +53,10 @@ def recovery_seconds(spares: int, layers: int, width: int) -> float:
   """Seconds from worker 1's actor killed (after its 3rd arrival) to its next arrival."""
   loss, params, stream = _problem(layers, width)
   engine = hj.make_engine(loss, params, [stream(0), stream(1)], method="heloco",
-                          inner_tx=optax.sgd(0.01), inner_steps=4, budget=hj.Budget(steps=64),
-                          runtime=hj.ray_runtime(num_cpus=2, spares=spares))
+                          inner_tx=optax.sgd(0.01), inner_steps=4,
+                          budget=hj.Budget(sim_seconds=300),  # stopped at the measurement
+                          runtime=hj.ray_runtime(num_cpus=2, spares=spares),
+                          metrics_fetch_every=1)  # each row reaches on_row as it happens
   executor = engine.runtime.executor
   seen, killed = {"arrivals": 0}, {}
 
@@ -63,6 +65,7 @@ def recovery_seconds(spares: int, layers: int, width: int) -> float:
       return
     if "at" in killed and "back" not in killed:
       killed["back"] = time.perf_counter()
+      engine.request_stop()
       return
     seen["arrivals"] += 1
     if seen["arrivals"] == 3:
@@ -70,6 +73,8 @@ def recovery_seconds(spares: int, layers: int, width: int) -> float:
       killed["at"] = time.perf_counter()
   try:
     asyncio.run(engine.run(on_row))
+  except hj.Stopped:  # request_stop() at the measurement
+    pass
   finally:
     engine.close()
   return killed["back"] - killed["at"]
