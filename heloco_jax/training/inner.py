@@ -449,6 +449,9 @@ class InnerLoop:
     self.step_jit = jax.jit(self._one_step, donate_argnums=0)
     self.step_many = jax.jit(jax.vmap(self._one_step, in_axes=(0, 0, 0, None)),
                              donate_argnums=0)
+    self.pull_jit = jax.jit(self._pull_step, donate_argnums=0)
+    self.pull_many = jax.jit(jax.vmap(self._pull_step, in_axes=(0, 0, 0, None)),
+                             donate_argnums=0)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)
 
@@ -603,6 +606,19 @@ class InnerLoop:
           lambda a, b: jnp.where(pseudo, a, b), state.model_state, new.model_state))
     return new, InnerMetrics(jnp.where(pseudo, 0.0, loss), pseudo, state.step, user)
 
+  def _pull_step(self, state: InnerState, batch: Any, u: jax.Array, anchor: Any
+                 ) -> tuple[InnerState, InnerMetrics]:
+    """``_one_step`` where ``u`` is known to be a PALSGD pseudo-sync coin: the same pull and
+    state, without evaluating the loss and its gradient, which that step drops."""
+    _, _, _, user = jax.eval_shape(self._value_and_grad, state, batch)  # metrics' names
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    updates, opt_state = self.tx.update(zeros, state.opt_state, state.params, step=state.step,
+                                        anchor=anchor, uniform=u)
+    new = self._constrain(InnerState(optax.apply_updates(state.params, updates), opt_state,
+                                     state.step + 1, state.model_state, state.rng))
+    return new, InnerMetrics(jnp.zeros(()), opt_state.pseudo_sync, state.step,
+                             jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), user))
+
   def loop_for(self, state: InnerState, batch: Callable[[], Any], anchor: Any = None) -> str:
     """The loop this InnerLoop runs ("scan" or "steps"), decided at its first dispatch from
     one worker's ``state`` and one step's ``batch()`` (``auto_loop``)."""
@@ -641,10 +657,15 @@ class InnerLoop:
     uniform = (np.zeros(shape, np.float32) if anchor is None  # on the host: no op per step
                else np.asarray(_coins(key, steps, many)))
     step = self.step_many if many else self.step_jit
+    pull = self.pull_many if many else self.pull_jit
+    p = None if anchor is None else getattr(self.tx, "pseudo_sync_prob", None)
     metrics = []
     for i in range(steps):
       batch = jax.tree.map(lambda x, i=i: x[:, i] if many else x[i], batches)
-      state, m = step(state, batch, uniform[:, i] if many else uniform[i], anchor)
+      u = uniform[:, i] if many else uniform[i]
+      # PALSGD: a step whose coins all say pseudo-sync is the pull alone (``_pull_step``)
+      fn = pull if p is not None and bool(np.all(u < np.float32(p))) else step
+      state, m = fn(state, batch, u, anchor)
       metrics.append(m)
     return state, _stack_steps(metrics, axis)
 

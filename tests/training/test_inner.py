@@ -245,3 +245,83 @@ def test_optax_lbfgs_and_reduce_on_plateau_run_as_inner_optimizers():
                          inner_tx=tx, inner_steps=4, budget=hj.Budget(steps=80))
     x, y = next(stream(9))
     assert float(_regression(result.params, (x, y))) < below  # about 5.25 at w = 0
+
+
+def _loop_as(loop, mode):
+  """``loop``'s loss and optimizer with the inner loop ``mode`` ("scan" or "steps")."""
+  other = inner.InnerLoop(loop.loss_fn, loop.tx, loop.reset_optimizer, loop=mode)
+  other.schedule = loop.schedule
+  return other
+
+
+@pytest.mark.parametrize("palsgd", [False, True])
+def test_the_loop_of_compiled_steps_equals_the_scan(palsgd):
+  """docs/DESIGN.md, "The inner loop": H compiled steps from Python run the scan's body with
+  the scan's coins; the same math in another program (float agreement, identical coins)."""
+  loop, params = _setup(**(dict(pseudo_sync_prob=0.4) if palsgd else {}))
+  anchor = jax.tree.map(lambda x: x + 0.05, params) if palsgd else None
+  key = jax.random.key(3)
+  runs = {mode: _loop_as(loop, mode).run_jit(loop.start(params), _batches(), key, anchor)
+          for mode in ("scan", "steps")}
+  (scanned, m_scan), (stepped, m_steps) = runs["scan"], runs["steps"]
+  _close(stepped.params, scanned.params, rtol=1e-4, atol=2e-6)
+  np.testing.assert_array_equal(m_steps.pseudo_sync, m_scan.pseudo_sync)
+  np.testing.assert_array_equal(m_steps.step, np.arange(H))
+  np.testing.assert_allclose(m_steps.loss, m_scan.loss, rtol=1e-5)
+  assert int(stepped.step) == H and bool(m_scan.pseudo_sync.any()) == palsgd
+
+
+def test_the_loop_of_compiled_steps_vmaps_workers_as_the_scan():
+  loop, params = _setup(pseudo_sync_prob=0.4)
+  anchor = jax.tree.map(lambda x: x + 0.05, params)
+  stack = lambda *xs: jnp.stack(xs)
+  batches = jnp.stack([_batches(0), _batches(1)])
+  keys = jax.random.split(jax.random.key(0), 2)
+  runs = {}
+  for mode in ("scan", "steps"):
+    other = _loop_as(loop, mode)
+    runs[mode] = other.run_many(jax.tree.map(stack, other.start(params), other.start(params)),
+                                batches, keys, anchor)
+  (scanned, m_scan), (stepped, m_steps) = runs["scan"], runs["steps"]
+  assert m_steps.loss.shape == m_scan.loss.shape == (2, H)
+  np.testing.assert_array_equal(m_steps.pseudo_sync, m_scan.pseudo_sync)
+  _close(stepped.params, scanned.params, rtol=1e-4, atol=2e-6)
+
+
+def test_the_loop_of_compiled_steps_replays_bit_for_bit():
+  loop, params = _setup()
+  stepped = _loop_as(loop, "steps")
+  first, _ = stepped.run_jit(loop.start(params), _batches(), jax.random.key(0))
+  again, _ = _loop_as(loop, "steps").run_jit(loop.start(params), _batches(), jax.random.key(0))
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _conv_loss(params, batch):
+  x, y = batch
+  out = jax.lax.conv_general_dilated(x, params["k"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jnp.mean((out.mean(axis=(1, 2, 3)) - y) ** 2)
+
+
+def test_auto_runs_compiled_steps_for_a_convolution_on_cpu_and_the_scan_else():
+  """XLA:CPU runs a convolution inside a rolled while loop several times slower than alone
+  (``python -m benchmarks.users_model``); everything else keeps the scan and its bits."""
+  assert inner.auto_loop("cpu", True) == "steps"
+  assert [inner.auto_loop(p, c) for p, c in [("cpu", False), ("gpu", True), ("tpu", True)]] == [
+      "scan"] * 3
+  conv = inner.InnerLoop(_conv_loss, optax.adam(1e-2))
+  params = {"k": jnp.full((3, 3, 1, 2), 0.1)}
+  batches = (jnp.ones((3, 2, 5, 5, 1)), jnp.ones((3, 2)))
+  state, metrics = conv.run_jit(conv.start(params), batches, jax.random.key(0))
+  assert conv.loop_for(state, None) == inner.auto_loop(jax.default_backend(), True)
+  assert metrics.loss.shape == (3,) and int(state.step) == 3
+  loop, gpt_params = _setup()
+  loop.run_jit(loop.start(gpt_params), _batches(), jax.random.key(0))
+  assert loop.loop_for(None, None) == "scan"  # no convolution: the scan on every platform
+  assert loop.run_scan._cache_size() == 1  # pylint: disable=protected-access
+
+
+def test_another_loop_is_refused_in_one_line():
+  with pytest.raises(ValueError, match="loop='unrolled' is not allowed; allowed: 'auto'"):
+    inner.InnerLoop(_conv_loss, loop="unrolled")
