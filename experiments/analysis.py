@@ -29,10 +29,19 @@ PAPER_CLAIMS = {
 
 @dataclasses.dataclass
 class Result:
+  """A finished run. ``source``: the name of the run whose digest this is, when ``run`` is
+  another name for it (science.py reads variants' runs as the authors grid's); ``origin``."""
   run: grids.Run
   summary: dict[str, Any]
   evals: list[dict[str, Any]]
   arrivals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  source: str = ""
+
+  @property
+  def origin(self) -> str:
+    """The name of the run this result was read from (its digest's path under the results
+    folder, without ``.json``)."""
+    return self.source or self.run.name
 
 
 # The arrival fields the tables and figures read; a digest keeps only these.

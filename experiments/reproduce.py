@@ -496,12 +496,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _scale_note("science"),
         sections=streaming.sections([r for r in results if r.run in streamed], fig_dir, path)
         + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path),
-        planned=len(reported - on_gpu))
+        planned=len(reported - on_gpu), dates=_digest_dates(results_dir))
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
         file=sys.stderr)
   return 0
+
+
+def _digest_dates(results_dir: str) -> Optional[dict[str, float]]:
+  """The digests' dates for the claims table's *rule* column (``science.digest_dates``), with a
+  warning when git cannot give them (the column then says the rows are not dated)."""
+  dates = science.digest_dates(results_dir)
+  if dates is None:
+    print(f"reproduce: no full git history of {results_dir} (not a repository, or a shallow "
+          "clone: git fetch --unshallow): the claims table's rule column says 'not dated'",
+          file=sys.stderr)
+  return dates
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@ Headline numbers follow ALGORITHMS.md: the relative improvement (L_baseline − 
 L_baseline of the mean validation loss over seeds, at a fixed token budget and at a fixed
 simulated wall-clock budget, here at 25%, 50% and 100% of each budget (those tables stay).
 
-A claim's verdict (``verdict``; the window rule of items 1–4 was committed at 15f8751 on 25 Nov,
-after issue 18's grids had run (23–24 Nov) and before issue 35's and issue 36's did: it is
-pre-registered for those, and the authors' grid, the outer-lr check and ``dn_tuned`` are
-re-judged with it afterwards; the claims table's *rule* column, ``PRE_REGISTERED`` and
-``REJUDGED``):
+A claim's verdict (``verdict``; the window rule of items 1–4 was committed at ``RULE_COMMIT``
+(15f8751, 25 Nov), after issue 18's grids had run (23–24 Nov) and before issue 35's and issue
+36's did). The claims table's *rule* column is computed (``rule_label``, issue 81): a row is
+``PRE_REGISTERED`` when every run it compares, on both sides (HeLoCo and its baselines, or
+PALSGD and DDP) and on every seed it reads, landed after ``RULE_TIME``, the rule's commit time;
+a run's date is the commit time of the commit that last added its digest (``digest_dates``:
+git log of experiments/results). Otherwise it is ``REJUDGED``, naming how many of its runs
+landed before the rule, on which side and when. Without the digests' git history (not a
+repository, a shallow clone) a row is ``UNDATED``:
 
 1. Window: HeLoCo's gain over a baseline is read at every evaluation point of
    ``WINDOW_FRACTIONS``, every 5% of the budget from 50% to 100% inclusive (11 points; the
@@ -42,6 +46,13 @@ after every earlier run, so for those earlier runs they are rules fixed afterwar
    p is the larger one): p < α is a *tie*, a finding, not an "unclear". A Holm-unclear cell
    that ties is reported as tie in the Holm-corrected verdict.
 
+Added by issue 81, after every run it judges:
+
+8. Whole-family multiplicity (``judge_family``): beside item 6's verdict, the same p-values
+   Holm–Bonferroni adjusted over one family, every cell of every HeLoCo claims row that is
+   judged (not pending for want of seeds; the PALSGD rows have no p), α = ``ALPHA``; item 4
+   maps a row's cells by their family-adjusted p, and item 7's ties are named as in item 6.
+
 The page's words are ``experiments/RESULTS.template.md`` (``TEMPLATE``): RESULTS.md as it
 reads, with a ``string.Template`` placeholder (``$name``, or ``${name}`` when a letter, digit or
 underscore follows it; ``$$`` is a literal dollar sign) for each number, table and figure list
@@ -64,6 +75,8 @@ import itertools
 import math
 import os
 import string
+import subprocess
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -314,40 +327,155 @@ def verdict(cells: Sequence[dict[str, Any]], key: str = "category") -> str:
   return "**not reproduced**"
 
 
-def holm_verdict(cells: Sequence[dict[str, Any]], label=lambda c: c["preset"]) -> str:
-  """The Holm-corrected verdict of ``judge_row``'s cells (``verdict`` by ``holm_category``),
-  naming the Holm-unclear cells that tie (module docstring, item 7)."""
-  text = verdict(cells, "holm_category")
-  ties = [label(c) for c in cells if c["tie"] and c["holm_category"] == "unclear"]
+def holm_verdict(cells: Sequence[dict[str, Any]], label=lambda c: c["preset"],
+                 key: str = "holm_category") -> str:
+  """The Holm-corrected verdict of ``judge_row``'s cells (``verdict`` by ``key``:
+  ``holm_category``, or ``family_category`` of ``judge_family``), naming the cells unclear by
+  ``key`` that tie (module docstring, item 7)."""
+  text = verdict(cells, key)
+  ties = [label(c) for c in cells if c["tie"] and c[key] == "unclear"]
   if ties and not text.startswith(("pending", "no runs")):
     text += f"; tie within ±{TIE_MARGIN:g}%: {', '.join(ties)}"
   return text
 
 
-# Whether a row's rule predates its runs (module docstring): the window rule was committed at
-# 15f8751 (25 Nov), after issue 18's grids ran (23–24 Nov) and before every later grid.
+def judge_family(rows: Sequence[Sequence[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+  """Each row's ``judge_row`` cells with the whole-family Holm-adjusted p (``p_family``) and
+  its category (``family_category``; module docstring, item 8): one family of every cell of
+  the rows that are judged (``verdict`` not pending, not empty); the other rows' cells get
+  NaN and "unclear"."""
+  judged = [bool(cells) and all(c["seeds"] >= MIN_SEEDS for c in cells) for cells in rows]
+  adjusted = iter(holm([c["p"] for cells, j in zip(rows, judged) if j for c in cells]))
+  out = []
+  for cells, j in zip(rows, judged):
+    ps = [next(adjusted) if j else math.nan for _ in cells]
+    out.append([{**c, "p_family": p, "family_category": category_p(p, c["gain"])}
+                for c, p in zip(cells, ps)])
+  return out
+
+
+def family_changes(results: Sequence[Result]) -> tuple[int, int, int]:
+  """(cells, rows, rows whose verdict differs): ``judge_family``'s family of the claims
+  table's HeLoCo rows, and in how many of its rows the whole-family Holm verdict is not the
+  per-row one."""
+  rows = judge_family([row.cells()[0] for row in heloco_rows(results)])
+  size, judged = family_size(rows)
+  changed = sum(verdict(cells, "holm_category") != verdict(cells, "family_category")
+                for cells in rows if cells and "pending" not in verdict(cells))
+  return size, judged, changed
+
+
+def family_size(rows: Sequence[Sequence[dict[str, Any]]]) -> tuple[int, int]:
+  """(cells, rows) of ``judge_family``'s family among ``rows``."""
+  judged = [cells for cells in rows if cells and all(c["seeds"] >= MIN_SEEDS for c in cells)]
+  return sum(map(len, judged)), len(judged)
+
+
+# Whether a row's rule predates its runs (module docstring, ``rule_label``): the window rule's
+# commit, 15f8751, and its commit time (2026-11-25 00:25:28 UTC; a test reads it from git).
+RULE_COMMIT = "15f8751"
+RULE_TIME = 1795566328
 PRE_REGISTERED = "pre-registered (rule 15f8751 before these runs)"
-REJUDGED = "re-judged with the rule fixed afterwards (runs 23–24 Nov, rule 25 Nov)"
+REJUDGED = "re-judged with the rule fixed afterwards"  # rule_label says which runs
+UNDATED = "not dated (no git history of the digests here)"
+
+
+def digest_dates(results_dir: str) -> Optional[dict[str, float]]:
+  """Digest name (its path under ``results_dir`` without ``.json``) -> the Unix time of the
+  commit that last added or changed it (git log); a digest not committed yet (untracked or
+  changed): now. None when git cannot date them: no git, not a repository, a shallow clone,
+  or ``RULE_COMMIT`` not in the history."""
+  def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", results_dir, *args], capture_output=True, text=True,
+                          check=True).stdout
+  try:
+    if git("rev-parse", "--is-shallow-repository").strip() != "false":
+      return None
+    git("cat-file", "-e", f"{RULE_COMMIT}^{{commit}}")
+    log = git("log", "--relative", "--diff-filter=AM", "--format=@%ct", "--name-only", "--",
+              ".")
+    pending = git("ls-files", "--others", "--modified", "--exclude-standard", "--", ".")
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  dates: dict[str, float] = {}
+  when = 0.0
+  for line in log.splitlines():
+    if line.startswith("@"):
+      when = float(line[1:])
+    elif line.endswith(".json"):
+      dates.setdefault(line.removesuffix(".json"), when)  # newest first: the last add
+  now = time.time()
+  dates.update({line.removesuffix(".json"): now for line in pending.splitlines()
+                if line.endswith(".json")})
+  return dates
+
+
+def _day(when: float) -> tuple[int, str]:
+  day = time.gmtime(when)
+  return day.tm_mday, time.strftime("%b", day)
+
+
+def _span(times: Sequence[float]) -> str:
+  """The UTC days of ``times``: "23 Nov", "23–24 Nov" or "30 Nov–1 Dec"."""
+  (d0, m0), (d1, m1) = _day(min(times)), _day(max(times))
+  if (d0, m0) == (d1, m1):
+    return f"{d0} {m0}"
+  return f"{d0}–{d1} {m1}" if m0 == m1 else f"{d0} {m0}–{d1} {m1}"
+
+
+def rule_label(sides: dict[str, Sequence[str]],
+               dates: Optional[dict[str, float]]) -> str:
+  """The *rule* column of a row that compares ``sides`` (side -> the digests of its runs,
+  ``Result.origin``) by the runs' ``dates`` (``digest_dates``): ``PRE_REGISTERED`` when every
+  run landed after ``RULE_TIME``; else ``REJUDGED`` with how many runs landed before it, on
+  which side and on which days; ``UNDATED`` without dates for every run."""
+  names = sorted({n for ns in sides.values() for n in ns})
+  if dates is None or not names or any(n not in dates for n in names):
+    return UNDATED
+  before = {side: sorted({n for n in ns if dates[n] < RULE_TIME}) for side, ns in sides.items()}
+  early = sorted({n for ns in before.values() for n in ns})
+  if not early:
+    return PRE_REGISTERED
+  which = ("both sides" if all(before.values()) else
+           " and ".join(side for side, ns in before.items() if ns) + " side")
+  return (f"{REJUDGED} ({len(early)} of {len(names)} runs, {which}, landed "
+          f"{_span([dates[n] for n in early])}, before rule {RULE_COMMIT} of "
+          f"{_span([RULE_TIME])})")
 
 
 class Row:
   """A HeLoCo claims row: the claim on one set of runs (relabelled as the authors grid's),
-  its cells (``presets`` × ``baselines`` of ``table``), how its cells are named, the seeds
-  every cell is planned to have (the only ones it reads), and whether its rule predates its
-  runs."""
+  its cells (``presets`` × ``baselines`` of ``table``), how its cells are named and the seeds
+  every cell is planned to have (the only ones it reads)."""
 
   def __init__(self, name: str, paper: str, runs: Sequence[Result], table: str,
                presets: Sequence[str], baselines: Sequence[str],
-               planned_seeds: Sequence[int], rule: str, label=None, extra: Sequence[str] = ()):
+               planned_seeds: Sequence[int], label=None, extra: Sequence[str] = ()):
     self.name, self.paper, self.runs, self.table = name, paper, list(runs), table
     self.presets, self.baselines = tuple(presets), tuple(baselines)
     self.planned_seeds = tuple(planned_seeds)
-    self.rule, self.label, self.extra = rule, label or _cell_label, list(extra)
+    self.label, self.extra = label or _cell_label, list(extra)
 
   def cells(self, fractions: Sequence[float] = WINDOW_FRACTIONS
             ) -> tuple[list[dict[str, Any]], list[str]]:
     return _claim_cells(self.runs, self.table, self.presets, self.baselines, self.label,
                         fractions, self.planned_seeds)
+
+  def sides(self) -> dict[str, list[str]]:
+    """"HeLoCo's" and "the baseline's" (or "the baselines'") -> the digests
+    (``Result.origin``) of the runs the row's cells compare: each cell's runs of that side on
+    the seeds it reads (``row_seeds``) that both sides have."""
+    seeds = set(row_seeds(self.runs, self.table, self.presets, self.baselines,
+                          self.planned_seeds))
+    other = "the baseline's" if len(self.baselines) == 1 else "the baselines'"
+    sides: dict[str, set[str]] = {"HeLoCo's": set(), other: set()}
+    for preset in self.presets:
+      for baseline in self.baselines:
+        paired = seeds & set(_paired_seeds(self.runs, self.table, preset, baseline))
+        for side, method in (("HeLoCo's", "heloco"), (other, baseline)):
+          sides[side].update(r.origin for r in runs_for(self.runs, self.table, preset, method)
+                             if r.run.seed in paired)
+    return {side: sorted(names) for side, names in sides.items()}
 
 
 def authors_planned_seeds() -> tuple[int, ...]:
@@ -368,9 +496,8 @@ def heloco_rows(results: Sequence[Result]) -> list[Row]:
         r.run.table in grids.DECAY_WHY_VARIANTS for r in results):
       extra = [f"inner lr {label} (not their setting): {c['gain']:+.2f}% ({c['wins']}/"
                f"{c['seeds']})" for label, c in list(heloco_vs_sync_by_decay(results).items())[1:]]
-    rule = PRE_REGISTERED if "cgad" in baselines else REJUDGED  # CGAD ran on 26 Nov
     rows.append(Row(name, paper, authors, table, presets, baselines, authors_planned_seeds(),
-                    rule, extra=extra))
+                    extra=extra))
   tuned = dn_tuned_results(results)
   if tuned:
     rows.append(Row(
@@ -378,7 +505,7 @@ def heloco_rows(results: Sequence[Result]) -> list[Row]:
         f"{grids.dn_tuned_learning_rate():g} (× {grids.DN_TUNED_FACTOR:g} the authors'), the "
         f"best of its check on mixed paces, seed 0 (with jitter its best at severe and moderate "
         f"paces is × 8: the best-lr rows); not their setting", "up to +7.5%", tuned, "tokens",
-        grids.AUTHORS_PRESETS, ("delayed_nesterov",), authors_planned_seeds(), REJUDGED,
+        grids.AUTHORS_PRESETS, ("delayed_nesterov",), authors_planned_seeds(),
         label=lambda preset, baseline: preset))
   return rows + variant_rows(results)
 
@@ -409,33 +536,40 @@ def _tost_text(cells: Sequence[dict[str, Any]], label) -> str:
   return "; ".join(parts) or "–"
 
 
-def claims_table(results: Sequence[Result]) -> str:
-  """Markdown: each claim, its verdict and Holm-corrected verdict, the severe cells' TOST and
-  the measured magnitude over the window and at 25/50/100% of the budget."""
+def claims_table(results: Sequence[Result], dates: Optional[dict[str, float]] = None) -> str:
+  """Markdown: each claim, when its rule was fixed against its runs (``rule_label`` by
+  ``dates``, ``digest_dates``), its verdict, Holm-corrected verdict over the row and over the
+  whole family, the severe cells' TOST and the measured magnitude over the window and at
+  25/50/100% of the budget."""
+  rows = [(row, *row.cells()) for row in heloco_rows(results)]
+  rows = [(row, cells) for row, cells, _ in rows if cells]
+  judged = judge_family([cells for _, cells in rows])
+  size, judged_rows = family_size([cells for _, cells in rows])
   lines = ["| claim | paper | rule | seeds per cell (of planned) | verdict (window 50–100% of "
            "the budget, paired 95% CIs) | Holm-corrected verdict (α 0.05, family: the row's "
-           f"cells) | severe cells: TOST ±{TIE_MARGIN:g}% | "
+           f"cells) | whole-family Holm verdict (α 0.05, family: all {size} cells of the "
+           f"{judged_rows} HeLoCo rows judged) | severe cells: TOST ±{TIE_MARGIN:g}% | "
            "HeLoCo's gain, mean over seeds, per preset and baseline: over the window [95% CI], "
-           "its category, p (paired t) and Holm-adjusted p; at 25% / 50% / 100% of the budget "
-           "(wins/seeds at 100%) |",
-           "|---|---|---|---|---|---|---|---|"]
-  for row in heloco_rows(results):
-    cells, text = row.cells()
-    if not cells:
-      continue
+           "its category, p (paired t), Holm-adjusted p over the row and over the whole family; "
+           "at 25% / 50% / 100% of the budget (wins/seeds at 100%) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for (row, _), cells in zip(rows, judged):
     available = _available_seeds(row)
     named = lambda c, row=row: row.label(c["preset"], c["baseline"])
-    lines.append(f"| {row.name} | {row.paper} | {row.rule} | "
+    text = [_cell_text(c, row.label) for c in cells]
+    lines.append(f"| {row.name} | {row.paper} | {rule_label(row.sides(), dates)} | "
                  f"{_seeds_text(cells, available, row.planned_seeds)} | {verdict(cells)} | "
-                 f"{holm_verdict(cells, named)} | {_tost_text(cells, named)} | "
-                 f"{'; '.join(text + row.extra)} |")
+                 f"{holm_verdict(cells, named)} | "
+                 f"{holm_verdict(cells, named, 'family_category')} | "
+                 f"{_tost_text(cells, named)} | {'; '.join(text + row.extra)} |")
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
     speedup = palsgd_claim(results, method)
     if speedup:
+      rule = rule_label(palsgd_sides(results, method), dates)
       lines.append(f"| PALSGD trains faster than DDP (time to DDP's final loss){setting} | "
-                   f"21.1–24.4% faster | {REJUDGED} | {_palsgd_seeds(results, method)} | "
-                   f"{speedup[0]} | – | – | {speedup[1]} |")
+                   f"21.1–24.4% faster | {rule} | {_palsgd_seeds(results, method)} | "
+                   f"{speedup[0]} | – | – | – | {speedup[1]} |")
   tuned = fair_ddp(results)
   if tuned:
     fair = [("palsgd", "", None), (grids.PALSGD_SWAPPED, ", PALSGD at outer lr 0.7", None)]
@@ -447,13 +581,29 @@ def claims_table(results: Sequence[Result]) -> str:
     for method, setting, cs in fair:
       speedup = palsgd_claim(results, method, tuned[0], cs)
       if speedup:
+        rule = rule_label(palsgd_sides(results, method, tuned[0], cs), dates)
         lines.append(
             f"| PALSGD trains faster than DDP (time to DDP's final loss), DDP tuned for its own "
             f"run (inner lr × {tuned[1]:.3g}, its decay over its own "
             f"{grids.ddp_own_steps():,} steps){setting}; not their setting | 21.1–24.4% "
-            f"faster | {PRE_REGISTERED} | {_palsgd_seeds(results, method, tuned[0])} | "
-            f"{speedup[0]} | – | – | {speedup[1]} |")
+            f"faster | {rule} | {_palsgd_seeds(results, method, tuned[0])} | "
+            f"{speedup[0]} | – | – | – | {speedup[1]} |")
   return "\n".join(lines)
+
+
+def palsgd_sides(results: Sequence[Result], method: str, ddp_name: Optional[str] = None,
+                 cs: Optional[Sequence[float]] = None) -> dict[str, list[str]]:
+  """"PALSGD's" and "DDP's" -> the digests of the runs ``palsgd_claim`` compares: at each c of
+  ``cs`` (default: every c DDP ran at), ``method``'s runs and DDP's (the palsgd_c grid's, or
+  the palsgd_fair variant ``ddp_name``) on the seeds both have."""
+  sides: dict[str, set[str]] = {"PALSGD's": set(), "DDP's": set()}
+  for c in grids.COMM_RATIOS if cs is None else cs:
+    ddp = (_fair_runs(results, c, ddp_name) if ddp_name else _palsgd_runs(results, c, "ddp"))
+    own = {**_palsgd_runs(results, c, method), **_fair_runs(results, c, method)}
+    for seed in set(ddp) & set(own):
+      sides["PALSGD's"].add(own[seed].origin)
+      sides["DDP's"].add(ddp[seed].origin)
+  return {side: sorted(names) for side, names in sides.items()}
 
 
 def _palsgd_seeds(results: Sequence[Result], method: str, ddp_name: Optional[str] = None) -> str:
@@ -567,16 +717,22 @@ def _claim_cells(results: Sequence[Result], table: str, presets: Sequence[str],
         continue
       cells.append({**window, "baseline": baseline})
       budget_points.append(at)
-  cells = judge_row(cells)
-  text = []
-  for cell, at in zip(cells, budget_points):
-    ci = (f"[{cell['low']:+.2f}, {cell['high']:+.2f}]" if math.isfinite(cell["low"])
-          else "[no CI: 1 seed]")
-    gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
-    text.append(f"{label(cell['preset'], cell['baseline'])}: window {cell['gain']:+.2f}% {ci} "
-                f"{cell['category']}, p {_p(cell['p'])}, Holm p {_p(cell['p_holm'])}; {gains} "
-                f"({at[-1]['wins']}/{at[-1]['seeds']})")
-  return cells, text
+  cells = [{**c, "budget_points": at} for c, at in zip(judge_row(cells), budget_points)]
+  return cells, [_cell_text(c, label) for c in cells]
+
+
+def _cell_text(cell: dict[str, Any], label=_cell_label) -> str:
+  """A cell of the claims table's last column: the window gain, its CI, category, p, Holm p
+  (and the whole-family Holm p once ``judge_family`` has given one), then the gains at
+  ``grids.BUDGET_FRACTIONS`` (wins/seeds at 100%)."""
+  ci = (f"[{cell['low']:+.2f}, {cell['high']:+.2f}]" if math.isfinite(cell["low"])
+        else "[no CI: 1 seed]")
+  at = cell["budget_points"]
+  gains = " / ".join(f"{a['gain']:+.2f}%" for a in at)
+  family = f", family Holm p {_p(cell['p_family'])}" if "p_family" in cell else ""
+  return (f"{label(cell['preset'], cell['baseline'])}: window {cell['gain']:+.2f}% {ci} "
+          f"{cell['category']}, p {_p(cell['p'])}, Holm p {_p(cell['p_holm'])}{family}; {gains} "
+          f"({at[-1]['wins']}/{at[-1]['seeds']})")
 
 
 def dn_tuned_results(results: Sequence[Result]) -> list[Result]:
@@ -612,7 +768,8 @@ VARIANTS = (
 
 
 def _as_authors(result: Result, name: str, table: str) -> Result:
-  return dataclasses.replace(result, run=dataclasses.replace(result.run, name=name, table=table))
+  return dataclasses.replace(result, run=dataclasses.replace(result.run, name=name, table=table),
+                             source=result.origin)
 
 
 def variant_results(results: Sequence[Result], kind: str,
@@ -710,7 +867,7 @@ def variant_rows(results: Sequence[Result]) -> list[Row]:
   for label, runs, cell_label, planned in sets:
     for name, table, presets, baselines, paper in CLAIMS:
       row = Row(f"{name} — {label}", paper, runs, table, presets, baselines, planned,
-                PRE_REGISTERED, label=cell_label)
+                label=cell_label)
       if row_seeds(runs, table, presets, baselines, planned):
         rows.append(row)
   return rows
@@ -724,21 +881,22 @@ def variant_claim_rows(results: Sequence[Result]) -> list[str]:
 
 
 def window_table(results: Sequence[Result]) -> str:
-  """Markdown: each HeLoCo claims row's verdict and Holm-corrected verdict under each of
+  """Markdown: each HeLoCo claims row's verdict, Holm-corrected verdict over the row and over
+  the whole family (``judge_family``, of the rows with cells under that window) under each of
   ``WINDOWS`` (the rule's window among them), on the row's seeds."""
-  rows = []
-  for row in heloco_rows(results):
-    found = []
-    for _, fractions in WINDOWS:
-      cells, _ = row.cells(fractions)
-      found.append(f"{verdict(cells)}; Holm {verdict(cells, 'holm_category')}"
-                   if cells else "–")
-    if any(f != "–" for f in found):
-      rows.append(f"| {row.name} | {' | '.join(found)} |")
-  if not rows:
+  rows = heloco_rows(results)
+  found = [[] for _ in rows]
+  for _, fractions in WINDOWS:
+    judged = judge_family([row.cells(fractions)[0] for row in rows])
+    for texts, cells in zip(found, judged):
+      texts.append(f"{verdict(cells)}; Holm {verdict(cells, 'holm_category')}; family Holm "
+                   f"{verdict(cells, 'family_category')}" if cells else "–")
+  lines = [f"| {row.name} | {' | '.join(texts)} |" for row, texts in zip(rows, found)
+           if any(t != "–" for t in texts)]
+  if not lines:
     return ""
   return "\n".join(["| claim | " + " | ".join(label for label, _ in WINDOWS) + " |",
-                    "|---|" + "---|" * len(WINDOWS), *rows])
+                    "|---|" + "---|" * len(WINDOWS), *lines])
 
 
 def loss_table(results: Sequence[Result], table: str) -> str:
@@ -1257,11 +1415,13 @@ def render(template: str, fields: dict[str, Optional[str]]) -> str:
 
 def write_results(results: Sequence[Result], path: str, fig_dir: str, command: str,
                   scale_note: str, small_scale: str = "RESULTS_small_scale.md",
-                  sections: Sequence[str] = (), *, planned: int) -> None:
+                  sections: Sequence[str] = (), *, planned: int,
+                  dates: Optional[dict[str, float]] = None) -> None:
   """Writes RESULTS.md for issue 18's and 36's grids (``TEMPLATE`` with this function's
   numbers, tables and figure list) with its figures under ``fig_dir``, and ``sections``
   (markdown lines: other grids' sections) before the small-scale note. ``planned``: how many
-  runs ``results`` are drawn from (finished or not)."""
+  runs ``results`` are drawn from (finished or not); ``dates``: the runs' (``digest_dates``),
+  for the claims table's *rule* column."""
   authors = [r for r in _authors(results) if r.run.table == "tokens"]
   figures = (curves(results, fig_dir) + palsgd_figure(results, fig_dir)
              + analysis.diagnostics_figures(authors, fig_dir, presets=grids.AUTHORS_PRESETS,
@@ -1271,7 +1431,7 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
   on_cpu = [r for r in results if not r.run.name.startswith(grids.SCALE_PREFIX)]
   steps_per_second = 1 / clocks.seconds_per_step(grids.DECAY_WHY_PRESET, 5)
   optional = lambda text: f" {text}" if text else ""  # a sentence that may be missing
-  tables = {"claims_table": claims_table(results), "window_table": window_table(results),
+  tables = {"claims_table": claims_table(results, dates), "window_table": window_table(results),
             "token_table": loss_table(results, "tokens"),
             "time_table": loss_table(results, "time"), "lr_table": lr_table(results),
             "skeptic_lr_table": skeptic_lr_table(results), "palsgd_table": palsgd_table(results),
@@ -1284,7 +1444,10 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       "finished_gpu": str(len(on_gpu)), "planned_gpu": str(len(grids.grid("scale"))),
       "scale_note": scale_note,
       **{name: table or None for name, table in tables.items()},  # no runs: no section
-      "rejudged": REJUDGED, "pre_registered": PRE_REGISTERED, "tie_margin": f"{TIE_MARGIN:g}",
+      "rejudged": REJUDGED, "pre_registered": PRE_REGISTERED, "undated": UNDATED,
+      **dict(zip(("family_cells", "family_rows", "family_changed"),
+                 map(str, family_changes(results)))),
+      "tie_margin": f"{TIE_MARGIN:g}",
       "symmetric_seeds": ", ".join(map(str, grids.SYMMETRIC_SEEDS)),
       "planned_seeds": str(len(authors_planned_seeds())),
       "authors_final": ", ".join(f"{m} {v}" for m, v in AUTHORS_FINAL.items()),
