@@ -532,6 +532,7 @@ def make_engine(
                      "rule)")
   else:
     checks.check_outer_tx(outer_tx, params, spec_method, lookahead)
+  server_lib.check_merge_order(outer_tx, params, syncer.groups)
   try:  # P and the layout, in the names of ``streaming``
     fragments_lib.split(params, streaming.fragments, streaming.layout)
   except ValueError as error:

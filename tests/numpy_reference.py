@@ -333,6 +333,42 @@ class HeLoCo(MLA):
         self.G = G
         return self._momentum_step(theta, G)
 
+    def step_group(self, theta, deltas, stalenesses, weights,
+                   merge_order="merge_then_correct") -> Tree:
+        """One update for a group of arrivals (ALGORITHMS.md, "Merge order under a quorum").
+
+        merge_then_correct: the merged rho(tau_max) Delta = sum_j w_j rho(tau_j) Delta_j is
+        corrected once, as one arrival of staleness tau_max (``step``).
+        correct_then_merge: G_j is arrival j's corrected update as if it arrived alone (against
+        the same m, with its own rho(tau_j) and weight order); G = sum_j w_j G_j; then the
+        momentum step with G.  ``self.infos`` holds the arrivals' diagnostics.
+        """
+        deltas = [as_tree(d) for d in deltas]
+        if merge_order == "merge_then_correct":
+            tau_max = max(stalenesses)
+            rho_max = self.rho(tau_max)
+            merged = [sum(w * self.rho(t) / rho_max * d[i]
+                          for d, t, w in zip(deltas, stalenesses, weights))
+                      for i in range(len(deltas[0]))]
+            return self.step(theta, merged, tau_max)
+        if merge_order != "correct_then_merge":
+            raise ValueError(merge_order)
+        corrected, self.infos = [], []
+        for d, t in zip(deltas, stalenesses):
+            rho = self.rho(t)
+            if self.weight_order == "before":
+                G_j, info = correct([rho * x for x in d], self.m, scope=self.scope,
+                                    **self.corr_kw)
+            else:
+                d_hat, info = correct(d, self.m, scope=self.scope, **self.corr_kw)
+                G_j = [rho * x for x in d_hat]
+            corrected.append(G_j)
+            self.infos.append(info)
+        G = [sum(w * G_j[i] for G_j, w in zip(corrected, weights))
+             for i in range(len(deltas[0]))]
+        self.G = G
+        return self._momentum_step(theta, G)
+
 
 # --------------------------------------------------------------------------------------------
 # compression of pseudo-gradients (ALGORITHMS.md, "Compression of pseudo-gradients")

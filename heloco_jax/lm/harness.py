@@ -193,10 +193,17 @@ def membership(config: ml_collections.ConfigDict) -> Optional[membership_lib.Mem
   return both
 
 
+# Outer keys added since CLI workdirs were first written, passed on only away from their
+# default: a default run's method_options (an older workdir's config.json records them) stay
+# as they were.
+_ADDED_OUTER_KEYS = {"merge_order": "merge_then_correct"}
+
+
 def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The keys of ``config.outer`` the method takes (``Method.outer_keys``); the others are
   other methods' (unset keys: the method's defaults)."""
-  return {key: config.outer[key] for key in methods.get(config.method).outer_keys}
+  return {key: config.outer[key] for key in methods.get(config.method).outer_keys
+          if key not in _ADDED_OUTER_KEYS or config.outer[key] != _ADDED_OUTER_KEYS[key]}
 
 
 def method_options(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -7,17 +7,23 @@ On each arrival, with m_b the momentum before the arrival:
   m ← μ·m + (1 − μ)·G ;  θ ← θ − η·(G + μ·m)
 Workers are dispatched from the look-ahead point θ − η·μ·m (always on for
 HeLoCo): see ``heloco_jax.lookahead_params``.
+
+A group of arrivals (a syncer's quorum; ``update(..., group_weights=w)`` with the arrivals
+stacked) is merged, then corrected once (``merge_order="merge_then_correct"``, default), or
+each arrival is corrected against the same m and the corrected updates merged
+(``"correct_then_merge"``): ALGORITHMS.md, "Merge order under a quorum".
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from heloco_jax.outer import _validation
+from heloco_jax.outer import _validation, packing
 from heloco_jax.outer import weighting as weighting_lib
 from heloco_jax.outer.correction import (
   CorrectionInfo,
@@ -36,6 +42,24 @@ from heloco_jax.outer.mla import (
 
 WeightOrder = Literal["before", "after"]
 WEIGHT_ORDERS: tuple[str, ...] = get_args(WeightOrder)
+MergeOrder = Literal["merge_then_correct", "correct_then_merge"]
+MERGE_ORDERS: tuple[str, ...] = get_args(MergeOrder)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedArrivalWeighting(weighting_lib.ArrivalWeighting):
+  """ρ(τ) of a HeLoCo with ``merge_order="correct_then_merge"``, and that order: static, as
+  ``ArrivalWeighting`` (the server reads the order from the state). The default order keeps
+  ``ArrivalWeighting`` itself, so a default state's structure (a checkpoint's) is as before."""
+  merge_order: MergeOrder = "correct_then_merge"
+
+
+jax.tree_util.register_static(GroupedArrivalWeighting)
+
+
+def merge_order_of(heloco_state: "HeLoCoState") -> MergeOrder:
+  """The ``merge_order`` of the ``hj.heloco`` whose state is ``heloco_state``."""
+  return getattr(heloco_state.rho, "merge_order", "merge_then_correct")
 
 
 class HeLoCoState(NamedTuple):
@@ -51,7 +75,8 @@ class HeLoCoState(NamedTuple):
     staleness: τ of the last arrival (int32; 0 when not given).
     weight: ρ of the last arrival (float32).
     info: ``CorrectionInfo`` of the last arrival.
-    rho: the arrival weight ρ(τ) it applies (static: no array).
+    rho: the arrival weight ρ(τ) it applies (static: no array); with
+      ``merge_order="correct_then_merge"`` a ``GroupedArrivalWeighting`` that says so.
   """
   count: jax.Array
   momentum: Any
@@ -80,6 +105,7 @@ def heloco(
     weight_order: WeightOrder = "before",
     scope: Scope = "leaf",
     accumulator_dtype: Optional[Any] = None,
+    merge_order: MergeOrder = "merge_then_correct",
 ) -> optax.GradientTransformationExtraArgs:
   """HeLoCo outer rule: corrected pseudo-gradients, then a momentum look-ahead step.
 
@@ -102,11 +128,22 @@ def heloco(
     accumulator_dtype: the dtype of m; None (default) keeps it in float32
       whatever the parameter dtype (unlike ``optax.trace``, whose None
       follows the parameters).
+    merge_order: how a group of arrivals (``update``'s ``group_weights``) is taken:
+      "merge_then_correct" (default; the HeLoCo authors' Decoupled HeLoCo, and the
+      server's grouped update before this option) merges ρ(τ_j)/ρ(τ_max)·Δ_j with weights
+      w_j and corrects the merged update once at τ_max; "correct_then_merge" corrects each
+      arrival as it would be alone (against the same m) and merges the corrected updates
+      with weights w_j. A single arrival is the same either way.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update(pseudo_grads,
-    state, params=None, *, staleness=None)`` returns ``−η·(G + μ·m)`` and a
-    ``HeLoCoState`` whose ``info`` holds the diagnostics of this arrival.
+    state, params=None, *, staleness=None, group_weights=None)`` returns
+    ``−η·(G + μ·m)`` and a ``HeLoCoState`` whose ``info`` holds the diagnostics of this
+    arrival. With ``group_weights`` (w_j ≥ 0, one per arrival, summing to 1 for a mean),
+    ``pseudo_grads`` holds a group's arrivals stacked on a leading axis and ``staleness``
+    their τ_j: one update for the group (``merge_order``); ``info`` then holds, for
+    "correct_then_merge", the w-weighted means of the arrivals' diagnostics, the
+    heaviest arrival's ``branch`` and the branch counts summed over the arrivals.
 
   Raises:
     ValueError: at construction, for an argument outside its allowed range.
@@ -148,6 +185,8 @@ def heloco(
       rotate_schedule=rotate_schedule, scope=scope)
   validate_correction_args("heloco", **correction_args)
   _validation.check_choice("heloco", "weight_order", weight_order, WEIGHT_ORDERS)
+  _validation.check_choice("heloco", "merge_order", merge_order, MERGE_ORDERS)
+  correct_then_merge = merge_order == "correct_then_merge"
 
   def init_fn(params):
     m = zeros_momentum(params, accumulator_dtype)
@@ -158,15 +197,27 @@ def heloco(
         count=jnp.zeros((), jnp.int32), momentum=m,
         **hyperparams_fields(learning_rate, momentum),
         staleness=jnp.zeros((), jnp.int32), weight=jnp.ones((), jnp.float32), info=info,
-        rho=weighting_lib.ArrivalWeighting(num_workers, weighting))
+        rho=(GroupedArrivalWeighting(num_workers, weighting) if correct_then_merge
+             else weighting_lib.ArrivalWeighting(num_workers, weighting)))
 
-  def update_fn(pseudo_grads, state, params=None, *, staleness=None, **extra_args):
-    del params, extra_args
-    rho = weighting_lib.arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
+  def rho_of(staleness):
+    return weighting_lib.arrival_weight(staleness, num_workers=num_workers, weighting=weighting)
+
+  def coefficients(pseudo_grads, m, rho):
     # "before": G = heloco_correct(ρΔ, m) (authors' code); "after": G = ρ·heloco_correct(Δ, m).
     scales = dict(input_scale=rho) if weight_order == "before" else dict(output_scale=rho)
-    delta_scale, momentum_scale, info = correction_coefficients(
-        pseudo_grads, state.momentum, **scales, **correction_args)
+    return correction_coefficients(pseudo_grads, m, **scales, **correction_args)
+
+  def update_fn(pseudo_grads, state, params=None, *, staleness=None, group_weights=None,
+                **extra_args):
+    del params, extra_args
+    if group_weights is not None:
+      return group_update(pseudo_grads, state, staleness, group_weights)
+    rho = rho_of(staleness)
+    delta_scale, momentum_scale, info = coefficients(pseudo_grads, state.momentum, rho)
+    return step(pseudo_grads, state, delta_scale, momentum_scale, staleness, rho, info)
+
+  def step(pseudo_grads, state, delta_scale, momentum_scale, staleness, rho, info):
     updates, new_momentum = momentum_step(
         pseudo_grads, state.momentum, delta_scale, momentum_scale, learning_rate, momentum)
     return updates, state._replace(
@@ -174,4 +225,41 @@ def heloco(
         **hyperparams_fields(learning_rate, momentum),
         staleness=weighting_lib.staleness_array(staleness), weight=rho, info=info)
 
+  def group_update(stacked, state, staleness, group_weights):
+    """One update for a group: arrivals stacked on axis 0, τ_j, w_j (ALGORITHMS.md)."""
+    if staleness is None:
+      staleness = jnp.zeros(jnp.shape(group_weights), jnp.int32)
+    weights = jnp.asarray(group_weights, jnp.float32)
+    rhos = jax.vmap(rho_of)(jnp.asarray(staleness, jnp.int32))
+    tau_max = jnp.max(jnp.asarray(staleness, jnp.int32))
+    if not correct_then_merge:  # ρ(τ_max)·Δ = Σ_j w_j·ρ(τ_j)·Δ_j, corrected once at τ_max
+      rho_max = rho_of(tau_max)
+      merged = _weighted_sum(stacked, weights * rhos / rho_max)
+      delta_scale, momentum_scale, info = coefficients(merged, state.momentum, rho_max)
+      return step(merged, state, delta_scale, momentum_scale, tau_max, rho_max, info)
+    # G = Σ_j w_j·(A_j·Δ_j + B_j·m) = Σ_j (w_j·A_j)·Δ_j + (Σ_j w_j·B_j)·m, per leaf
+    a, b, infos = jax.vmap(lambda d, rho: coefficients(d, state.momentum, rho))(stacked, rhos)
+    merged = _weighted_sum(stacked, weights[:, None] * a)
+    total = jnp.sum(weights)
+    share = weights / jnp.where(total > 0, total, 1.0)
+    mean = lambda x: jnp.tensordot(share, x, axes=1).astype(x.dtype)
+    info = infos._replace(
+        **{f: mean(getattr(infos, f)) for f in ("cosine", "confidence", "rotation", "shrinkage",
+                                               "relative_correction",
+                                               "total_relative_correction")},
+        branch=infos.branch[jnp.argmax(weights)],
+        branch_counts=jnp.sum(infos.branch_counts, axis=0, dtype=jnp.int32))
+    return step(merged, state, 1.0, jnp.sum(weights[:, None] * b, axis=0), tau_max,
+                jnp.sum(share * rhos), info)
+
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _weighted_sum(stacked: Any, scales: jax.Array) -> Any:
+  """Σ_j s_j·Δ_j (in at least float32) of arrivals stacked on axis 0, a tree or a ``Packed``;
+  ``scales`` [n] (one per arrival) or [n, leaves] (per arrival and leaf)."""
+  def scaled(delta, s):
+    parts = packing.parts(delta)
+    return parts.rebuild([weighting_lib.at_least_float32(x) * parts.take(s, i)
+                          for i, x in enumerate(parts.arrays)])
+  return jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.vmap(scaled)(stacked, scales))

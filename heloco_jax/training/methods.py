@@ -37,7 +37,7 @@ LOOKAHEAD = ("never", "option", "always")
 # The keyword options of ``hj.heloco`` that ``Method.make_outer`` passes on.
 HELOCO_OPTIONS = ("keep_threshold", "bad_threshold", "shrink_strength", "max_shrink",
                   "rotate_strength", "confidence_scale", "rotate_schedule", "weight_order",
-                  "scope")
+                  "scope", "merge_order")
 
 OuterFactory = Callable[[float, int, Mapping[str, Any]], optax.GradientTransformation]
 

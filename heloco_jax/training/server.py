@@ -33,6 +33,7 @@ import optax
 
 from heloco_jax import outer
 from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.outer.heloco import merge_order_of
 from heloco_jax.outer import lookahead as lookahead_lib
 from heloco_jax.outer import packing
 from heloco_jax.outer import weighting as weighting_lib
@@ -114,6 +115,7 @@ _norm_and_cosine = _reading(lookahead_lib.MOMENTUM_STATES, "outer_momentum",
                                 delta, lookahead_lib.momentum_of(sub_state)))
 _stack_scaled = jax.jit(lambda deltas, scales: jax.tree.map(
     lambda *xs: jnp.stack([(s * x).astype(x.dtype) for s, x in zip(scales, xs)]), *deltas))
+_stack = jax.jit(lambda deltas: jax.tree.map(lambda *xs: jnp.stack(xs), *deltas))
 _pack = jax.jit(packing.pack)
 _unpack = jax.jit(packing.unpack)
 _unpack_all = jax.jit(packing.unpack_all)
@@ -133,6 +135,47 @@ def jit_outer_step(tx: optax.GradientTransformationExtraArgs,
     updates, state = tx.update(delta, state, params, staleness=staleness)
     return constrain((optax.apply_updates(params, updates), state))
   return jax.jit(step, donate_argnums=(0, 1))
+
+
+def jit_group_step(tx: optax.GradientTransformationExtraArgs,
+                   constrain: Callable[[Any], Any] = _identity) -> Callable[..., Any]:
+  """``(θ, state, Δs, τs, w) -> (θ', state')``: one update of ``tx`` for a group of arrivals
+  stacked on axis 0 (``update``'s ``group_weights``: ``hj.heloco``'s merge order), jitted, θ
+  and state donated."""
+  tx = optax.with_extra_args_support(tx)
+  def step(params, state, deltas, staleness, weights):
+    updates, state = tx.update(deltas, state, params, staleness=staleness,
+                               group_weights=weights)
+    return constrain((optax.apply_updates(params, updates), state))
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _heloco_states(state: Any) -> list[outer.HeLoCoState]:
+  return [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, outer.HeLoCoState))
+          if isinstance(x, outer.HeLoCoState)]
+
+
+def corrects_then_merges(state: Any) -> bool:
+  """Whether an outer state holds an ``hj.heloco(merge_order="correct_then_merge")``."""
+  return any(merge_order_of(x) == "correct_then_merge"
+             for x in _heloco_states(state))
+
+
+def check_merge_order(outer_tx: Optional[optax.GradientTransformation], params: Any,
+                      groups: bool) -> None:
+  """Refuses ``merge_order="correct_then_merge"`` where no group is ever merged (one line).
+
+  Args:
+    outer_tx: the run's outer rule (its state is built abstractly: nothing is computed).
+    params: θ.
+    groups: whether the run merges arrivals (``hj.Syncer.groups``).
+  """
+  if outer_tx is None or groups:
+    return
+  if corrects_then_merges(jax.eval_shape(outer_tx.init, params)):
+    raise ValueError("merge_order='correct_then_merge' is not allowed without groups of "
+                     "arrivals; allowed: 'merge_then_correct' (the default), or a syncer that "
+                     "merges arrivals (hj.Syncer(quorum > 1) or a grace window)")
 
 
 OuterLayout = Literal["auto", "tree", "packed"]
@@ -229,6 +272,20 @@ class OuterServer:
       raise ValueError(f"aggregate={aggregate!r} is not allowed with this outer rule; allowed: "
                        "cosine=None (the cosine screen reads an outer momentum)")
     self.accepted_norms: list[float] = []  # a screen's history (its last ``window``)
+    # hj.heloco(merge_order="correct_then_merge"): a group goes to the rule whole, stacked
+    # (ALGORITHMS.md, "Merge order under a quorum"); the rule must see it as it is.
+    self._group_step = None
+    if corrects_then_merges(self._state):
+      inner_state = getattr(self._state, "inner_state", self._state)  # inject_hyperparams
+      if not isinstance(inner_state, outer.HeLoCoState):
+        raise ValueError("merge_order='correct_then_merge' is not allowed inside a chain; "
+                         "allowed: hj.heloco(...) itself as the outer rule (a chain's other "
+                         "transforms would see a group's arrivals stacked)")
+      if not isinstance(aggregate, aggregate_lib.Mean):
+        raise ValueError(f"merge_order='correct_then_merge' is not allowed with aggregate="
+                         f"{aggregate!r}; allowed: hj.aggregate.mean() (the corrected "
+                         "arrivals merge with the syncer's weights)")
+      self._group_step = jit_group_step(outer_tx, constrain)
 
   @property
   def params(self) -> Any:
@@ -299,7 +356,9 @@ class OuterServer:
       its diagnostics: ``cosine_mean`` (cos(Δ, m) with the momentum it
       meets) and, when the chain holds HeLoCo, its block summary after the
       update. The update happens iff some reason is None; several applied
-      arrivals are combined as Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G|.
+      arrivals are combined as Δ with ρ(τ_max)·Δ = Σ_j ω_j·ρ(τ_j)·Δ_j / |G| (then corrected
+      once, for HeLoCo), or, with ``hj.heloco(merge_order="correct_then_merge")``, given to
+      the rule stacked, with weights ω_j/|G|.
     """
     results = [{"reason": reason} for reason in rejection.screen(deltas)]
     applied = [i for i, result in enumerate(results) if result["reason"] is None]
@@ -317,6 +376,12 @@ class OuterServer:
     taus_applied = [taus[i] for i in applied]
     if len(applied) == 1:
       self._apply(deltas[applied[0]], taus_applied[0])
+    elif self._group_step is not None:  # correct-then-merge: the rule takes the group whole
+      omegas = [1.0 if weights is None else weights[i] for i in applied]
+      self._params, self._state = self._group_step(
+          self._params, self._state, _stack([deltas[i] for i in applied]),
+          jnp.asarray(taus_applied, jnp.int32),
+          jnp.asarray([omega / len(applied) for omega in omegas], jnp.float32))
     else:
       omegas = [1.0 if weights is None else weights[i] for i in applied]
       self._apply(self._combine([deltas[i] for i in applied], taus_applied, omegas),

@@ -25,7 +25,7 @@ from ml_collections import config_dict
 from heloco_jax.comm import aggregate, compress, fragments, syncer
 from heloco_jax.lm import data, model
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
-from heloco_jax.outer.heloco import WEIGHT_ORDERS
+from heloco_jax.outer.heloco import MERGE_ORDERS, WEIGHT_ORDERS
 from heloco_jax.outer.weighting import WEIGHTINGS
 from heloco_jax.runtime import clocks
 from heloco_jax.runtime.state import PALSGD_COINS
@@ -250,6 +250,9 @@ KEYS: tuple[Key, ...] = (
         "HeLoCo: ρ applied before the correction (authors' code) or after"),
     Key("outer.scope", "leaf", one_of(SCOPES), "HeLoCo block: each pytree leaf, or the whole "
         "tree"),
+    Key("outer.merge_order", "merge_then_correct", one_of(MERGE_ORDERS),
+        "HeLoCo under a quorum: merge the group, then correct once (authors' Decoupled HeLoCo), "
+        "or correct each arrival against the same momentum, then merge"),
     Key("outer.age_decay", 0.1, number(0.0), "CGAD α of σ(τ) = γ(τ)·exp(−α·τ)"),
     Key("outer.age_cutoff", 32.0, number(0.0, low_open=True),
         "CGAD τ_c: the cosine gate γ(τ) reaches 0 at τ = τ_c"),

@@ -20,6 +20,7 @@ from typing import Any
 import ml_collections
 
 from heloco_jax.cli.configs import schema
+from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import fragments
 from heloco_jax.lm import harness, model
 from heloco_jax.rundir import writers
@@ -166,6 +167,16 @@ def _validate_syncer(config: ml_collections.ConfigDict, method: Any) -> None:
     if c[name] != default and method.synchrony != "async":
       _fail(f"syncer.{name}", c[name], f"{default!r} with method={config.method!r} (the syncer "
             "groups the arrivals of asynchronous methods)")
+  if config.outer.merge_order != "merge_then_correct":  # ALGORITHMS.md, "Merge order"
+    if config.method != "heloco":
+      _fail("outer.merge_order", config.outer.merge_order, "'merge_then_correct' with method="
+            f"{config.method!r} (the merge order is HeLoCo's: it corrects arrivals)")
+    if not rule.groups:
+      _fail("outer.merge_order", config.outer.merge_order, "'merge_then_correct' without "
+            "groups of arrivals (syncer.quorum > 1 or a grace window merges them)")
+    if rule.aggregate != aggregate_lib.Mean():
+      _fail("outer.merge_order", config.outer.merge_order, "'merge_then_correct' with "
+            f"syncer.aggregate={config.syncer.aggregate!r} (corrected arrivals merge by the mean)")
 
 
 def _validate_chaos(config: ml_collections.ConfigDict) -> None:
