@@ -27,7 +27,7 @@ from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.lm import data as data_lib
 from heloco_jax.lm import evaluate
 from heloco_jax.lm import model as model_lib
-from heloco_jax.runtime import clocks, factories
+from heloco_jax.runtime import clocks, factories, faults
 from heloco_jax.training import inner as inner_lib
 from heloco_jax.training import membership as membership_lib
 from heloco_jax.training import methods, sharding
@@ -219,7 +219,8 @@ def method_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``hj.make_engine``'s keyword arguments of a run config, budgets in tokens; each config
   group is one of its objects (``budget`` → ``hj.Budget``, ``streaming`` →
-  ``hj.Streaming``, ``syncer`` → ``hj.Syncer``, ``chaos`` → ``hj.Membership``, ``comm`` →
+  ``hj.Streaming``, ``syncer`` → ``hj.Syncer``, ``chaos`` → ``hj.Membership`` and, for
+  ``chaos.faulty``, the runtime wrapped by ``runtime.faults.faulty``, ``comm`` →
   ``hj.CommModel``, ``compression`` → a compressor)."""
   method = methods.get(config.method)
   from heloco_jax import api  # pylint: disable=g-import-not-at-top
@@ -232,7 +233,7 @@ def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
                         tokens_per_step=config.batch_size * config.model.context,
                         eval_every_tokens=config.budget.eval_every_tokens or None),
       seed=config.seed,
-      runtime=runtime_factory(config),
+      runtime=faults.faulty(runtime_factory(config), faults.Faults.parse(config.chaos.faulty)),
       method_options=method_options(config),
       reset_optimizer=config.inner.reset_optimizer,
       syncer=syncer(config), membership=membership(config),

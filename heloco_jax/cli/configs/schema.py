@@ -27,7 +27,7 @@ from heloco_jax.lm import data, model
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
 from heloco_jax.outer.heloco import MERGE_ORDERS, WEIGHT_ORDERS
 from heloco_jax.outer.weighting import WEIGHTINGS
-from heloco_jax.runtime import clocks
+from heloco_jax.runtime import clocks, faults
 from heloco_jax.runtime.state import PALSGD_COINS
 from heloco_jax.training import methods
 
@@ -344,6 +344,10 @@ KEYS: tuple[Key, ...] = (
         "seeded random failures per worker per simulated second (with chaos.downtime)"),
     Key("chaos.downtime", 60.0, number(0.0, low_open=True),
         "mean simulated seconds a randomly failed worker stays away"),
+    Key("chaos.faulty", "", Check(faults.Faults.parse, "'' (none) or 'W:sign', 'W:scale=S', "
+                                  "'W:noise=SIGMA', 'W:nan', comma-separated"),
+        "faulty workers: each alters its pseudo-gradient before upload, e.g. "
+        "'1:sign,3:scale=10,4:noise=0.1' (docs/ALGORITHMS.md, \"Faulty workers\")"),
 )
 
 BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}

@@ -24,7 +24,7 @@ from heloco_jax.comm import aggregate as aggregate_lib
 from heloco_jax.comm import fragments
 from heloco_jax.lm import harness, model
 from heloco_jax.rundir import writers
-from heloco_jax.runtime import clocks, devices
+from heloco_jax.runtime import clocks, devices, faults
 from heloco_jax.training.methods import METHODS
 
 # Arguments of the outer factories whose config key differs from their name
@@ -199,6 +199,20 @@ def _validate_chaos(config: ml_collections.ConfigDict) -> None:
     _fail(key, value, f"a schedule this run can take ({why})")
 
 
+def _validate_faulty(config: ml_collections.ConfigDict, method: Any) -> None:
+  """chaos.faulty: workers of this run, some honest, a method that sends pseudo-gradients."""
+  if not config.chaos.faulty:
+    return
+  parsed = faults.Faults.parse(config.chaos.faulty)
+  why = parsed.refusal(config.num_workers)
+  if why is None and method.synchrony == "step":
+    why = "method='ddp' sends gradients every step, not pseudo-gradients"
+  if why is None and method.synchrony == "round" and config.streaming.fragments > 1:
+    why = "Streaming DiLoCo's workers keep their own θ across rounds"
+  if why:
+    _fail("chaos.faulty", config.chaos.faulty, f"faulty workers that fit the run ({why})")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   check_keys(config)
@@ -248,6 +262,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _fail("dylu", True, f"False with method={config.method!r} (DyLU sets the steps of "
           "asynchronous dispatches)")
   _validate_chaos(config)
+  _validate_faulty(config, method)
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch, name="lookahead_dispatch")
