@@ -445,13 +445,7 @@ class InnerLoop:
     self.run_many_scan = jax.jit(self._vmap(self.run, in_axes=(0, 0, 0, None))
                                  if spmd_axis_name is None
                                  else self._run_per_slice(spmd_axis_name), donate_argnums=0)
-    # "steps": one compiled step per Python iteration (``run_steps``)
-    self.step_jit = jax.jit(self._one_step, donate_argnums=0)
-    self.step_many = jax.jit(jax.vmap(self._one_step, in_axes=(0, 0, 0, None)),
-                             donate_argnums=0)
-    self.pull_jit = jax.jit(self._pull_step, donate_argnums=0)
-    self.pull_many = jax.jit(jax.vmap(self._pull_step, in_axes=(0, 0, 0, None)),
-                             donate_argnums=0)
+    self._flat_steps: dict[Any, Callable[..., Any]] = {}  # "steps" (``run_steps``)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)
 
@@ -656,18 +650,39 @@ class InnerLoop:
     shape = (len(key), steps) if many else (steps,)
     uniform = (np.zeros(shape, np.float32) if anchor is None  # on the host: no op per step
                else np.asarray(_coins(key, steps, many)))
-    step = self.step_many if many else self.step_jit
-    pull = self.pull_many if many else self.pull_jit
     p = None if anchor is None else getattr(self.tx, "pseudo_sync_prob", None)
+    # The state crosses each call as its leaves: flattening flax's State trees costs more
+    # than a small step's dispatch (docs/BENCHMARKS.md, "A user's model").
+    leaves, treedef = jax.tree.flatten(state)
+    anchor_leaves, anchor_def = jax.tree.flatten(anchor)
     metrics = []
     for i in range(steps):
       batch = jax.tree.map(lambda x, i=i: x[:, i] if many else x[i], batches)
       u = uniform[:, i] if many else uniform[i]
       # PALSGD: a step whose coins all say pseudo-sync is the pull alone (``_pull_step``)
-      fn = pull if p is not None and bool(np.all(u < np.float32(p))) else step
-      state, m = fn(state, batch, u, anchor)
+      pull = p is not None and bool(np.all(u < np.float32(p)))
+      leaves, m = self._flat_step(pull, many, treedef, anchor_def)(leaves, batch, u,
+                                                                  anchor_leaves)
       metrics.append(m)
-    return state, _stack_steps(metrics, axis)
+    return jax.tree.unflatten(treedef, leaves), _stack_steps(metrics, axis)
+
+  def _flat_step(self, pull: bool, many: bool, treedef: Any, anchor_def: Any
+                 ) -> Callable[..., Any]:
+    """``_one_step`` (``pull``: ``_pull_step``) compiled on the state's leaves (donated)
+    and the anchor's (``many``: vmapped over stacked workers)."""
+    key = (pull, many, treedef, anchor_def)
+    if key not in self._flat_steps:
+      body = self._pull_step if pull else self._one_step
+
+      def flat(leaves, batch, u, anchor_leaves):
+        new, m = body(jax.tree.unflatten(treedef, leaves), batch, u,
+                      jax.tree.unflatten(anchor_def, anchor_leaves))
+        new_leaves, new_def = jax.tree.flatten(new)
+        assert new_def == treedef, (new_def, treedef)  # a step keeps the state's structure
+        return new_leaves, m
+      self._flat_steps[key] = jax.jit(jax.vmap(flat, in_axes=(0, 0, 0, None)) if many
+                                      else flat, donate_argnums=0)
+    return self._flat_steps[key]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
