@@ -808,3 +808,69 @@ def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp
     summary = json.load(f)
   assert summary["tokens"] == toy.tokens and np.isfinite(summary["final_val_loss"])
   assert summary["method"] == "heloco"
+
+
+def _validated(run):
+  """``run``'s config through the CLI's validation, on the smoke grid's synthetic data (the
+  corpus and its tokenizer are not here)."""
+  from heloco_jax.cli.configs import default, validation  # pylint: disable=g-import-not-at-top
+  config = default.get_config()
+  overrides = {**dict(run.overrides), **dict(grids.SMOKE.data), "data.tokenizer": "bytes"}
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  validation.validate(config)
+  return config
+
+
+def test_the_faulty_grid_lists_every_rule_a_method_takes_under_every_fault():
+  runs = grids.grid("faulty")
+  names = [r.name for r in runs]
+  # 2 (K, f) × 4 behaviours (clean too) × (diloco 4 + heloco 6 + mla 6 rules) × 3 seeds
+  assert len(names) == len(set(names)) == 2 * 4 * 16 * 3 == 384
+  assert grids.SCALES["faulty"] is grids.AUTHORS and grids.GRIDS["faulty"] is grids.faulty_grid
+  cells = {(r.table, r.method, r.name.split("/")[-2]) for r in runs}
+  for k, f in ((6, 1), (8, 2)):
+    q = {6: 3, 8: 5}[k]
+    for behaviour in ("clean", "sign", "scale10", "noise"):
+      table = f"faulty/K{k}f{f}/{behaviour}"
+      assert {rule for t, m, rule in cells if t == table and m == "diloco"} == {
+          "mean", "trimmed_mean", "median", "centered_clip"}
+      for method in ("heloco", "mla"):
+        assert {rule for t, m, rule in cells if t == table and m == method} == {
+            "mean", "screen", f"mean_q{q}", f"trimmed_mean_q{q}", f"median_q{q}",
+            f"centered_clip_q{q}"}
+  keys = {r.name: dict(r.overrides) for r in runs}
+  run = keys["faulty/K8f2/scale10/heloco/trimmed_mean_q5/seed1"]
+  assert (run["num_workers"], run["chaos.faulty"], run["syncer.aggregate"], run["syncer.quorum"],
+          run["seed"], run["speeds"], run["jitter"], run["inner.total_steps"]) == (
+              8, "0:scale=10,1:scale=10", "trimmed_mean(f=2)", 5, 1, "mild", 0.2, 1250)
+  assert keys["faulty/K6f1/clean/mla/screen/seed0"]["chaos.faulty"] == ""
+  assert keys["faulty/K6f1/noise/diloco/median/seed2"]["chaos.faulty"] == "0:noise=1"
+  assert all(v["budget.tokens"] == grids.AUTHORS.tokens for v in keys.values())
+  for run in runs:  # every cell's config is one the CLI takes (one seed: the same keys)
+    if run.seed == 0:
+      _validated(run)
+
+
+def test_the_merge_order_grid_compares_both_orders_at_quorum_2_and_3_over_5_seeds():
+  runs = grids.grid("merge_order")
+  names = [r.name for r in runs]
+  assert len(names) == len(set(names)) == 2 * 5 * 2 * 5 == 100
+  assert grids.SCALES["merge_order"] is grids.AUTHORS
+  assert {r.method for r in runs} == {"heloco"} and {r.seed for r in runs} == set(range(5))
+  assert {r.preset for r in runs} == set(grids.AUTHORS_PRESETS)
+  pairs = {}
+  for r in runs:
+    keys = dict(r.overrides)
+    pairs.setdefault((keys["syncer.quorum"], r.preset, r.seed), set()).add(
+        keys["outer.merge_order"])
+    assert keys["jitter"] == 0.2 and keys["budget.tokens"] == grids.AUTHORS.tokens
+  assert len(pairs) == 50 and all(v == set(grids.MERGE_ORDERS) for v in pairs.values())
+  assert names[0] == "merge_order/q2/homogeneous/merge_then_correct/seed0"
+  for run in runs[:20]:  # seed 0: every quorum, preset and order
+    config = _validated(run)
+    assert config.outer.merge_order == dict(run.overrides)["outer.merge_order"]
