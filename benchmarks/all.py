@@ -17,6 +17,8 @@
   7. The HeLoCo outer step against the authors' style in PyTorch (a Python
      loop over tensors, ``torch_outer_step.py``) on the same 14.5M tree;
      target >= 2x.
+  8. A user's model (``users_model``): a flax.nnx CNN's own ``nnx.jit`` loop ÷ the same
+     steps through ``hj.simulate``, K = 1 and 5; targets >= 0.9 and >= 0.8.
 
 Thread counts: JAX's XLA:CPU runs each program over all the machine's
 cores; PyTorch's count is printed with its figures (its default: the cores).
@@ -40,7 +42,7 @@ import sys
 
 import jax
 
-from benchmarks import outer_step, simulator_overhead
+from benchmarks import outer_step, simulator_overhead, users_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_SETUP = ("python3 -m venv /tmp/torch_env && /tmp/torch_env/bin/pip install "
@@ -134,6 +136,9 @@ def main() -> None:
                                  "threads": torch_outer["threads"]}
   else:
     print(f"skipped: no {args.torch_python}; set it up with\n  {TORCH_SETUP}")
+
+  print("\n## 8. a user's model: its own nnx.jit loop ÷ hj.simulate (CPU seconds per step)")
+  results["users_model"] = users_model.compare(steps=300 if args.quick else 600)
 
   print("\n## 5. compile time")
   out = subprocess.run([sys.executable, "-m", "benchmarks.compile_time"], capture_output=True,
