@@ -13,7 +13,8 @@ heterogeneous workers (``hj.simulate``), or a server for a loop of your own
 """
 
 from heloco_jax.api import Budget, SimulationResult, Workdir, make_engine, simulate
-from heloco_jax.comm import aggregate, compress, fragments
+from heloco_jax.comm import compress, fragments
+from heloco_jax.training import aggregate
 from heloco_jax.comm.cost import CommModel
 from heloco_jax.comm.compress import Compression
 from heloco_jax.comm.fragments import Streaming

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import cost
 from heloco_jax.comm import fragments as fragments_lib

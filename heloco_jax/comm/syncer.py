@@ -14,7 +14,7 @@ window and token-weighted means. Here, per outer update:
 
 Workers whose arrival waits in an open group are idle until it closes. The defaults (quorum
 1, no grace, mean) are one update per arrival. ``aggregate`` chooses how the accepted merge
-(``heloco_jax.comm.aggregate``; rounds too), or how each single arrival is screened.
+(``heloco_jax.training.aggregate``; rounds too), or how each single arrival is screened.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import numbers
 from typing import Literal, Optional, Sequence, get_args
 
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 
 Weights = Literal["mean", "tokens"]
 WEIGHTS: tuple[str, ...] = get_args(Weights)

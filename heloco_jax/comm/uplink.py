@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import compress as compress_lib
 from heloco_jax.comm import fragments as fragments_lib
 

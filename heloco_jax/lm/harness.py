@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from heloco_jax.comm import compress, cost, fragments
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.lm import data as data_lib
 from heloco_jax.lm import evaluate

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import compress
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.comm import uplink as uplink_lib

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import fragments as fragments_lib
 from heloco_jax.runtime import base, clocks, streaming
 from heloco_jax.runtime.base import Job

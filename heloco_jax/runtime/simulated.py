@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import downlink
 from heloco_jax.comm import syncer as syncer_lib
 from heloco_jax.runtime import base

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from heloco_jax import outer
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.outer.heloco import merge_order_of
 from heloco_jax.outer import lookahead as lookahead_lib
 from heloco_jax.outer import packing

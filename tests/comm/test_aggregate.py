@@ -1,4 +1,4 @@
-"""hj.aggregate (heloco_jax/comm/aggregate.py; ALGORITHMS.md, "Aggregation"): each rule against a
+"""hj.aggregate (heloco_jax/training/aggregate.py; ALGORITHMS.md, "Aggregation"): each rule against a
 float64 NumPy reference written from the docs, the refusals, the default's bits and one
 worker of six doing gradient ascent through its own loss_fn."""
 

@@ -21,25 +21,16 @@ pytestmark = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time
 # the registry with 2 actors of 4 devices, the variants with HeLoCo, 2 workers on one actor,
 # one worker against the simulated runtime, and a stop and resume.
 PODS_SCRIPT = """
-import itertools, json, math
+import itertools, json, math, sys
 import jax, jax.numpy as jnp, numpy as np, optax, ray
 import heloco_jax as hj
 from heloco_jax.runtime import ray as ray_runtime
 from heloco_jax.training import methods
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/runtime"]
+import cnn
+from test_pods import regression
 
-def loss(params, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
-
-def stream(seed=0):
-  rng = np.random.default_rng(seed)
-  while True:
-    x = rng.normal(0, 1, (16, 32)).astype(np.float32)
-    yield x, x[:, :1] - x[:, 1:2]
-
-held_out = next(stream(99))
-params = {"w": jnp.asarray(np.random.default_rng(1).normal(0, 0.3, (32, 16)), jnp.float32),
-          "v": jnp.zeros((16, 1))}
+loss, params, stream, held_out = regression()
 described = []
 init = ray_runtime.RayExecutor.__init__
 def recording(self, *args, **kwargs):
@@ -72,9 +63,6 @@ out["two_per_actor"] = run(ray_options={"workers_per_actor": 2})
 out["spare"] = run(ray_options={"spares": 1})
 # A flax.nnx CNN with BatchNorm statistics, dropout keys and metrics (tests/cnn.py), its batch
 # of 16 split over each worker's 4 devices.
-import sys
-sys.path.insert(0, sys.argv[1])
-import cnn
 flax = hj.simulate(cnn.cnn_loss, cnn.PARAMS, cnn.cnn_data(2), method="heloco", inner_steps=4,
                    inner_tx=optax.adam(1e-2), eval_fn=cnn.cnn_eval, model_state=cnn.STATS,
                    budget=hj.Budget(steps=64, eval_every_steps=64), runtime=hj.ray_runtime())
@@ -167,7 +155,7 @@ import jax, jax.numpy as jnp, numpy as np, optax, ray
 from ray.cluster_utils import Cluster
 import heloco_jax as hj
 from heloco_jax.runtime import ray as ray_runtime
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/runtime"]
 from test_pods import regression
 
 ray_runtime._make_private_token()
@@ -241,7 +229,7 @@ def regression():
 @pytest.mark.slow  # a 2-node Ray cluster, two runs: ~2 min on 2 cores
 def test_a_two_node_cluster_runs_heloco_and_a_lost_node_leaves_every_token_accounted_for():
   env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
-  tests = os.path.dirname(os.path.abspath(__file__))
+  tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, tests], capture_output=True,
                        env=env, text=True, timeout=1200, check=False)
   assert out.returncode == 0, out.stderr[-3000:]

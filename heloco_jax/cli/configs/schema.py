@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 import ml_collections
 from ml_collections import config_dict
 
-from heloco_jax.comm import aggregate, compress, fragments, syncer
+from heloco_jax.comm import compress, fragments, syncer
+from heloco_jax.training import aggregate
 from heloco_jax.lm import data, model
 from heloco_jax.outer.correction import ROTATE_SCHEDULES, SCOPES
 from heloco_jax.outer.heloco import MERGE_ORDERS, WEIGHT_ORDERS

@@ -20,7 +20,7 @@ from typing import Any
 import ml_collections
 
 from heloco_jax.cli.configs import schema
-from heloco_jax.comm import aggregate as aggregate_lib
+from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import fragments
 from heloco_jax.lm import harness, model
 from heloco_jax.rundir import writers
