@@ -613,23 +613,24 @@ class InnerLoop:
     return new, InnerMetrics(jnp.zeros(()), opt_state.pseudo_sync, state.step,
                              jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), user))
 
-  def loop_for(self, state: InnerState, batch: Callable[[], Any], anchor: Any = None) -> str:
+  def loop_for(self, state: InnerState, batch: Callable[[], Any]) -> str:
     """The loop this InnerLoop runs ("scan" or "steps"), decided at its first dispatch from
     one worker's ``state`` and one step's ``batch()`` (``auto_loop``)."""
     if self._resolved is None:
       if self.layout is not None or self.spmd_axis_name is not None:
         self._resolved = "scan"  # a sharded θ keeps one program (docs/DESIGN.md)
-      else:
-        jaxpr = jax.make_jaxpr(self._one_step)(
-            _abstract(state), _abstract(batch()), jax.ShapeDtypeStruct((), jnp.float32),
-            anchor if anchor is None else _abstract(anchor))
-        self._resolved = auto_loop(_platform(state), _has_convolution(jaxpr))
+      elif _platform(state) != "cpu":
+        self._resolved = auto_loop(_platform(state), True)
+      else:  # the loss's forward pass holds its convolutions (traced once, not run)
+        abstract = _abstract(state)
+        self._resolved = auto_loop("cpu", _has_convolution(jax.make_jaxpr(self._call)(
+            abstract, _abstract(batch()), abstract.params)))
     return self._resolved
 
   def run_jit(self, state: InnerState, batches: Any, key: jax.Array, anchor: Any = None
               ) -> tuple[InnerState, InnerMetrics]:
     """``run`` compiled (``state`` donated), as ``loop_for`` says: one scan or H steps."""
-    if self.loop_for(state, lambda: jax.tree.map(lambda x: x[0], batches), anchor) == "scan":
+    if self.loop_for(state, lambda: jax.tree.map(lambda x: x[0], batches)) == "scan":
       return self.run_scan(state, batches, key, anchor)
     return self.run_steps(state, batches, key, anchor)
 
@@ -637,7 +638,7 @@ class InnerLoop:
                ) -> tuple[InnerState, InnerMetrics]:
     """``run`` for K workers stacked on a leading axis (``vmap``), as ``loop_for`` says."""
     one = jax.tree.map(lambda x: x[0], states) if self._resolved is None else states
-    if self.loop_for(one, lambda: jax.tree.map(lambda x: x[0, 0], batches), anchor) == "scan":
+    if self.loop_for(one, lambda: jax.tree.map(lambda x: x[0, 0], batches)) == "scan":
       return self.run_many_scan(states, batches, keys, anchor)
     return self.run_steps(states, batches, keys, anchor, many=True)
 
