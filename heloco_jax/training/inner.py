@@ -648,6 +648,8 @@ class InnerLoop:
     scan's body, its coins drawn alike; the metrics stacked on the step axis."""
     axis = 1 if many else 0
     steps = jax.tree.leaves(batches)[0].shape[axis]
+    if steps == 0:  # nothing to stack: the scan's empty metrics
+      return (self.run_many_scan if many else self.run_scan)(state, batches, key, anchor)
     shape = (len(key), steps) if many else (steps,)
     uniform = (np.zeros(shape, np.float32) if anchor is None  # on the host: no op per step
                else np.asarray(_coins(key, steps, many)))
