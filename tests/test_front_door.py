@@ -248,7 +248,8 @@ def test_make_engine_declares_the_options_once_and_simulate_takes_the_same():
 
 def test_an_old_keyword_is_refused_by_both_front_doors():
   for front_door in (hj.simulate, hj.make_engine):
-    with pytest.raises(TypeError, match="unexpected keyword argument 'budget_steps'"):
+    with pytest.raises(TypeError, match=r"budget_steps=, which was renamed: use "
+                       r"budget=hj\.Budget\(steps=\.\.\.\)"):
       front_door(_loss, _params(), _data(), budget_steps=96)  # type: ignore
 
 

@@ -26,6 +26,13 @@ def xla_flags(devices: int) -> str:
   return os.environ["XLA_FLAGS"] + f" --xla_force_host_platform_device_count={devices}"
 
 
+def once(args):
+  """``args`` with each flag once, at its last value: tests override a shared list of flags,
+  and the CLI refuses a flag given twice (which value was meant?)."""
+  last = {arg.split("=", 1)[0]: i for i, arg in enumerate(args)}
+  return [arg for i, arg in enumerate(args) if last[arg.split("=", 1)[0]] == i]
+
+
 def free_port() -> int:
   """A TCP port free on this host now (a jax.distributed coordinator's)."""
   with socket.socket() as s:

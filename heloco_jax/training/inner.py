@@ -631,6 +631,7 @@ class InnerLoop:
               ) -> tuple[InnerState, InnerMetrics]:
     """``run`` compiled (``state`` donated), as ``loop_for`` says: one scan or H steps."""
     if self.loop_for(state, lambda: jax.tree.map(lambda x: x[0], batches)) == "scan":
+      self.run_jit = self.run_scan  # decided: the next dispatches call the program itself
       return self.run_scan(state, batches, key, anchor)
     return self.run_steps(state, batches, key, anchor)
 

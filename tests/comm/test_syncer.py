@@ -150,7 +150,8 @@ def test_syncers_a_run_cannot_take_are_refused_in_one_line(options, message):
 def test_a_grace_window_has_one_place_the_syncer():
   """No shorthand beside ``syncer`` that could contradict it: make_engine takes no
   ``grace_window``."""
-  with pytest.raises(TypeError, match="unexpected keyword argument 'grace_window'"):
+  with pytest.raises(TypeError, match=r"grace_window=, which was renamed: use "
+                     r"syncer=hj\.Syncer\(grace_window=\.\.\.\)"):
     hj.make_engine(lambda p, b: jnp.sum(p["w"] ** 2), {"w": jnp.ones(2)},  # type: ignore
                    [[{"x": np.zeros(1)}]] * 3, syncer=hj.Syncer(quorum=2),
                    budget=hj.Budget(steps=40), grace_window=1.0)

@@ -18,6 +18,8 @@ import tiny
 from heloco_jax.cli import train
 from heloco_jax.rundir import checkpoint
 
+train_main = lambda args: train.main(tiny.once(args))  # noqa: E731  (shared flags overridden)
+
 TINY = ["--config.num_workers=3", "--config.model.d_model=32", "--config.model.num_layers=1",
         "--config.model.context=16", "--config.batch_size=4", "--config.inner_steps=2",
         "--config.data.max_bytes_per_language=40000", "--config.data.val_sequences_per_language=8",
@@ -42,7 +44,7 @@ def _steps(workdir):
 
 def _kill_after_second_checkpoint(args, workdir, timeout=300):
   """Starts `heloco-jax train` in a subprocess and SIGKILLs it once 2 checkpoints exist."""
-  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *args],
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *tiny.once(args)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.monotonic() + timeout
   while len(_steps(workdir)) < 2 and process.poll() is None and time.monotonic() < deadline:
@@ -99,12 +101,12 @@ def _kill_after_second_checkpoint(args, workdir, timeout=300):
 def test_sigkill_then_the_same_command_gives_the_uninterrupted_run(tmp_path, method, extra):
   args = [*TINY, f"--config.method={method}", *extra]
   reference = str(tmp_path / "reference")
-  assert train.main([f"--workdir={reference}", *args]) == 0
+  assert train_main([f"--workdir={reference}", *args]) == 0
   killed = str(tmp_path / "killed")
   steps = _kill_after_second_checkpoint([f"--workdir={killed}", *args], killed)
   assert len(steps) >= 2
   result = subprocess.run([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={killed}",
-                           *args], capture_output=True, text=True, check=False)
+                           *tiny.once(args)], capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"resuming from checkpoint {steps[-1]}" in result.stderr
   metrics, summary = _outputs(killed)
@@ -122,7 +124,7 @@ def test_sigkill_then_the_same_command_gives_the_uninterrupted_run(tmp_path, met
 def _finished_then_reopened(tmp_path, args):
   """A run that finished, with summary.json removed: as if killed after its last checkpoint."""
   workdir = str(tmp_path / "run")
-  assert train.main([f"--workdir={workdir}", *args]) == 0
+  assert train_main([f"--workdir={workdir}", *args]) == 0
   reference = _outputs(workdir)
   os.remove(os.path.join(workdir, "summary.json"))
   return workdir, reference
@@ -135,7 +137,7 @@ BASE = [*TINY, "--config.method=mla", "--config.budget.tokens=4000",
 def test_a_different_config_is_refused_naming_the_keys(tmp_path, capsys):
   workdir, _ = _finished_then_reopened(tmp_path, BASE)
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE, "--config.seed=1",
+  assert train_main([f"--workdir={workdir}", *BASE, "--config.seed=1",
                      "--config.outer.momentum=0.8"]) == 2
   err = capsys.readouterr().err
   assert "holds a run with another config; differing keys: outer.momentum (0.9 -> 0.8), " \
@@ -157,7 +159,7 @@ def _drop_from_config(workdir, section, key):
 def test_a_key_added_since_the_run_began_resumes_at_its_default_and_matches(tmp_path, capsys):
   workdir, reference = _finished_then_reopened(tmp_path, BASE)
   _drop_from_config(workdir, "ray", "replacements")
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   assert _outputs(workdir) == reference
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["ray"]["replacements"] == 0  # the resumed config, key and all
@@ -178,14 +180,14 @@ def test_a_config_json_under_the_former_key_names_resumes_and_matches(tmp_path, 
   with open(path, "w") as f:
     json.dump(config, f)
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE, "--config.budget.eval_every_tokens=2000"]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE, "--config.budget.eval_every_tokens=2000"]) == 2
   assert "differing keys: budget.eval_every_tokens (1000 -> 2000)." in capsys.readouterr().err
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   assert _outputs(workdir) == reference
   with open(path) as f:
     assert json.load(f)["checkpoint"] == checkpoint
   capsys.readouterr()
-  assert train.main([f"--workdir={tmp_path / 'new'}", "--config.checkpoint_every=2"]) == 2
+  assert train_main([f"--workdir={tmp_path / 'new'}", "--config.checkpoint_every=2"]) == 2
   assert capsys.readouterr().err.startswith(
       "heloco-jax train: --config.checkpoint_every was renamed: --config.checkpoint.every\n")
 
@@ -194,16 +196,16 @@ def test_a_key_added_since_the_run_began_but_set_off_its_default_is_refused(tmp_
   workdir, _ = _finished_then_reopened(tmp_path, BASE)
   _drop_from_config(workdir, "ray", "replacements")
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE, "--config.ray.replacements=2"]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE, "--config.ray.replacements=2"]) == 2
   assert "differing keys: ray.replacements (absent -> 2)." in capsys.readouterr().err
 
 
 def test_allow_config_change_extends_the_budget_to_an_uninterrupted_longer_run(tmp_path):
   workdir, _ = _finished_then_reopened(tmp_path, BASE)
   longer = [*BASE, "--config.budget.tokens=6000"]
-  assert train.main([f"--workdir={workdir}", *longer, "--allow_config_change"]) == 0
+  assert train_main([f"--workdir={workdir}", *longer, "--allow_config_change"]) == 0
   reference = str(tmp_path / "longer")
-  assert train.main([f"--workdir={reference}", *longer]) == 0
+  assert train_main([f"--workdir={reference}", *longer]) == 0
   assert _outputs(workdir) == _outputs(reference)
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["budget"]["tokens"] == 6000
@@ -221,7 +223,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_with_a_warning_and_still_matches
   with open(victim, "r+b") as f:
     f.truncate(os.path.getsize(victim) // 3)
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   err = capsys.readouterr().err
   assert f"warning: checkpoint {steps[-1]}: " in err
   assert f"resuming from checkpoint {steps[-2]} instead" in err
@@ -230,27 +232,27 @@ def test_a_corrupt_latest_checkpoint_falls_back_with_a_warning_and_still_matches
 
 def test_a_finished_run_is_not_run_again(tmp_path, capsys):
   workdir = str(tmp_path / "run")
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
-  assert train.main([f"--workdir={workdir}", *BASE]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 2
   assert "already holds a finished run" in capsys.readouterr().err
 
 
 def test_an_unwritable_workdir_fails_before_any_work(tmp_path, capsys):
   blocker = tmp_path / "a_file"
   blocker.write_text("not a directory")
-  assert train.main([f"--workdir={blocker}/run", *BASE]) == 2
+  assert train_main([f"--workdir={blocker}/run", *BASE]) == 2
   assert "is not writable: Not a directory" in capsys.readouterr().err
   if os.geteuid() != 0:  # root writes to read-only directories
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    assert train.main([f"--workdir={locked}/run", *BASE]) == 2
+    assert train_main([f"--workdir={locked}/run", *BASE]) == 2
     assert "is not writable: Permission denied" in capsys.readouterr().err
 
 
 def test_a_full_disk_mid_run_keeps_the_last_good_checkpoint_and_resumes(
     tmp_path, capsys, monkeypatch):
   reference = str(tmp_path / "reference")
-  assert train.main([f"--workdir={reference}", *BASE]) == 0
+  assert train_main([f"--workdir={reference}", *BASE]) == 0
   save = checkpoint.ocp.CheckpointManager.save
   calls = []
 
@@ -262,11 +264,11 @@ def test_a_full_disk_mid_run_keeps_the_last_good_checkpoint_and_resumes(
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", fails_the_second_time)
   workdir = str(tmp_path / "run")
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 1
+  assert train_main([f"--workdir={workdir}", *BASE]) == 1
   assert "No space left on device; checkpoint 4 is intact" in capsys.readouterr().err
   monkeypatch.undo()
   assert _steps(workdir) == [4]
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   assert _outputs(workdir) == _outputs(reference)
 
 
@@ -275,9 +277,9 @@ def test_without_a_checkpoint_a_workdir_starts_over(tmp_path, capsys):
   workdir.mkdir()
   (workdir / "metrics.jsonl").write_text('{"event": "stale"}\n')
   args = [*BASE, "--config.checkpoint.every=0"]
-  assert train.main([f"--workdir={workdir}", *args]) == 0
+  assert train_main([f"--workdir={workdir}", *args]) == 0
   reference = str(tmp_path / "reference")
-  assert train.main([f"--workdir={reference}", *args]) == 0
+  assert train_main([f"--workdir={reference}", *args]) == 0
   assert _outputs(str(workdir)) == _outputs(reference)
   assert not os.path.exists(workdir / "checkpoints")
   assert "no checkpoint in" in capsys.readouterr().err
@@ -287,7 +289,7 @@ def test_ctrl_c_stops_with_status_130_and_names_the_checkpoint_to_resume_from(tm
   workdir = str(tmp_path / "run")
   args = [f"--workdir={workdir}", *BASE, "--config.budget.tokens=20000",
           "--config.checkpoint.every=2"]
-  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *args],
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *tiny.once(args)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.monotonic() + 300
   while not _steps(workdir) and process.poll() is None and time.monotonic() < deadline:
@@ -304,10 +306,10 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_ends_as_an_unint
   progress, exit 143 naming it; the same command then resumes exactly."""
   args = [*BASE, "--config.budget.tokens=8000", "--config.checkpoint.every=50"]
   reference = str(tmp_path / "reference")
-  assert train.main([f"--workdir={reference}", *args]) == 0
+  assert train_main([f"--workdir={reference}", *args]) == 0
   workdir = str(tmp_path / "run")
   process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}",
-                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              *tiny.once(args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + 300
@@ -321,7 +323,7 @@ def test_sigterm_checkpoints_at_the_next_boundary_and_the_rerun_ends_as_an_unint
   assert steps and steps[-1] < 50  # written at the stop, not by the periodic cadence
   assert (f"stopped by SIGTERM (preemption) at the end of an arrival; checkpoint {steps[-1]} "
           "is intact: re-run the same command to resume") in err
-  assert train.main([f"--workdir={workdir}", *args]) == 0
+  assert train_main([f"--workdir={workdir}", *args]) == 0
   assert _outputs(workdir) == _outputs(reference)
 
 
@@ -331,14 +333,14 @@ def test_a_failed_resume_with_another_config_leaves_the_workdir_to_its_own_comma
   with open(os.path.join(workdir, "config.json")) as f:
     before = f.read()
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE, "--config.num_workers=4",
+  assert train_main([f"--workdir={workdir}", *BASE, "--config.num_workers=4",
                      "--allow_config_change"]) == 2
   err = capsys.readouterr().err
   assert "no readable checkpoint" in err and "resume only with that config" in err
   assert len(err.strip().splitlines()) == 1
   with open(os.path.join(workdir, "config.json")) as f:
     assert f.read() == before  # not replaced by the failed resume's config
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   assert _outputs(workdir) == reference
 
 
@@ -347,17 +349,17 @@ def test_a_garbage_config_json_is_refused_in_one_line(tmp_path, capsys):
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write("{not json")
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE]) == 2
   err = capsys.readouterr().err
   assert "config.json is not valid JSON" in err and "--allow_config_change" in err
   assert len(err.strip().splitlines()) == 1
-  assert train.main([f"--workdir={workdir}", *BASE, "--allow_config_change"]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE, "--allow_config_change"]) == 0
   assert _outputs(workdir) == reference
 
 
 @pytest.mark.parametrize("method", ["mla", "diloco", "ddp"])
 def test_a_budget_below_one_dispatch_is_refused_in_one_line(tmp_path, capsys, method):
-  assert train.main([f"--workdir={tmp_path / 'run'}", *TINY, f"--config.method={method}",
+  assert train_main([f"--workdir={tmp_path / 'run'}", *TINY, f"--config.method={method}",
                      "--config.budget.tokens=100"]) == 2
   err = capsys.readouterr().err
   assert "ended before any work reached the server" in err, err
@@ -371,7 +373,7 @@ def test_a_row_that_cannot_be_written_stops_in_one_line_and_the_run_resumes(
   naming the intact checkpoint, exit 1, no second error from closing; the rerun completes."""
   from heloco_jax.rundir import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   reference = str(tmp_path / "reference")
-  assert train.main([f"--workdir={reference}", *BASE]) == 0
+  assert train_main([f"--workdir={reference}", *BASE]) == 0
   write = workdir_lib.RunDirectory.write_row
   rows = []
 
@@ -383,13 +385,13 @@ def test_a_row_that_cannot_be_written_stops_in_one_line_and_the_run_resumes(
   monkeypatch.setattr(workdir_lib.RunDirectory, "write_row", fails_at_row_12)
   workdir = str(tmp_path / "run")
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 1
+  assert train_main([f"--workdir={workdir}", *BASE]) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith("heloco-jax train: cannot write to --workdir=") and (
       os.strerror(code) in err[-1] and " is intact: re-run the same command" in err[-1]), err
   assert not any("Traceback" in line for line in err)
   monkeypatch.undo()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   assert _outputs(workdir) == _outputs(reference)
 
 
@@ -414,7 +416,7 @@ def trial_references(tmp_path_factory):
   references = {}
   for method, extra in TRIAL_METHODS.items():
     workdir = str(tmp_path_factory.mktemp("reference") / method)
-    assert train.main([f"--workdir={workdir}", *TINY, f"--config.method={method}", *extra]) == 0
+    assert train_main([f"--workdir={workdir}", *TINY, f"--config.method={method}", *extra]) == 0
     references[method] = (_outputs(workdir),
                           test_writers.read_scalars(os.path.join(workdir, "tensorboard")))
   return references
@@ -423,7 +425,7 @@ def trial_references(tmp_path_factory):
 def _signal_at_row(args, workdir, row, sig, timeout=300):
   """Runs `heloco-jax train ARGS`, sends ``sig`` once metrics.jsonl holds ``row`` rows; its
   exit status, or None when it ended by itself before that."""
-  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *args],
+  process = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", *tiny.once(args)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + timeout
@@ -454,7 +456,7 @@ def test_a_signal_at_a_random_row_then_the_same_command_gives_the_uninterrupted_
   status = _signal_at_row(args, str(tmp_path), int(rng.integers(1, rows)), sig)
   if status is not None:  # None: it finished first (a signal sent as it wrote its summary)
     assert status == TRIAL_SIGNALS[sig]
-    assert train.main(args) == 0
+    assert train_main(args) == 0
   assert _outputs(str(tmp_path)) == reference
   scalars = test_writers.read_scalars(os.path.join(tmp_path, "tensorboard"))
   assert {t: sorted(v) for t, v in scalars.items()} == {

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+import tiny
 from faults import faulty
-from test_resume import BASE, TINY, _finished_then_reopened, _outputs, _steps
+from test_resume import BASE, TINY, train_main, _finished_then_reopened, _outputs, _steps
 
-from heloco_jax.cli import train
 from heloco_jax.lm import harness
 from heloco_jax.rundir import checkpoint
 from heloco_jax.rundir import workdir as workdir_lib
@@ -32,7 +32,7 @@ def test_a_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path
   workdir = str(tmp_path / "run")
   lock = os.path.join(workdir, "lock")
   first = subprocess.Popen([sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}",
-                            *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            *tiny.once(args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   try:
     deadline = time.monotonic() + 300
     while not (_steps(workdir) and os.path.exists(lock) and os.path.getsize(lock)):
@@ -41,7 +41,7 @@ def test_a_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path
     owner = json.loads(open(lock).read())
     assert (owner["pid"], owner["host"]) == (first.pid, socket.gethostname())
     capsys.readouterr()
-    assert train.main([f"--workdir={workdir}", *args]) == 2
+    assert train_main([f"--workdir={workdir}", *args]) == 2
     line = _one_line(capsys.readouterr().err)
     assert f"is in use by pid {first.pid} on host '{socket.gethostname()}'" in line
     assert first.poll() is None  # the owner runs on, untouched
@@ -51,7 +51,7 @@ def test_a_second_owner_is_refused_and_a_dead_owners_lock_is_taken_over(tmp_path
   # The kernel dropped the dead owner's lock; its record is still there.
   assert json.loads(open(lock).read())["pid"] == first.pid
   shorter = [*BASE, "--config.checkpoint.every=2"]
-  assert train.main([f"--workdir={workdir}", *shorter, "--allow_config_change"]) == 0
+  assert train_main([f"--workdir={workdir}", *shorter, "--allow_config_change"]) == 0
   err = capsys.readouterr().err
   assert f"warning: took over the lock of pid {first.pid}" in err
   assert open(lock).read() == ""  # released at the end
@@ -79,7 +79,7 @@ def test_a_cut_metrics_tail_falls_back_to_the_newest_checkpoint_it_covers(tmp_pa
   with open(metrics, "r+b") as f:
     f.truncate(cut)
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   err = capsys.readouterr().err
   assert f"warning: checkpoint {steps[-1]}: metrics.jsonl holds {cut} bytes" in err
   assert (f"resuming from checkpoint {steps[-2]} drops checkpoint {steps[-1]} and the "
@@ -92,7 +92,7 @@ def test_when_no_checkpoint_fits_the_metrics_the_error_is_one_line(tmp_path, cap
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     f.write('{"event": "eval"}\n')
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE]) == 2
   line = _one_line(capsys.readouterr().err)
   assert "no readable checkpoint" in line and "metrics.jsonl holds" in line
 
@@ -107,7 +107,7 @@ def test_edited_checkpoint_metadata_fails_its_checksum_and_falls_back(tmp_path, 
   with open(path, "w") as f:
     json.dump(meta, f)
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   err = capsys.readouterr().err
   assert f"checkpoint {steps[-1]}: its metadata fails its checksum" in err
   assert f"resuming from checkpoint {steps[-2]}" in err
@@ -120,7 +120,7 @@ def test_a_full_disk_at_the_first_checkpoint_is_one_line(tmp_path, capsys, monke
                      "abc\": [OS error 28: No space left on device]\nmore lines")
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full)
   workdir = str(tmp_path / "run")
-  assert train.main([f"--workdir={workdir}", *BASE]) == 1
+  assert train_main([f"--workdir={workdir}", *BASE]) == 1
   line = _one_line(capsys.readouterr().err)
   assert f"could not write checkpoint 4 to {workdir}/checkpoints: No space left on device" in line
   assert line.endswith("there is no earlier checkpoint")
@@ -131,14 +131,14 @@ def test_metrics_jsonl_as_a_directory_is_named_as_such(tmp_path, capsys):
   os.remove(os.path.join(workdir, "metrics.jsonl"))
   os.mkdir(os.path.join(workdir, "metrics.jsonl"))
   capsys.readouterr()
-  assert train.main([f"--workdir={workdir}", *BASE]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE]) == 2
   line = _one_line(capsys.readouterr().err)
   assert "metrics.jsonl is not a file" in line
 
 
 def test_a_data_error_names_the_config_key_and_leaves_no_trace(tmp_path, capsys):
   workdir = tmp_path / "run"
-  assert train.main([f"--workdir={workdir}", *BASE, "--config.data.languages=xx"]) == 2
+  assert train_main([f"--workdir={workdir}", *BASE, "--config.data.languages=xx"]) == 2
   line = _one_line(capsys.readouterr().err)
   assert "config.data.languages=['xx'] is not allowed" in line and "make_data" not in line
   assert not workdir.exists()
@@ -162,7 +162,7 @@ def test_rows_and_summary_are_standard_json(tmp_path):
 def test_arrivals_that_keep_being_rejected_stop_the_run_naming_workers_and_cause(
     tmp_path, capsys):
   workdir = tmp_path / "run"
-  assert train.main([f"--workdir={workdir}", *TINY, "--config.budget.tokens=8000",
+  assert train_main([f"--workdir={workdir}", *TINY, "--config.budget.tokens=8000",
                      "--config.inner.learning_rate=1e30", "--config.inner.grad_clip=0",
                      "--config.rejection_limit=4", "--config.speeds=homogeneous"]) == 1
   line = _one_line(capsys.readouterr().err)
@@ -181,7 +181,7 @@ def test_a_few_rejections_are_reported_apart_in_the_summary_and_final_line(
   runtime_factory = harness.runtime_factory
   monkeypatch.setattr(harness, "runtime_factory", lambda config: faulty(
       worker=0, arrival=2, runtime=runtime_factory(config)))
-  assert train.main([f"--workdir={workdir}", *BASE]) == 0
+  assert train_main([f"--workdir={workdir}", *BASE]) == 0
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["rejected"] == 1 and summary["rejected_tokens"] == 2 * 4 * 16  # H·B·T
   assert summary["applied_tokens"] == summary["tokens"] - summary["rejected_tokens"]

@@ -6,7 +6,8 @@ import types
 import numpy as np
 import pytest
 
-from heloco_jax.runtime import clocks, simulated
+from heloco_jax.comm import cost
+from heloco_jax.runtime import base, clocks, simulated
 
 
 @pytest.mark.parametrize("name, want", [
@@ -94,7 +95,8 @@ def test_a_real_clock_plans_ddp_steps_from_the_fastest_step_timed(monkeypatch):
   timed so far; the first planned step also holds the seconds since the chunk's start."""
   now = [0.0]
   monkeypatch.setattr(clocks.time, "perf_counter", lambda: now[0])
-  clock = clocks.RealClock(None, types.SimpleNamespace(agree=lambda t: t))
+  free_link = base.ClockSettings(np.ones(2), 0.0, 0, cost.CommModel(), model_bytes=8)
+  clock = clocks.RealClock(free_link, types.SimpleNamespace(agree=lambda t: t))
   present = np.ones(2, bool)
   assert clock.plan_ddp(4, 0.0, 0, None) == (4, None)  # no schedule: nothing to cut
   assert clock.plan_ddp(4, 0.0, 0, present) == (4, None)  # no step timed yet

@@ -27,16 +27,10 @@ def _rows(workdir, event="eval"):
     return [row for row in map(json.loads, f) if row["event"] == event]
 
 
-def _once(args):
-  """``args`` with each flag once, its last value (the CLI refuses a flag given twice)."""
-  last = {arg.split("=", 1)[0]: i for i, arg in enumerate(args)}
-  return [arg for i, arg in enumerate(args) if last[arg.split("=", 1)[0]] == i]
-
-
 def _commands(workdir, args):
   """The commands of the 2 processes of a jax.distributed run of ``args`` in ``workdir``
   (speeds, simulated seconds per step, left out: a real clock refuses them)."""
-  args = [arg for arg in _once(args) if not arg.startswith("--config.speeds=")]
+  args = [arg for arg in tiny.once(args) if not arg.startswith("--config.speeds=")]
   common = [sys.executable, "-m", "heloco_jax.cli.train", f"--workdir={workdir}", *args,
             "--config.runtime=devices",
             f"--config.distributed.coordinator=127.0.0.1:{tiny.free_port()}",
@@ -115,7 +109,7 @@ def test_fragments_and_compressed_deltas_across_two_processes_equal_one_process(
   for name, runtime, devices in (("one", "devices", 4), ("simulated", "simulated", 1)):
     subprocess.run([sys.executable, "-m", "heloco_jax.cli.train",
                     f"--workdir={tmp_path / name}", f"--config.runtime={runtime}",
-                    *[arg for arg in _once(args)
+                    *[arg for arg in tiny.once(args)
                       if runtime == "simulated" or "speeds=" not in arg]],
                    env={**env, "XLA_FLAGS": tiny.xla_flags(devices)}, check=True,
                    capture_output=True, timeout=300)
