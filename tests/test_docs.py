@@ -59,3 +59,10 @@ def test_the_block_runs_as_shown(page, index, code, tmp_path):
     for want, got in zip(quoted.groups(), printed.groups()):
       assert abs(float(want) - float(got)) <= 0.03, done.stdout
     assert "'train_accuracy'" in done.stdout
+    quoted = re.search(r"prints `BatchNorm statistics carried ([\d.]+), re-estimated\s+([\d.]+)`",
+                       (ROOT / "docs" / page).read_text())
+    printed = re.search(r"carried ([\d.]+), re-estimated ([\d.]+)", done.stdout)
+    assert quoted and printed, done.stdout
+    for want, got in zip(quoted.groups(), printed.groups()):
+      assert abs(float(want) - float(got)) <= 0.03, done.stdout
+    assert "tutorial style: 4 outer updates" in done.stdout
