@@ -180,19 +180,18 @@ class RealClock:
   def ddp_seconds(self, planned: Optional[list], start: float, params: Any) -> float:
     jax.block_until_ready(params)
     now = self.now()
-    if self._ddp_timing is not None and not self.link.free:  # each step's exposed all-reduce
-      began, steps = self._ddp_timing
-      steps = steps if planned is None else len(planned)
-      compute = (now - began) / max(1, steps)
-      self._ddp_exposed = self.comm.ddp_step_seconds(compute, self.link.ddp_allreduce(
-          self.link.num_workers)) - compute
+    if self._ddp_timing is None or params is None:
+      return now - start
+    began, steps = self._ddp_timing  # the steps as cut (planned) ran
+    steps = max(1, steps if planned is None else len(planned))
+    if not self.link.free:  # each step's all-reduce, less what its compute hides
+      compute = (now - began) / steps
+      self._ddp_exposed = self.comm.ddp_step_seconds(
+          compute, self.link.ddp_allreduce(self.link.num_workers)) - compute
       self._wait(steps * self._ddp_exposed)
       now = self.now()
-    if self._ddp_timing is not None and params is not None:  # the steps as cut (planned) ran
-      began, steps = self._ddp_timing
-      steps = steps if planned is None else len(planned)
-      self._ddp_step = min(self._ddp_step, (now - began) / steps)  # compiles only slow it
-      self._ddp_timing = None
+    self._ddp_step = min(self._ddp_step, (now - began) / steps)  # compiles only slow it
+    self._ddp_timing = None
     return now - start
 
   def ddp_exposed(self, planned: Optional[list], step: int) -> Optional[float]:
