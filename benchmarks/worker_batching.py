@@ -21,29 +21,13 @@ import optax
 from flax import nnx
 
 import heloco_jax as hj
+from benchmarks import users_model
 from heloco_jax.lm import model as tinygpt
 
 H = 5
 
 
-class CNN(nnx.Module):
-  """flax's MNIST tutorial CNN, with BatchNorm after each convolution."""
-
-  def __init__(self, rngs: nnx.Rngs):
-    self.conv1 = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
-    self.bn1 = nnx.BatchNorm(32, rngs=rngs)
-    self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
-    self.bn2 = nnx.BatchNorm(64, rngs=rngs)
-    self.dropout = nnx.Dropout(0.1, rngs=rngs)
-    self.linear1 = nnx.Linear(3136, 256, rngs=rngs)
-    self.linear2 = nnx.Linear(256, 10, rngs=rngs)
-
-  def __call__(self, x):
-    pool = lambda y: nnx.avg_pool(y, window_shape=(2, 2), strides=(2, 2))
-    x = pool(nnx.relu(self.bn1(self.conv1(x))))
-    x = pool(nnx.relu(self.bn2(self.conv2(x))))
-    x = self.dropout(nnx.relu(self.linear1(x.reshape(x.shape[0], -1))))
-    return self.linear2(x)
+CNN = users_model.TutorialCNN  # flax's MNIST tutorial CNN, with BatchNorm after each conv
 
 
 def _cnn_problem():
