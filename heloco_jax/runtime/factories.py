@@ -54,7 +54,8 @@ class RuntimeFactory:
 
 def simulated_runtime(devices: Optional[Sequence[Any]] = None,
                       worker_batching: simulated.WorkerBatching = "auto",
-                      outer_layout: server_lib.OuterLayout = "auto") -> RuntimeFactory:
+                      outer_layout: server_lib.OuterLayout = "auto",
+                      inner_loop: inner_lib.Loop = "auto") -> RuntimeFactory:
   """Simulated heterogeneous workers on this process's devices, on the simulated clock.
 
   Deterministic: a run replays bit for bit (docs/DESIGN.md, "Determinism").
@@ -71,11 +72,18 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None,
       rounding of the tree, a few kernels per outer step instead of a few per leaf) or
       "auto" (packed for a registry rule on an accelerator with θ unsharded, else the
       tree: ``heloco_jax.training.server.packs_outer``).
+    inner_loop: how a worker's H inner steps run: "scan" (one compiled loop), "steps" (one
+      compiled step per Python iteration) or "auto" (steps for a loss with a convolution on
+      CPU, where XLA runs it several times slower inside a loop; else the scan: docs/DESIGN.md,
+      "The inner loop"). The two agree to float reassociation; "scan" gives the bits of
+      releases before "auto".
   """
   simulated.check_batching(worker_batching)
+  inner_lib.check_loop(inner_loop, "inner_loop")
 
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     del spec
+    inner = inner.with_loop(inner_loop)
     return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching),
                         simulated.SimulatedClock, simulated.simulated_arrivals)
   return RuntimeFactory(build, simulated_clock=True,

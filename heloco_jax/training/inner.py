@@ -474,6 +474,13 @@ class InnerLoop:
     return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, layout, spmd_axis_name,
                      self.loop)
 
+  def with_loop(self, loop: "Loop") -> "InnerLoop":
+    """The same loop run as ``loop`` ("auto", "scan" or "steps")."""
+    if loop == self.loop:
+      return self
+    return InnerLoop(self.loss_fn, self.tx, self.reset_optimizer, self.layout,
+                     self.spmd_axis_name, loop)
+
   def _run_per_slice(self, axis: str) -> Callable[..., tuple[InnerState, InnerMetrics]]:
     """``run`` for K stacked workers split over the mesh axis ``axis``, one worker per slice:
     each slice runs one worker's program (``jax.shard_map`` over ``axis``; θ's axes stay with
@@ -705,9 +712,9 @@ def _stack_steps(metrics: list, axis: int) -> Any:
 Loop = Literal["auto", "scan", "steps"]
 
 
-def check_loop(loop: Any) -> None:
+def check_loop(loop: Any, name: str = "loop") -> None:
   if loop not in ("auto", "scan", "steps"):
-    raise ValueError(f"loop={loop!r} is not allowed; allowed: 'auto', 'scan' or 'steps'")
+    raise ValueError(f"{name}={loop!r} is not allowed; allowed: 'auto', 'scan' or 'steps'")
 
 
 def auto_loop(platform: str, convolution: bool) -> str:

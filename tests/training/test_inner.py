@@ -325,3 +325,25 @@ def test_auto_runs_compiled_steps_for_a_convolution_on_cpu_and_the_scan_else():
 def test_another_loop_is_refused_in_one_line():
   with pytest.raises(ValueError, match="loop='unrolled' is not allowed; allowed: 'auto'"):
     inner.InnerLoop(_conv_loss, loop="unrolled")
+
+
+def test_a_user_chooses_the_loop_through_the_simulated_runtime():
+  """``hj.simulated_runtime(inner_loop=...)``: "scan" keeps the bits of the releases before
+  "auto" for a convolution on CPU, "steps" agrees with it to float reassociation, and another
+  value is refused in one line naming the argument."""
+  def stream():
+    rng = np.random.default_rng(0)
+    while True:
+      yield (rng.normal(0, 1, (2, 5, 5, 1)).astype(np.float32),
+             rng.normal(0, 1, (2,)).astype(np.float32))
+  params = {"k": jnp.full((3, 3, 1, 2), 0.1)}
+  def run(loop):
+    return hj.simulate(_conv_loss, params, [stream(), stream()], method="diloco", inner_steps=3,
+                       inner_tx=optax.sgd(0.05), budget=hj.Budget(steps=6),
+                       runtime=hj.simulated_runtime(inner_loop=loop)).params["k"]
+  scanned, stepped = run("scan"), run("steps")
+  np.testing.assert_allclose(scanned, stepped, rtol=1e-5, atol=1e-7)
+  assert not np.array_equal(scanned, params["k"])  # it trained
+  np.testing.assert_array_equal(run("auto"), run(inner.auto_loop(jax.default_backend(), True)))
+  with pytest.raises(ValueError, match="^inner_loop='unrolled' is not allowed; allowed: 'auto'"):
+    hj.simulated_runtime(inner_loop="unrolled")
