@@ -126,8 +126,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(tmp_path, st
 
 @pytest.mark.parametrize("streaming", [None, FRAGMENTS], ids=["whole", "fragments"])
 def test_one_worker_on_the_devices_runtime_equals_the_simulated_runtime_bit_for_bit(streaming):
+  # The default paces and a free link: a real clock refuses simulated paces and would wait
+  # the link's seconds in real time (one worker's θ does not depend on either).
   on_devices = _run(workers=1, runtime=hj.devices_runtime(batch_size=8), streaming=streaming,
-                    speeds="mixed")  # the default: a real clock refuses simulated paces
+                    speeds="mixed", comm=hj.CommModel())
   simulated = _run(workers=1, streaming=streaming)
   assert on_devices.summary["outer_updates"] == simulated.summary["outer_updates"] > 20
   for a, b in zip(jax.tree.leaves(on_devices.params), jax.tree.leaves(simulated.params)):
