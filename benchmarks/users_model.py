@@ -139,12 +139,9 @@ def bare(model_cls, steps: int, size: int = BATCH) -> dict:
   return clock.steady()
 
 
-def engine(model_cls, method: str, k: int, h: int, steps: int) -> dict:
-  """The same steps through ``hj.simulate``: K workers of ``h`` inner steps, ``steps``
-  worker-steps in all; timed from the first rows the user sees (``on_row``: fetched in bursts
-  of ``metrics_fetch_every`` = 4) to the end."""
-  clock = Clock()
-  clock.mark(0)
+def engine_loss(model_cls):
+  """(``hj.simulate``'s loss_fn of ``model_cls``, its params, its BatchNorm statistics): the
+  module split into what trains and what it carries (docs/FLAX_MODELS.md)."""
   graphdef, params, stats, rest = nnx.split(model_cls(nnx.Rngs(0)), nnx.Param, nnx.BatchStat,
                                             ...)
 
@@ -154,6 +151,16 @@ def engine(model_cls, method: str, k: int, h: int, steps: int) -> dict:
     x, y = batch
     loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
     return loss, (nnx.state(model, nnx.BatchStat), None)
+  return loss_fn, params, stats
+
+
+def engine(model_cls, method: str, k: int, h: int, steps: int) -> dict:
+  """The same steps through ``hj.simulate``: K workers of ``h`` inner steps, ``steps``
+  worker-steps in all; timed from the first rows the user sees (``on_row``: fetched in bursts
+  of ``metrics_fetch_every`` = 4) to the end."""
+  clock = Clock()
+  clock.mark(0)
+  loss_fn, params, stats = engine_loss(model_cls)
 
   def on_row(row):
     if row["event"] in ("train", "arrival"):

@@ -18,7 +18,6 @@ import time
 import jax
 import numpy as np
 import optax
-from flax import nnx
 
 import heloco_jax as hj
 from benchmarks import users_model
@@ -27,18 +26,9 @@ from heloco_jax.lm import model as tinygpt
 H = 5
 
 
-CNN = users_model.TutorialCNN  # flax's MNIST tutorial CNN, with BatchNorm after each conv
-
-
 def _cnn_problem():
-  graphdef, params, stats, rest = nnx.split(CNN(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
-
-  def loss_fn(params, batch, *, state, rng):
-    model = nnx.merge(graphdef, params, state, rest, copy=True)
-    nnx.reseed(model, default=rng)
-    x, y = batch
-    loss = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-    return loss, (nnx.state(model, nnx.BatchStat), None)
+  # flax's MNIST tutorial CNN, with BatchNorm after each conv
+  loss_fn, params, stats = users_model.engine_loss(users_model.TutorialCNN)
 
   def data(worker):
     rng = np.random.default_rng(worker)
