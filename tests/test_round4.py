@@ -11,23 +11,10 @@ import numpy as np
 import optax
 import pytest
 
+from test_hostile_inputs import _data, _loss  # the two-weight linear regression
+
 import heloco_jax as hj
 from heloco_jax.rundir import workdir as workdir_lib
-
-W = np.array([[1.0], [-2.0]], np.float32)
-
-
-def _loss(params, batch):
-  x, y = batch
-  return jnp.mean((x @ params["w"] - y) ** 2)
-
-
-def _data(worker):
-  rng = np.random.default_rng(worker)
-  while True:
-    x = rng.normal(0, 1, (4, 2)).astype(np.float32)
-    yield x, x @ W
-
 
 def _simulate(**more):
   kwargs = dict(inner_tx=optax.sgd(0.05), inner_steps=2, speeds=[1.0, 2.0],

@@ -110,16 +110,22 @@ print("RESULT", json.dumps(out))
 """
 
 
+def _on_four_devices(script):
+  """The RESULT of ``script`` run in a process of its own (argv[1]: the tests folder) whose
+  Ray actors each see 4 host CPU devices; asserts it succeeds (stderr's tail if not)."""
+  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
+  tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", script, tests], capture_output=True, env=env,
+                       text=True, timeout=1200, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(next(line for line in out.stdout.splitlines()
+                         if line.startswith("RESULT "))[7:])
+
+
 @needs_ray
 @pytest.mark.slow  # ~3 min of Ray runs on 2 cores: the default suite stays under 15 minutes
 def test_worker_actors_with_four_devices_each_run_every_method_and_feature():
-  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
-  tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, "-c", PODS_SCRIPT, tests], capture_output=True,
-                       env=env, text=True, timeout=1200, check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(next(line for line in out.stdout.splitlines()
-                           if line.startswith("RESULT "))[7:])
+  result = _on_four_devices(PODS_SCRIPT)
   runs = {**{f"method {m}": r for m, r in result["methods"].items()},
           **{k: result[k] for k in ("fragments_int8", "schedule", "two_per_actor", "spare")}}
   assert {"heloco", "mla", "async_nesterov", "delayed_nesterov", "cgad"} <= set(
@@ -228,13 +234,7 @@ def regression():
 @needs_ray
 @pytest.mark.slow  # a 2-node Ray cluster, two runs: ~2 min on 2 cores
 def test_a_two_node_cluster_runs_heloco_and_a_lost_node_leaves_every_token_accounted_for():
-  env = {**os.environ, "XLA_FLAGS": tiny.xla_flags(4), "JAX_PLATFORMS": "cpu"}
-  tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, "-c", CLUSTER_SCRIPT, tests], capture_output=True,
-                       env=env, text=True, timeout=1200, check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(next(line for line in out.stdout.splitlines()
-                           if line.startswith("RESULT "))[7:])
+  result = _on_four_devices(CLUSTER_SCRIPT)
   whole, killed = result["whole"], result["killed"]
   assert whole["nodes"] == killed["nodes"] == 2  # worker actors on both nodes
   assert killed["server_on_head"]  # the server actor beside the driver
