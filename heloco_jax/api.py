@@ -266,8 +266,8 @@ def _refuse_on_a_real_clock(**options: Any) -> None:
   ignored)."""
   for name, default, why, applies in _SIMULATED_CLOCK_ONLY:
     value = options[name]
-    if not applies(options) and not (value == default if isinstance(value, (str, float, int))
-                                     else False):
+    at_default = isinstance(value, (str, float, int)) and value == default
+    if not at_default and not applies(options):
       raise ValueError(f"{name}={value!r} is not allowed on a real clock (runtime=devices or "
                        f"ray): {why}; allowed: {default!r}")
 

@@ -231,9 +231,7 @@ class SimulatedClock:
     self.download, self.upload, self.allreduce = link.download, link.upload, link.allreduce
     self.overlap_steps = settings.overlap_steps
     self._slowest = float(np.max(settings.seconds_per_step))
-    self._model_bytes = settings.model_bytes
-    self._ddp_allreduce = settings.comm.allreduce_seconds(settings.model_bytes, self.num_workers)
-    self.comm = settings.comm
+    self.comm = link.comm
 
   def start(self, elapsed: float) -> None:
     del elapsed
@@ -297,8 +295,7 @@ class SimulatedClock:
     """(steps to run, their (seconds, exposed all-reduce seconds)): only the steps that end
     within ``limit`` (0 = none); of the ``workers`` present (booleans; default all)."""
     present = [i for i in range(self.num_workers) if workers is None or workers[i]]
-    allreduce = (self._ddp_allreduce if len(present) == self.num_workers else
-                 self.comm.allreduce_seconds(self._model_bytes, len(present)))
+    allreduce = self.link.ddp_allreduce(len(present))
     computes = [max(self.steps.duration(i, 1) for i in present) for _ in range(chunk)]
     seconds = [self.comm.ddp_step_seconds(c, allreduce) for c in computes]
     if limit > 0:
