@@ -69,7 +69,8 @@ def recovery_seconds(spares: int, layers: int, width: int) -> float:
       return
     seen["arrivals"] += 1
     if seen["arrivals"] == 3:
-      os.kill(executor._pids[executor._assigned[1]], signal.SIGKILL)  # pylint: disable=protected-access
+      actor = executor._assigned[1]  # pylint: disable=protected-access
+      os.kill(executor._pids[actor], signal.SIGKILL)  # pylint: disable=protected-access
       killed["at"] = time.perf_counter()
   try:
     asyncio.run(engine.run(on_row))

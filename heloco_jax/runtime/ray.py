@@ -206,14 +206,13 @@ class WorkerActor:
     self._slots = workers_per_actor
     # A host's chips (docs/GUIDE.md, "Pods"): each of the actor's workers_per_actor workers on
     # its own devices_per_worker of them (0: an equal share of all), its batch split over them.
-    per_worker = devices_per_worker or max(1, len(devices) // workers_per_actor)
+    per_worker = self.group_size = devices_per_worker or max(1, len(devices) // workers_per_actor)
     self.problem = None if per_worker * workers_per_actor <= len(devices) else (
         f"ray.devices_per_worker={devices_per_worker} × ray.workers_per_actor="
         f"{workers_per_actor} is not allowed on an actor with {len(devices)} device(s); allowed: "
         f"at most {len(devices)} devices per actor in all (0: an equal share)")
     if self.problem is not None:
       return
-    self.group_size = per_worker
     if recipe is not None:
       self._layout = sharding.layout_on(*recipe, devices)
       self._inner = inner.with_layout(self._layout)
@@ -226,10 +225,7 @@ class WorkerActor:
 
   def describe(self) -> tuple[list[str], Optional[str], int]:
     """(this actor's devices, why its settings do not fit them or None, devices per worker)."""
-    return self.devices(), self.problem, getattr(self, "group_size", 0)
-
-  def devices(self) -> list[str]:
-    return [f"{d.platform}:{d.id}" for d in jax.devices()]
+    return [f"{d.platform}:{d.id}" for d in jax.devices()], self.problem, self.group_size
 
   def pid(self) -> int:
     return os.getpid()

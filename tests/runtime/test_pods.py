@@ -203,7 +203,8 @@ def run(kill=False):
   events = [r["event"] for r in engine.rows if r["event"] not in ("arrival", "eval")]
   return {"summary": {k: summary[k] for k in ("steps", "outer_updates", "initial_val_loss",
                                               "final_val_loss")},
-          "events": events, "nodes": seen.get("nodes"), "server_on_head": seen.get("server_on_head")}
+          "events": events, "nodes": seen.get("nodes"),
+          "server_on_head": seen.get("server_on_head")}
 try:
   print("RESULT", json.dumps({"whole": run(), "killed": run(kill=True)}))
 finally:  # a cluster left running would take the next local ray.init() of this machine
