@@ -220,9 +220,10 @@ def family(name: str) -> list[Run]:
   scale = SCALES[name]
   if scale is SMOKE:
     return grid(name)
-  if name in SCIENCE + SKEPTIC + ("streaming",) + ISSUE35 + ISSUE60 + ISSUE81:  # one RESULTS.md
+  if name in ONE_REPORT:
     runs = (grid("science") + grid("skeptic") + grid("streaming") + grid("cgad_lr")
-            + grid("cgad") + grid("chaos") + grid("symmetric") + grid("scale") + grid("body"))
+            + grid("cgad") + grid("chaos") + grid("symmetric") + grid("scale") + grid("body")
+            + grid("faulty") + grid("merge_order"))
     return list(dict.fromkeys(runs))  # the symmetric grid lists runs of the others too
   return grid("all")
 
@@ -1150,3 +1151,6 @@ def merge_order_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None)
 GRIDS.update({"faulty": faulty_grid, "merge_order": merge_order_grid})
 SCALES.update({"faulty": AUTHORS, "merge_order": AUTHORS})
 ISSUE80 = ("faulty", "merge_order")
+# The grids one RESULTS.md (experiments/RESULTS.md) reports: any of their runs or
+# ``--report-only`` commands rewrites all of it (``family``).
+ONE_REPORT = SCIENCE + SKEPTIC + ("streaming",) + ISSUE35 + ISSUE60 + ISSUE81 + ISSUE80

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from experiments import analysis, chaos, grids, science, streaming
+from experiments import aggregation, analysis, chaos, grids, science, streaming
 from heloco_jax.runtime import clocks
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -479,24 +479,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # ablations; or the issue-18 grids), whichever grid this command ran.
   family = grids.family(args.grid)
   results = analysis.load(args.out, family, results_dir)
-  # Issues 18, 36 and 34's grids: one RESULTS.md, issue 34's runs in sections of their own.
-  one_report = args.grid in (grids.SCIENCE + grids.SKEPTIC + ("streaming",) + grids.ISSUE35
-                             + grids.ISSUE60)
+  # One RESULTS.md (grids.ONE_REPORT): issues 34, 35 and 80's runs in sections of their own.
+  one_report = args.grid in grids.ONE_REPORT
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if one_report else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
                          *(["science"] if one_report else []))
   command = f"python -m experiments.reproduce --grid={args.grid} --out=DIR"
-  if one_report:  # issues 34 and 35's grids in sections of their own
+  if one_report:  # issues 34, 35 and 80's grids in sections of their own
     streamed, chaotic = set(grids.grid("streaming")), set(grids.grid("chaos"))
-    reported = set(family) - streamed - chaotic
+    aggregated = set(grids.grid("faulty") + grids.grid("merge_order"))
+    reported = set(family) - streamed - chaotic - aggregated
     on_gpu = set(grids.grid("scale"))  # RESULTS.md counts the scale grid's runs apart
+    dates = _digest_dates(results_dir)
     science.write_results(
         [r for r in results if r.run in reported], path, fig_dir, command,
         _scale_note("science"),
         sections=streaming.sections([r for r in results if r.run in streamed], fig_dir, path)
-        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path),
-        planned=len(reported - on_gpu), dates=_digest_dates(results_dir))
+        + chaos.sections([r for r in results if r.run in chaotic], fig_dir, path)
+        + aggregation.sections([r for r in results if r.run in aggregated], dates),
+        planned=len(reported - on_gpu), dates=dates)
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",

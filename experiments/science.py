@@ -545,23 +545,8 @@ def claims_table(results: Sequence[Result], dates: Optional[dict[str, float]] = 
   rows = [(row, cells) for row, cells, _ in rows if cells]
   judged = judge_family([cells for _, cells in rows])
   size, judged_rows = family_size([cells for _, cells in rows])
-  lines = ["| claim | paper | rule | seeds per cell (of planned) | verdict (window 50–100% of "
-           "the budget, paired 95% CIs) | Holm-corrected verdict (α 0.05, family: the row's "
-           f"cells) | whole-family Holm verdict (α 0.05, family: all {size} cells of the "
-           f"{judged_rows} HeLoCo rows judged) | severe cells: TOST ±{TIE_MARGIN:g}% | "
-           "HeLoCo's gain, mean over seeds, per preset and baseline: over the window [95% CI], "
-           "its category, p (paired t), Holm-adjusted p over the row and over the whole family; "
-           "at 25% / 50% / 100% of the budget (wins/seeds at 100%) |",
-           "|---|---|---|---|---|---|---|---|---|"]
-  for (row, _), cells in zip(rows, judged):
-    available = _available_seeds(row)
-    named = lambda c, row=row: row.label(c["preset"], c["baseline"])
-    text = [_cell_text(c, row.label) for c in cells]
-    lines.append(f"| {row.name} | {row.paper} | {rule_label(row.sides(), dates)} | "
-                 f"{_seeds_text(cells, available, row.planned_seeds)} | {verdict(cells)} | "
-                 f"{holm_verdict(cells, named)} | "
-                 f"{holm_verdict(cells, named, 'family_category')} | "
-                 f"{_tost_text(cells, named)} | {'; '.join(text + row.extra)} |")
+  lines = claims_header(f"all {size} cells of the {judged_rows} HeLoCo rows judged")
+  lines += [claims_line(row, cells, dates) for (row, _), cells in zip(rows, judged)]
   for method, setting in (("palsgd", ""), (grids.PALSGD_SWAPPED, ", at DiLoCo's outer lr 0.7 "
                                            "instead of the authors' 0.1 (not their setting)")):
     speedup = palsgd_claim(results, method)
@@ -589,6 +574,30 @@ def claims_table(results: Sequence[Result], dates: Optional[dict[str, float]] = 
             f"faster | {rule} | {_palsgd_seeds(results, method, tuned[0])} | "
             f"{speedup[0]} | – | – | – | {speedup[1]} |")
   return "\n".join(lines)
+
+
+def claims_header(family: str, gain: str = "HeLoCo's gain, mean over seeds, per preset and "
+                  "baseline") -> list[str]:
+  """The claims table's header lines; ``family``: the cells of the whole-family Holm
+  correction (``judge_family``), ``gain``: whose gain the last column gives."""
+  return ["| claim | paper | rule | seeds per cell (of planned) | verdict (window 50–100% of "
+          "the budget, paired 95% CIs) | Holm-corrected verdict (α 0.05, family: the row's "
+          f"cells) | whole-family Holm verdict (α 0.05, family: {family}) | severe cells: TOST "
+          f"±{TIE_MARGIN:g}% | {gain}: over the window [95% CI], its category, p (paired t), "
+          "Holm-adjusted p over the row and over the whole family; at 25% / 50% / 100% of the "
+          "budget (wins/seeds at 100%) |", "|---|---|---|---|---|---|---|---|---|"]
+
+
+def claims_line(row: "Row", cells: Sequence[dict[str, Any]],
+                dates: Optional[dict[str, float]] = None) -> str:
+  """A claims table's line of ``row``: its ``judge_family`` cells' verdicts, the rule column
+  (``rule_label`` by ``dates``), seeds, TOST and per-cell numbers (``claims_header``)."""
+  named = lambda c: row.label(c["preset"], c["baseline"])
+  text = [_cell_text(c, row.label) for c in cells]
+  return (f"| {row.name} | {row.paper} | {rule_label(row.sides(), dates)} | "
+          f"{_seeds_text(cells, _available_seeds(row), row.planned_seeds)} | {verdict(cells)} | "
+          f"{holm_verdict(cells, named)} | {holm_verdict(cells, named, 'family_category')} | "
+          f"{_tost_text(cells, named)} | {'; '.join(text + row.extra)} |")
 
 
 def palsgd_sides(results: Sequence[Result], method: str, ddp_name: Optional[str] = None,

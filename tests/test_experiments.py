@@ -320,11 +320,12 @@ def test_science_grid_finishes_seed_by_seed():
   assert all(r.table == "lr" for r in runs[-34:-15])  # the one-seed lr check
   assert all(r.table == "dn_tuned" for r in runs[-15:])
   assert [r.seed for r in runs[-15:]] == sorted(r.seed for r in runs[-15:])
-  for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36, 34, 35, 60 and 81
+  for name in grids.SCIENCE:  # one RESULTS.md for issues 18, 36, 34, 35, 60, 81 and 80
     assert grids.family(name) == list(dict.fromkeys(
         runs + grids.grid("skeptic") + grids.grid("streaming") + grids.grid("cgad_lr")
         + grids.grid("cgad") + grids.grid("chaos") + grids.grid("symmetric")
-        + grids.grid("scale") + grids.grid("body")))
+        + grids.grid("scale") + grids.grid("body") + grids.grid("faulty")
+        + grids.grid("merge_order")))
 
 
 def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
@@ -510,12 +511,15 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
                   + more("heldout") + more("lr_sweep")
                   + [r for r in grids.grid("vocab") if r not in runs[at:at + 6] + no_claim]
                   + no_claim)
-  for name in (*grids.SKEPTIC, "streaming", *grids.ISSUE35, *grids.ISSUE60, *grids.ISSUE81):
+  assert grids.ONE_REPORT == (*grids.SCIENCE, *grids.SKEPTIC, "streaming", *grids.ISSUE35,
+                              *grids.ISSUE60, *grids.ISSUE81, *grids.ISSUE80)
+  for name in grids.ONE_REPORT:
     family = grids.family(name)
     assert family == list(dict.fromkeys(
         grids.grid("science") + runs + grids.grid("streaming") + grids.grid("cgad_lr")
         + grids.grid("cgad") + grids.grid("chaos") + grids.grid("symmetric")
-        + grids.grid("scale") + grids.grid("body")))
+        + grids.grid("scale") + grids.grid("body") + grids.grid("faulty")
+        + grids.grid("merge_order")))
     assert len(family) == len(set(family))  # the symmetric grid's runs of other grids once
 
 
@@ -793,9 +797,11 @@ def test_scale_grid_has_10x_the_parameters_a_token_each_and_runs_at_toy_size(tmp
   assert params == grids.scale_params() == 27_438_080
   assert params >= 10 * grids.scale_params(grids.AUTHORS, grids.AUTHORS_VOCAB) == 10 * 2_126_080
   assert grids.SCALE.tokens >= params  # ≥ 1 token per parameter
-  # the scale grid's runs join the one RESULTS.md, before the body grid's (issue 81)
-  assert grids.family("scale")[-len(runs) - len(grids.grid("body")):-len(grids.grid("body"))] \
-      == runs and grids.SCALES["scale"] is grids.SCALE
+  # the scale grid's runs join the one RESULTS.md, just before the body grid's (issue 81)
+  family, body = grids.family("scale"), grids.grid("body")
+  at = family.index(body[0])
+  assert family[at - len(runs):at + len(body)] == runs + body
+  assert grids.SCALES["scale"] is grids.SCALE
   # one run of the grid at toy size on the CPU: the same overrides, a shrunk model and data
   toy = dataclasses.replace(grids.SCALE, d_model=16, num_layers=1, num_heads=2, context=16,
                             batch_size=2, tokens=2 * 16 * 5 * 2 * 4, eval_every_tokens=320,
