@@ -129,6 +129,14 @@ class Executor(Protocol):
   def fresh_moments(self, state: Any) -> Any:
     """``state`` with a fresh inner optimizer state (its step count kept)."""
 
+  def carry(self, state: Any) -> Any:
+    """What a worker keeps of its end ``state`` until its next dispatch, which starts from θ
+    (``InnerLoop.carry``: no θ and no moments with a fresh optimizer per dispatch)."""
+
+  def park(self, point: Any) -> Any:
+    """A dispatch point as pending workers hold it until their steps run (e.g. in host
+    memory: ``hj.simulated_runtime(pending_memory=...)``)."""
+
   def fetch(self, tree: Any, what: str) -> Any:
     """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss
     (``"train_loss"``) as values."""

@@ -268,10 +268,13 @@ class Engine:
     if run.model_states.merged is not None:  # the key only then, as for the features'
       arrays["model_state"] = run.model_states.merged
     meta = state_lib.entry_of(s)
+    if self.spec.syncer.aggregate.history:  # a screen's accepted norms (the server's)
+      meta["screen_history"] = run.server.history()
     meta["jobs"] = [[w, job.version, job.units, job.finish] for w, job in sorted(s.jobs.items())]
     meta.update({name: state_lib.entry_of(feature) for name, feature in run.features.items()})
     if s.phase == "async":  # workers not dispatched yet (joining later) have no state
       meta["unstarted"] = [w for w, x in enumerate(s.workers) if x is None]
+      meta["carried"] = not self.spec.streaming  # each state its ``Executor.carry``
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
       loss = fetch(s.jobs[w].train_loss, "train_loss")
       entry.append(None if loss is None else
@@ -289,8 +292,9 @@ class Engine:
                             if self._run.model_states.active else None)
     k = self.spec.num_workers
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((k, *x.shape), x.dtype), worker)
+    kept = self._run.executor.inner.carry(worker) if meta.get("carried") else worker
     workers = {None: None, "ddp": worker, "rounds": stacked,
-               "async": [None if w in meta.get("unstarted", ()) else worker
+               "async": [None if w in meta.get("unstarted", ()) else kept
                          for w in range(k)]}[meta["phase"]]
     template = {"params": params, "outer_state": self.outer_state,
                 "key": jax.random.key_data(self._run.key), "workers": workers,
@@ -339,6 +343,8 @@ class Engine:
       state_lib.load_entry(feature, meta.get(name, meta), arrays)
     if "model_state" in arrays:
       run.model_states.merged = run.executor.to_server(arrays["model_state"])
+    if "screen_history" in meta:
+      run.server.set_history(meta["screen_history"])
     if run.features.downlink.held is not None and self.layout is None:  # where θ is
       run.features.downlink.held = run.executor.to_server(run.features.downlink.held)
     run.clock.set_state(meta["clock"])

@@ -55,7 +55,8 @@ class RuntimeFactory:
 def simulated_runtime(devices: Optional[Sequence[Any]] = None,
                       worker_batching: simulated.WorkerBatching = "auto",
                       outer_layout: server_lib.OuterLayout = "auto",
-                      inner_loop: inner_lib.Loop = "auto") -> RuntimeFactory:
+                      inner_loop: inner_lib.Loop = "auto",
+                      pending_memory: simulated.PendingMemory = "device") -> RuntimeFactory:
   """Simulated heterogeneous workers on this process's devices, on the simulated clock.
 
   Deterministic: a run replays bit for bit (docs/DESIGN.md, "Determinism").
@@ -77,14 +78,19 @@ def simulated_runtime(devices: Optional[Sequence[Any]] = None,
       CPU, where XLA runs it several times slower inside a loop; else the scan: docs/DESIGN.md,
       "The inner loop"). The two agree to float reassociation; "scan" gives the bits of
       releases before "auto".
+    pending_memory: where an asynchronous worker's start point waits until its steps run:
+      "device" or "pinned_host" (host memory, one copy per outer update, moved back when the
+      worker computes: the accelerator then holds only the workers computing; the same bits;
+      docs/DESIGN.md, "Memory per worker").
   """
   simulated.check_batching(worker_batching)
+  simulated.check_pending_memory(pending_memory)
   inner_lib.check_loop(inner_loop, "inner_loop")
 
   def build(inner: inner_lib.InnerLoop, spec: RunSpec) -> base.Runtime:
     del spec
     inner = inner.with_loop(inner_loop)
-    return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching),
+    return base.Runtime(simulated.LocalExecutor(inner, devices, worker_batching, pending_memory),
                         simulated.SimulatedClock, simulated.simulated_arrivals)
   return RuntimeFactory(build, simulated_clock=True,
                         worker_devices=lambda k: list(devices or jax.local_devices()),

@@ -86,7 +86,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       if carried:
         previous = run.model_states.for_dispatch(worker, previous)
       if downlink is None:
-        start = run.server.dispatch_point()
+        start = run.executor.park(run.server.dispatch_point())
       else:  # ALGORITHMS.md, "Compressed downloads"
         start = f.downlink.send(downlink, worker, run.server.dispatch_point)
         down = f.downlink.bytes_down[worker]

@@ -199,6 +199,7 @@ class WorkerActor:
                recipe: Optional[tuple] = None, devices_per_worker: int = 0,
                workers_per_actor: int = 1):
     inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
+    self._carry = inner.carry  # what a worker's next dispatch reads of its end state
     devices = jax.devices()
     self._sending: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted send)
     self._downlinks = _Downlinks()
@@ -293,6 +294,8 @@ class WorkerActor:
     else:
       delta, compression = to_host(delta), None
     held = held if fragment is not None else start  # the worker's next x̂
+    if fragment is None:  # (a fragment dispatch goes on from the worker's θ)
+      state = self._carry(state)
     return (to_host(state), delta, jax.device_get(loss), os.getpid(), compression,
             to_host(state.model_state), None if download is None else to_host(held))
 
@@ -344,6 +347,12 @@ class RayServer:
 
   def set(self, params: Any, outer_state: Any) -> None:
     self._ray.get(self.actor.set.remote(*sharding.to_host((params, outer_state))))
+
+  def history(self) -> list[float]:
+    return self._ray.get(self.actor.history.remote())
+
+  def set_history(self, norms: Any) -> None:
+    self._ray.get(self.actor.set_history.remote(list(norms)))
 
   def dispatch_point(self) -> Any:
     """An object ref: workers fetch it from the server's node, not from here."""
@@ -865,6 +874,9 @@ class RayExecutor(simulated.OneProcess):
       message = download.message
       return self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
     return self._held(download.held)
+
+  def carry(self, state: Any) -> Any:
+    return state  # a handle: the worker's actor keeps only the carry (``WorkerActor.run``)
 
   def fresh_moments(self, state: Any) -> Any:
     if isinstance(state, Dispatch):  # the worker's actor resets them at its next dispatch

@@ -156,6 +156,12 @@ class OneProcess:
     run_worker = self.run_worker  # pyright: ignore  (the executor's: this is a mixin)
     return steps.run(run_worker, worker, previous, batches, key)
 
+  def carry(self, state: Any) -> Any:
+    return self.inner.carry(state)  # pyright: ignore  (the executor's: this is a mixin)
+
+  def park(self, point: Any) -> Any:
+    return point  # (``LocalExecutor``'s may wait in host memory)
+
   def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
     del fragment  # Δ is where θ is: compressed and received in one program
     return (delta, state) if uplink.compressor is None else uplink.transmit(delta, state)
@@ -320,6 +326,21 @@ class SimulatedClock:
     self.steps.set_state(state)
 
 
+PendingMemory = Literal["device", "pinned_host"]
+PENDING_MEMORIES: tuple[str, ...] = ("device", "pinned_host")
+
+
+def _in_memory(tree: Any, kind: str) -> Any:
+  """``tree`` moved to memory ``kind`` of the devices it is on (``jax.device_put``)."""
+  return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), tree))
+
+
+def check_pending_memory(kind: Any) -> None:
+  if kind not in PENDING_MEMORIES:
+    raise ValueError(f"pending_memory={kind!r} is not allowed; allowed: one of "
+                     f"{list(PENDING_MEMORIES)}")
+
+
 def check_batching(batching: Any) -> None:
   if batching not in ("auto", "vmap", "sequential"):
     raise ValueError(f"worker_batching={batching!r} is not allowed; allowed: 'auto', 'vmap' "
@@ -346,14 +367,20 @@ class LocalExecutor(OneProcess):
       first holds θ).
     worker_batching: a round's K workers as one vmapped program or one after another
       (``simulated_runtime``).
+    pending_memory: where a dispatched worker's start waits until its steps run: "device"
+      or "pinned_host" (host memory: device memory then holds only the workers computing;
+      docs/DESIGN.md, "Memory per worker").
   """
 
   synchronies = base.SYNCHRONIES
   compresses = compresses_downloads = True
 
   def __init__(self, inner: inner_lib.InnerLoop, devices: Optional[list[Any]] = None,
-               worker_batching: WorkerBatching = "auto"):
+               worker_batching: WorkerBatching = "auto", pending_memory: PendingMemory = "device"):
     check_batching(worker_batching)
+    check_pending_memory(pending_memory)
+    self.pending_memory = pending_memory
+    self._parked: tuple[Any, Any] = (None, None)  # (a dispatch point, its copy in host memory)
     self.inner = inner
     self.layout = inner.layout
     self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -381,7 +408,8 @@ class LocalExecutor(OneProcess):
   def describe(self) -> str:
     if self.layout is not None:
       return f"simulated workers (θ sharded over {dict(self.layout.mesh.shape)})"
-    return f"simulated workers (worker_batching={self.batching})"  # "auto" resolved
+    parked = "" if self.pending_memory == "device" else f", pending starts in {self.pending_memory}"
+    return f"simulated workers (worker_batching={self.batching}{parked})"  # "auto" resolved
 
   def round_delta(self, params: Any, ends: Any, accepted: np.ndarray) -> Any:
     return self._round_delta(params, ends, accepted)
@@ -392,9 +420,20 @@ class LocalExecutor(OneProcess):
   def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
     return self.inner.fresh_moments(state)
 
+  def park(self, point: Any) -> Any:
+    """A dispatch point where pending workers wait with it (``pending_memory``): as it is, or
+    copied once to host memory for every worker dispatched from it."""
+    if self.pending_memory == "device":
+      return point
+    if self._parked[0] is not point:
+      self._parked = (point, _in_memory(point, self.pending_memory))
+    return self._parked[1]
+
   def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
                  batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any, jax.Array]:
     """Worker ``worker``'s H steps from ``start`` on its device (``compute_worker``)."""
+    if self.pending_memory != "device":  # a parked start, back in device memory
+      start = _in_memory(start, "device")
     device = self.devices[worker % len(self.devices)]
     if device != self.devices[0]:  # inputs follow the worker (Δ goes back: ``transmit``)
       start, previous, batches, key = jax.device_put((start, previous, batches, key), device)

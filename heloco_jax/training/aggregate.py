@@ -44,11 +44,13 @@ ACTIONS: tuple[str, ...] = get_args(Action)
 class Aggregate:
   """A rule (one of the factories below). ``peers``: it combines several arrivals (refused on
   single asynchronous arrivals); ``weighted``: it reads token weights (else refused with
-  ``hj.Syncer(weights="tokens")``); ``rounds``: allowed in synchronous rounds."""
+  ``hj.Syncer(weights="tokens")``); ``rounds``: allowed in synchronous rounds; ``history``: it
+  reads the arrivals before (the server's ``history()``, which a checkpoint keeps)."""
   name: ClassVar[str] = ""
   peers: ClassVar[bool] = True
   weighted: ClassVar[bool] = True
   rounds: ClassVar[bool] = True
+  history: ClassVar[bool] = False
 
   def __repr__(self) -> str:
     args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
@@ -133,6 +135,7 @@ class Screen(Aggregate):
   name: ClassVar[str] = "screen"
   peers: ClassVar[bool] = False
   rounds: ClassVar[bool] = False
+  history: ClassVar[bool] = True
 
   def refusal(self, num_workers):
     if self.norm is not None and not _positive(self.norm):

@@ -387,6 +387,24 @@ def _is_schedule_state(node: Any) -> bool:
   return isinstance(node, _SCHEDULE_STATES)
 
 
+def schedule_counts(opt_state: Any) -> Any:
+  """What ``keep_schedule_counts`` reads of an optimizer state: its schedule states (their
+  inner states pruned alike), None in place of every other leaf (Adam's moments, …)."""
+  def prune(node):
+    if not _is_schedule_state(node):
+      return None
+    if hasattr(node, "inner_state"):
+      node = node._replace(inner_state=schedule_counts(node.inner_state))
+    return node
+  return jax.tree.map(prune, opt_state, is_leaf=_is_schedule_state)
+
+
+def only_schedule_counts(opt_state: Any) -> bool:
+  """Whether an optimizer state holds nothing but schedule counts (a ``schedule_counts``, or a
+  rule without statistics): a fresh state with its counts is then the same state."""
+  return len(jax.tree.leaves(opt_state)) == len(jax.tree.leaves(schedule_counts(opt_state)))
+
+
 def keep_schedule_counts(fresh: Any, old: Any) -> Any:
   """``fresh`` (a new ``inner_tx`` state) with the schedule step counts of ``old``.
 
@@ -462,8 +480,9 @@ class InnerLoop:
       carried = jax.tree.map(jnp.array, carried)
       return self._constrain(InnerState(params, self.tx.init(params), jnp.zeros((), jnp.int32),
                                         *carried))
+    fresh = self.reset_optimizer or only_schedule_counts(previous.opt_state)
     opt_state = (keep_schedule_counts(self.tx.init(params), previous.opt_state)
-                 if self.reset_optimizer else previous.opt_state)
+                 if fresh else previous.opt_state)
     return self._constrain(InnerState(params, opt_state, previous.step,
                                       *jax.tree.map(jnp.array,
                                                     (previous.model_state, previous.rng))))
@@ -500,8 +519,21 @@ class InnerLoop:
     return jax.shard_map(run_one, mesh=self.layout.mesh, in_specs=(split, split, split, P()),
                          out_specs=split, axis_names={axis})
 
+  def carry(self, state: InnerState) -> InnerState:
+    """What the next dispatch, which starts from θ, reads of a worker's end ``state``
+    (docs/DESIGN.md, "Memory per worker"): its step count, optimizer state, model state and
+    key, no θ; with ``reset_optimizer`` only the optimizer state's schedule counts
+    (``schedule_counts``): ``start`` makes the moments afresh. The same numbers either way."""
+    if state.params is None:
+      return state
+    opt_state = schedule_counts(state.opt_state) if self.reset_optimizer else state.opt_state
+    return state._replace(params=None, opt_state=opt_state)
+
   def fresh_moments(self, state: InnerState) -> InnerState:
-    """``state`` with a fresh optimizer state (its step counts kept): after a rejected Δ."""
+    """``state`` with a fresh optimizer state (its step counts kept): after a rejected Δ. A
+    ``carry`` keeps only its schedule counts: its next ``start`` makes the moments."""
+    if state.params is None:
+      return state._replace(opt_state=schedule_counts(state.opt_state))
     return state._replace(
         opt_state=keep_schedule_counts(self.tx.init(state.params), state.opt_state))
 

@@ -24,7 +24,7 @@ simulated and devices runtimes and as the parameter-server actor on Ray.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional, get_args
+from typing import Any, Callable, Literal, Optional, Sequence, get_args
 
 import jax
 import jax.numpy as jnp
@@ -253,6 +253,7 @@ class OuterServer:
     self._state = (place(jax.jit(lambda p: constrain(outer_tx.init(p)))(self._params))
                    if outer_tx is not None else None)
     self.lookahead = lookahead
+    self._point: Optional[tuple[Any, Any, Any]] = None  # (θ, state, their dispatch point)
     holds = lookahead_lib.holds_one
     if lookahead and not holds(self._state, lookahead_lib.LOOKAHEAD_STATES):
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
@@ -320,12 +321,18 @@ class OuterServer:
     """Where a dispatched worker starts: θ, or θ − η·μ·m (look-ahead dispatch).
 
     New arrays, which later updates (they donate θ) leave intact: the
-    simulated runtime runs a worker's steps when its arrival comes up.
+    simulated runtime runs a worker's steps when its arrival comes up. Workers
+    dispatched between two updates share them (docs/DESIGN.md, "Memory per worker").
     """
-    if self.lookahead:
-      point = _subtract(self._params, _scaled_momentum(self._state))
-      return _unpack(point) if self.packed else point
-    return self.params if self.packed else _copy(self._params)
+    made = self._point
+    if made is None or made[0] is not self._params or made[1] is not self._state:
+      if self.lookahead:
+        point = _subtract(self._params, _scaled_momentum(self._state))
+        point = _unpack(point) if self.packed else point
+      else:
+        point = self.params if self.packed else _copy(self._params)
+      self._point = made = (self._params, self._state, point)
+    return made[2]
 
   def apply(self, delta: Any, staleness: int) -> None:
     """One outer update with pseudo-gradient ``delta`` (a tree like θ) of staleness τ."""
@@ -429,10 +436,20 @@ class OuterServer:
       kept.append(i)
     return tuple(deltas), kept
 
+  def history(self) -> list[float]:
+    """A screen's history (``hj.aggregate.screen``: the last ``window`` accepted norms), which
+    a checkpoint keeps (``set_history``) so that a resumed run screens as it would have."""
+    return list(self.accepted_norms)
+
+  def set_history(self, norms: Sequence[float]) -> None:
+    self.accepted_norms = [float(x) for x in norms]
+
   # ------------------------------------------------ a loop of your own
 
   def dispatch(self, worker: int = 0) -> Any:
-    """The start point for ``worker``; remembers the version it starts from."""
+    """The start point for ``worker``; remembers the version it starts from. Workers
+    dispatched at the same θ get the same arrays: a step that donates its input copies it
+    first."""
     self._dispatched[worker] = self.version
     return self.dispatch_point()
 
@@ -507,6 +524,14 @@ class FragmentServers:
   def set(self, params: Any, outer_state: list[Any]) -> None:
     for p, server in enumerate(self.servers):
       server.set(self.fragments.take(params, p), outer_state[p])
+
+  def history(self) -> list[list[float]]:
+    """Each fragment's server's ``history``."""
+    return [server.history() for server in self.servers]
+
+  def set_history(self, norms: Sequence[Sequence[float]]) -> None:
+    for server, history in zip(self.servers, norms, strict=True):
+      server.set_history(history)
 
   def dispatch_point(self) -> Any:
     """θ's dispatch point, fragment by fragment."""

@@ -125,12 +125,16 @@ _W = np.random.default_rng(0).normal(size=(D, 1)).astype(np.float32)
 _XV = np.random.default_rng(1).normal(size=(256, D)).astype(np.float32)
 
 
-def _stream(i, ascent):
-  rng = np.random.default_rng(10 + i)
-  while True:
-    x = rng.normal(size=(16, D)).astype(np.float32)
-    yield {"x": x, "y": x @ _W + 0.01 * rng.normal(size=(16, 1)).astype(np.float32),
-           "sign": np.float32(-1.0 if ascent else 1.0)}
+class _stream:  # pylint: disable=invalid-name  (re-iterable: a resumed run reads it anew)
+  def __init__(self, i, ascent):
+    self.i, self.ascent = i, ascent
+
+  def __iter__(self):
+    rng = np.random.default_rng(10 + self.i)
+    while True:
+      x = rng.normal(size=(16, D)).astype(np.float32)
+      yield {"x": x, "y": x @ _W + 0.01 * rng.normal(size=(16, 1)).astype(np.float32),
+             "sign": np.float32(-1.0 if self.ascent else 1.0)}
 
 
 def _loss(p, b):  # a faulty worker's batches carry sign = -1: it ascends its own loss
@@ -183,6 +187,32 @@ def test_the_screen_rejects_arrivals_in_rows_and_redispatches():
   arrivals = [r for r in result.history if r["event"] == "arrival" and r["worker"] == 0]
   assert arrivals  # re-dispatched after each rejection, some accepted
   assert result.summary["rejected"] == len(rejected)
+
+
+def test_a_screened_run_resumes_with_its_history_bit_for_bit(tmp_path, monkeypatch):
+  """The screen's accepted norms are checkpointed (``OuterServer.history``): a run stopped
+  after its checkpoint at 10 outer updates and resumed by the same call ends as the
+  uninterrupted run, rejections included; with the history dropped it would not."""
+  syncer = hj.Syncer(aggregate=A.screen(norm=2.0))
+
+  def stop_at_the_25th_arrival(row):
+    if row["event"] == "arrival" and row["outer_updates"] == 25:
+      raise KeyboardInterrupt("stopped from outside")
+
+  def run(workdir, **options):
+    return _run("heloco", True, syncer, steps=400, **HELOCO,
+                workdir=hj.Workdir(str(workdir), checkpoint_every=10), **options)
+  _, whole = _run("heloco", True, syncer, steps=400, **HELOCO)
+  for name, forget in (("kept", False), ("forgotten", True)):
+    with pytest.raises(KeyboardInterrupt):
+      run(tmp_path / name, on_row=stop_at_the_25th_arrival)
+    if forget:  # what resuming did before the history was checkpointed
+      monkeypatch.setattr(hj.Server, "set_history", lambda self, norms: None)
+    _, resumed = run(tmp_path / name)
+    same = (np.array_equal(np.asarray(resumed.params["w"]), np.asarray(whole.params["w"]))
+            and resumed.summary["rejected"] == whole.summary["rejected"])
+    assert same != forget, (name, resumed.summary["rejected"], whole.summary["rejected"])
+  assert whole.summary["rejected"] > 0
 
 
 @pytest.mark.parametrize("method, syncer, message", [

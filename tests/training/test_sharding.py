@@ -81,7 +81,10 @@ def test_no_device_holds_a_full_copy_and_the_result_equals_the_unsharded_run(pro
   # θ, the outer state and the workers' states are spread, leaf by leaf, on the live arrays.
   assert run["full_copies"] == []
   assert run["spread"]["params"] == 3 and run["spread"]["outer_state"] >= 3
-  assert run["spread"]["workers"] >= 9  # θ and Adam's two moments per worker
+  # θ and Adam's two moments per worker where they are kept (rounds, fragments); an
+  # asynchronous worker keeps only its carry, nothing of θ's size (DESIGN.md, "Memory per
+  # worker").
+  assert run["spread"]["workers"] == 0 if method == "heloco" else run["spread"]["workers"] >= 9
   if method == "heloco_fragments":  # the 2 workers' anchors: a θ each
     assert run["spread"]["anchors"] == 6
   # result.params keeps the user's shardings (not gathered to the host).
@@ -143,7 +146,8 @@ def test_on_devices_each_worker_is_sharded_over_its_own_group_and_the_run_learns
   assert run["worker_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # sub-meshes of θ's shape
   assert run["server_devices"] == [0, 1, 2, 3]  # θ where the user put it
   assert run["full_copies"] == []
-  assert run["spread"]["workers"] >= 18 and run["spread"]["outer_state"] >= 3
+  assert run["spread"]["outer_state"] >= 3
+  assert run["spread"]["workers"] == 0 if method == "heloco" else run["spread"]["workers"] >= 18
   assert sorted(run["result_shardings"]) == sorted(
       ["P('fsdp',)", "P('fsdp', None)", "P(None, 'fsdp')"])
   assert run["arrivals"] > 0 and run["losses"][1] < 0.2 * run["losses"][0]
