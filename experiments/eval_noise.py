@@ -152,14 +152,14 @@ def cell_noise(pairs: Sequence[tuple[Result, Result]], per_seed: Sequence[float]
 
 def mla_severe_cells(results: Sequence[Result]) -> list[tuple[str, dict[str, Any]]]:
   """(row name, ``cell_noise``) of every severe-paces cell of the claims table's HeLoCo-vs-MLA
-  rows, on the seeds its verdict reads."""
+  rows that the verdict judges (``science.MIN_SEEDS`` seeds or more), on the seeds it reads."""
   out = []
   for row in science.heloco_rows(results):
     if row.baselines != ("mla",):
       continue
     for cell in row.cells()[0]:
-      if cell["preset"] != "severe":
-        continue
+      if cell["preset"] != "severe" or cell["seeds"] < science.MIN_SEEDS:
+        continue  # a cell the verdict leaves pending has no seed spread to compare
       runs = {m: {r.run.seed: r for r in science.runs_for(row.runs, row.table, "severe", m)}
               for m in ("heloco", "mla")}
       pairs = [(runs["heloco"][s], runs["mla"][s]) for s in cell["seed_list"]]
