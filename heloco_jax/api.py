@@ -600,7 +600,7 @@ def make_engine(
 
 def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[str, Any]) -> None:
   """Attaches ``workdir`` to ``engine`` and resumes its run; notes come as warnings."""
-  config_json = workdir.config_json or _spec_json(engine, settings)
+  config_json = _with_batching(workdir.config_json or _spec_json(engine, settings), engine)
   defaults_json = workdir.defaults_json
   if workdir.config_json is None and defaults_json is None:  # the API's own layout
     defaults_json = _defaults_json(engine)
@@ -616,6 +616,21 @@ def _open_workdir(engine: engine_lib.Engine, workdir: Workdir, settings: dict[st
   for note in engine.workdir_notes:  # fallbacks, a lock taken over, ...
     warnings.warn(f"{workdir.flag}={workdir.path!r}: {note.removeprefix('warning: ')}",
                   stacklevel=3)
+
+
+def _with_batching(config_json: str, engine: engine_lib.Engine) -> str:
+  """``config_json`` (the API's or the CLI's) with the simulated runtime's ``worker_batching``
+  as it runs ("auto" resolved; docs/DESIGN.md, "Worker batching"): recorded, not compared on
+  a resume (``workdir_lib.MAY_CHANGE_ON_RESUME``)."""
+  batching = getattr(getattr(engine.runtime, "executor", None), "batching", None)
+  try:
+    config = json.loads(config_json)
+  except ValueError:
+    return config_json
+  if batching is None or not isinstance(config, dict):
+    return config_json
+  config["worker_batching"] = batching
+  return json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"
 
 
 def _signature_of(declared: Callable[_P, Any]

@@ -270,7 +270,8 @@ def test_a_workdir_of_the_oldest_layout_resumes(tmp_path):
   assert recorded["config_schema"] == workdir_lib.SCHEMA_VERSION
   def oldest(config):
     for key in ("config_schema", "seed", "fragments", "overlap_steps", "fragment_alpha",
-                "fragment_layout", "palsgd_coins", "rejection_limit", "dylu", "jitter"):
+                "fragment_layout", "palsgd_coins", "rejection_limit", "dylu", "jitter",
+                "worker_batching"):
       config.pop(key)
   _edit_config(workdir, oldest)
   resumed = _simulate(budget=hj.Budget(steps=16), workdir=hj.Workdir(workdir, checkpoint_every=1))

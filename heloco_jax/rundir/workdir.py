@@ -97,8 +97,10 @@ RUN_FILES = ("lock", "config.json", "metrics.jsonl", "summary.json", "run_id")
 RUN_DIRS = ("checkpoints", "tensorboard", "plots")
 # Config keys that say where a run's processes meet, not what they compute: a resumed
 # jax.distributed run may take another coordinator address (docs/DESIGN.md, "Scaling out");
-# and the layout's version, which a newer library reads (SCHEMA_KEY above).
-MAY_CHANGE_ON_RESUME = ("distributed.coordinator", SCHEMA_KEY)
+# the layout's version, which a newer library reads (SCHEMA_KEY above); and the simulated
+# runtime's worker_batching as it ran ("auto" resolved per backend; docs/DESIGN.md, "Worker
+# batching"), recorded for the reader.
+MAY_CHANGE_ON_RESUME = ("distributed.coordinator", SCHEMA_KEY, "worker_batching")
 
 
 class Checkpointable(Protocol):

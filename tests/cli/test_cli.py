@@ -164,6 +164,10 @@ def test_a_run_writes_config_metrics_and_summary(tmp_path, capsys):
   config = json.loads((workdir / "config.json").read_text())
   assert config["method"] == "diloco" and config["num_workers"] == 3
   assert config["config_schema"] == 1  # the layout's version, as the API's (issue 78)
+  import jax  # pylint: disable=g-import-not-at-top
+  from heloco_jax.runtime import simulated  # pylint: disable=g-import-not-at-top
+  # "auto" as it ran (issue 79): "sequential" on CPU
+  assert config["worker_batching"] == simulated.AUTO_BATCHING[jax.default_backend()]
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   evals = [r for r in rows if r["event"] == "eval"]
   assert evals[0]["tokens"] == 0 and evals[-1]["tokens"] == 5 * 384  # rounds of 3·2·4·16 ≤ 2048

@@ -3,6 +3,7 @@ runtime's ``worker_batching``): the same training within float tolerance, one co
 loop either way, and a one-line refusal of another value."""
 
 import asyncio
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +79,20 @@ def test_auto_follows_the_measurement_per_backend():
     assert engine.runtime.executor.batching == simulated.AUTO_BATCHING[platform]
   finally:
     engine.close()
+
+
+def test_the_resolved_batching_is_in_the_runs_config(tmp_path):
+  """Issue 79: "auto" is written to config.json as it ran (sequential on CPU), not as "auto"."""
+  from heloco_jax.runtime import simulated
+  hj.simulate(_loss, PARAMS, [_data(i) for i in range(3)], method="diloco", inner_steps=4,
+              speeds="homogeneous", budget=hj.Budget(steps=3 * 4 * 2),
+              runtime=hj.simulated_runtime(worker_batching="auto"), workdir=str(tmp_path))
+  with open(tmp_path / "config.json") as f:
+    recorded = json.load(f)
+  import jax
+  assert recorded["worker_batching"] == simulated.AUTO_BATCHING[jax.devices()[0].platform]
+  if jax.devices()[0].platform == "cpu":
+    assert recorded["worker_batching"] == "sequential"
 
 
 @pytest.mark.parametrize("method", ["diloco", "palsgd"])
