@@ -36,8 +36,8 @@ class FaultyExecutor:
     self.count += 1
     return self.count == self.arrival
 
-  def run_worker(self, worker, previous, start, batches, key):
-    state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+  def run_worker(self, worker, previous, start, batches, key, carry=False):
+    state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key, carry)
     return state, self._fault(worker, delta), loss
 
   def run_fragment(self, worker, previous, steps, batches, key):

@@ -117,9 +117,10 @@ class Executor(Protocol):
     θ's split), from ``make_server``'s ``server``; only where ``compresses_downloads``."""
 
   def run_worker(self, worker: int, previous: Any, start: Any, batches: Any,
-                 key: jax.Array) -> tuple[Any, Any, Any]:
+                 key: jax.Array, carry: bool = False) -> tuple[Any, Any, Any]:
     """Worker ``worker``'s inner steps from ``start``: (end state, Δ = start − end, the mean
-    training loss of its steps)."""
+    training loss of its steps). ``carry``: the end state as the next dispatch from θ reads
+    it (``InnerLoop.carry``; docs/DESIGN.md, "Memory per worker")."""
 
   def run_fragment(self, worker: int, previous: Any, steps: Any, batches: Any,
                    key: jax.Array) -> tuple[Any, Any, Any]:
@@ -128,14 +129,6 @@ class Executor(Protocol):
 
   def fresh_moments(self, state: Any) -> Any:
     """``state`` with a fresh inner optimizer state (its step count kept)."""
-
-  def carry(self, state: Any) -> Any:
-    """What a worker keeps of its end ``state`` until its next dispatch, which starts from θ
-    (``InnerLoop.carry``: no θ and no moments with a fresh optimizer per dispatch)."""
-
-  def park(self, point: Any) -> Any:
-    """A dispatch point as pending workers hold it until their steps run (e.g. in host
-    memory: ``hj.simulated_runtime(pending_memory=...)``)."""
 
   def fetch(self, tree: Any, what: str) -> Any:
     """Worker states (``what="state"``), a pending Δ (``"delta"``) or a training loss

@@ -316,15 +316,15 @@ class DeviceExecutor(simulated.OneProcess):
 
   # Each runs the local computation on inputs placed on the worker's (or all workers') devices.
 
-  def run_worker(self, worker, previous, start, batches, key):
+  def run_worker(self, worker, previous, start, batches, key, carry=False):
     if self.layout is not None:
       put = self._workers[worker].put
       return simulated.compute_worker(
-          self._inners[worker], put(previous), put(start), put(batches), put(key))
+          self._inners[worker], put(previous), put(start), put(batches), put(key), carry)
     replicated = self._replicated[worker]
     return simulated.compute_worker(
         self.inner, self._put(previous, replicated), self._put(start, replicated),
-        self._put(batches, self._split[worker]), self._put(key, replicated))
+        self._put(batches, self._split[worker]), self._put(key, replicated), carry)
 
   def transmit(self, uplink, fragment, delta, state):
     """Δ leaves the worker's devices as it is, or compressed there (its compressor state stays

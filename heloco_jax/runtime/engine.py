@@ -127,6 +127,12 @@ class Engine:
                        "simulated runtime, runtime=devices and Ray")
     if download_compressor is not None:
       _check_download(spec, executor)
+    pending = getattr(executor, "pending_memory", "device")  # only asynchronous starts wait
+    if pending != "device" and (spec.method.synchrony != "async" or spec.streaming
+                                or download_compressor is not None):
+      raise ValueError(f"pending_memory={pending!r} is not allowed with method="
+                       f"{spec.method.name!r}, fragments or compressed downloads; allowed: "
+                       "'device', or an asynchronous method with θ whole, sent uncompressed")
     self.spec = spec
     self.method = spec.method
     self.on_row = on_row
@@ -274,7 +280,7 @@ class Engine:
     meta.update({name: state_lib.entry_of(feature) for name, feature in run.features.items()})
     if s.phase == "async":  # workers not dispatched yet (joining later) have no state
       meta["unstarted"] = [w for w, x in enumerate(s.workers) if x is None]
-      meta["carried"] = not self.spec.streaming  # each state its ``Executor.carry``
+      meta["carried"] = not self.spec.streaming  # each state its ``InnerLoop.carry``
     for entry, w in zip(meta["jobs"], sorted(s.jobs)):
       loss = fetch(s.jobs[w].train_loss, "train_loss")
       entry.append(None if loss is None else

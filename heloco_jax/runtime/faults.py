@@ -145,8 +145,8 @@ class FaultyExecutor:
       return delta
     return _alter(fault, self._executor.fetch(delta, "delta"), key)
 
-  def run_worker(self, worker, previous, start, batches, key):
-    state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key)
+  def run_worker(self, worker, previous, start, batches, key, carry=False):
+    state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key, carry)
     return state, self._altered(worker, delta, key), loss
 
   def run_fragment(self, worker, previous, steps, batches, key):

@@ -86,13 +86,13 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       if carried:
         previous = run.model_states.for_dispatch(worker, previous)
       if downlink is None:
-        start = run.executor.park(run.server.dispatch_point())
+        start = run.server.dispatch_point()
       else:  # ALGORITHMS.md, "Compressed downloads"
         start = f.downlink.send(downlink, worker, run.server.dispatch_point)
         down = f.downlink.bytes_down[worker]
-      work = functools.partial(
+      work = functools.partial(  # the end state kept as its carry (DESIGN.md, "Memory per worker")
           run.executor.run_worker, worker, previous, start,
-          run.batches(worker, int(steps[worker])), run.next_key())
+          run.batches(worker, int(steps[worker])), run.next_key(), carry=True)
       finish = clock.finish(worker, int(steps[worker]), now, down)
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)

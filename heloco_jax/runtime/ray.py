@@ -711,9 +711,11 @@ class RayExecutor(simulated.OneProcess):
         raise devices_lib.DeviceConfigError(self._unsplit(size))
     self._split_checked = True
 
-  def run_worker(self, worker, previous, start, batches, key):
+  def run_worker(self, worker, previous, start, batches, key, carry=False):
     """Worker ``worker``'s dispatch, returned three times (the handles of the end state, Δ
-    and the training loss); ``transmit`` sends it to the worker's actor."""
+    and the training loss); ``transmit`` sends it to the worker's actor (which keeps the
+    ``carry`` of a whole dispatch's end state whatever ``carry`` says: ``WorkerActor.run``)."""
+    del carry
     fresh = isinstance(previous, Dispatch) and previous.fresh
     options = {}
     if isinstance(previous, Dispatch):
@@ -874,9 +876,6 @@ class RayExecutor(simulated.OneProcess):
       message = download.message
       return self._ray.get(message) if isinstance(message, self._ray.ObjectRef) else message
     return self._held(download.held)
-
-  def carry(self, state: Any) -> Any:
-    return state  # a handle: the worker's actor keeps only the carry (``WorkerActor.run``)
 
   def fresh_moments(self, state: Any) -> Any:
     if isinstance(state, Dispatch):  # the worker's actor resets them at its next dispatch

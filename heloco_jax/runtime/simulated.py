@@ -12,6 +12,7 @@ times, ties broken by worker index, so a run reproduces bit for bit.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import Any, Callable, Literal, Optional
@@ -107,13 +108,16 @@ def _subtract(start: Any, end: Any) -> Any:
 
 
 def compute_worker(inner: inner_lib.InnerLoop, previous: Optional[inner_lib.InnerState],
-                   start: Any, batches: Any, key: jax.Array
+                   start: Any, batches: Any, key: jax.Array, carry: bool = False
                    ) -> tuple[inner_lib.InnerState, Any, jax.Array]:
   """H inner steps from ``start`` where the inputs live: (end state, Δ = start − end, mean
   training loss). ``previous`` is the worker's inner state after its last dispatch (None at
-  first): the step count and, unless reset, the optimizer state carry over."""
+  first): the step count and, unless reset, the optimizer state carry over. ``carry``: the
+  end state cut to what a next dispatch from θ reads (``InnerLoop.carry``; an asynchronous
+  dispatch's, docs/DESIGN.md "Memory per worker")."""
   state, metrics = inner.run_jit(inner.start_jit(start, previous), batches, key)
-  return state, _subtract(start, state.params), inner_lib.train_loss(metrics)
+  delta = _subtract(start, state.params)
+  return inner.carry_jit(state) if carry else state, delta, inner_lib.train_loss(metrics)
 
 
 WorkerBatching = Literal["auto", "vmap", "sequential"]
@@ -155,12 +159,6 @@ class OneProcess:
                    key: jax.Array) -> tuple[Any, Any, Any]:
     run_worker = self.run_worker  # pyright: ignore  (the executor's: this is a mixin)
     return steps.run(run_worker, worker, previous, batches, key)
-
-  def carry(self, state: Any) -> Any:
-    return self.inner.carry(state)  # pyright: ignore  (the executor's: this is a mixin)
-
-  def park(self, point: Any) -> Any:
-    return point  # (``LocalExecutor``'s may wait in host memory)
 
   def transmit(self, uplink: Any, fragment: int, delta: Any, state: Any) -> tuple[Any, Any]:
     del fragment  # Δ is where θ is: compressed and received in one program
@@ -380,7 +378,6 @@ class LocalExecutor(OneProcess):
     check_batching(worker_batching)
     check_pending_memory(pending_memory)
     self.pending_memory = pending_memory
-    self._parked: tuple[Any, Any] = (None, None)  # (a dispatch point, its copy in host memory)
     self.inner = inner
     self.layout = inner.layout
     self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -393,6 +390,8 @@ class LocalExecutor(OneProcess):
     self._round_delta = jax.jit(lambda *args: constrain(round_delta(*args)))
 
   def make_server(self, outer_tx: Any, params: Any, **options: Any) -> server_lib.OuterServer:
+    if self.pending_memory != "device":  # its dispatch points wait there
+      options["park"] = functools.partial(_in_memory, kind=self.pending_memory)
     return server_lib.OuterServer(outer_tx, params, place=self.to_server, layout=self.layout,
                                   **options)
 
@@ -420,24 +419,16 @@ class LocalExecutor(OneProcess):
   def fresh_moments(self, state: inner_lib.InnerState) -> inner_lib.InnerState:
     return self.inner.fresh_moments(state)
 
-  def park(self, point: Any) -> Any:
-    """A dispatch point where pending workers wait with it (``pending_memory``): as it is, or
-    copied once to host memory for every worker dispatched from it."""
-    if self.pending_memory == "device":
-      return point
-    if self._parked[0] is not point:
-      self._parked = (point, _in_memory(point, self.pending_memory))
-    return self._parked[1]
-
   def run_worker(self, worker: int, previous: Optional[inner_lib.InnerState], start: Any,
-                 batches: Any, key: jax.Array) -> tuple[inner_lib.InnerState, Any, jax.Array]:
+                 batches: Any, key: jax.Array, carry: bool = False
+                 ) -> tuple[inner_lib.InnerState, Any, jax.Array]:
     """Worker ``worker``'s H steps from ``start`` on its device (``compute_worker``)."""
     if self.pending_memory != "device":  # a parked start, back in device memory
       start = _in_memory(start, "device")
     device = self.devices[worker % len(self.devices)]
     if device != self.devices[0]:  # inputs follow the worker (Δ goes back: ``transmit``)
       start, previous, batches, key = jax.device_put((start, previous, batches, key), device)
-    return compute_worker(self.inner, previous, start, batches, key)
+    return compute_worker(self.inner, previous, start, batches, key, carry)
 
   def transmit(self, uplink, fragment, delta, state):
     """Δ back on θ's device, then compressed and received there in one program."""

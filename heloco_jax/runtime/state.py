@@ -396,15 +396,13 @@ class Run:
     job = self.state.jobs[worker]
     if job.work is not None:
       try:
-        end, job.delta, job.train_loss = job.work()
+        self.state.workers[worker], job.delta, job.train_loss = job.work()
       except base.SettingError:
         raise
       except (TypeError, ValueError) as error:  # tracing the user's loss_fn or inner_tx
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise type(error)(f"worker {worker}'s inner steps (dispatched at outer update "
                           f"{job.version}) failed in loss_fn or inner_tx: {first}") from error
-      # A fragment dispatch goes on from the worker's θ; else the next starts from θ's.
-      self.state.workers[worker] = end if self.spec.streaming else self.executor.carry(end)
       states = self.features.compression.states
       state = None if states is None else states[worker][job.fragment]
       job.delta, state = self.executor.transmit(self.uplink, job.fragment, job.delta, state)

@@ -466,6 +466,8 @@ class InnerLoop:
     self._flat_steps: dict[Any, Callable[..., Any]] = {}  # "steps" (``run_steps``)
     self.start_many = jax.jit(self._start_many, static_argnums=2)
     self.reset_moments = jax.jit(self._reset_moments)
+    # ``carry`` compiled: the kept leaves alias the donated state's, nothing is copied.
+    self.carry_jit = jax.jit(self.carry, donate_argnums=0)
 
   def start(self, params: Any, previous: Optional[InnerState] = None) -> InnerState:
     """The state for a dispatch from ``params``.

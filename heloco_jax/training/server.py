@@ -229,6 +229,8 @@ class OuterServer:
       with θ sharded. ``params``, ``outer_state``, ``get`` and ``set`` stay trees.
     aggregate: how a group's accepted arrivals merge, or each arrival is screened
       (``hj.aggregate``; default ``mean()``, today's).
+    park: puts a dispatch point where dispatched workers wait with it (default: leaves it;
+      ``hj.simulated_runtime(pending_memory="pinned_host")``: host memory).
   """
 
   def __init__(self, outer_tx: Optional[optax.GradientTransformation], params: Any, *,
@@ -236,7 +238,8 @@ class OuterServer:
                place: Callable[[Any], Any] = _identity,
                layout: Optional[sharding.Layout] = None,
                packed: bool = False,
-               aggregate: aggregate_lib.Aggregate = aggregate_lib.Mean()):
+               aggregate: aggregate_lib.Aggregate = aggregate_lib.Mean(),
+               park: Callable[[Any], Any] = _identity):
     if packed and (layout is not None or outer_tx is None):
       raise ValueError("packed=True is not allowed "
                        + ("with θ sharded" if layout is not None else "without an outer rule")
@@ -254,6 +257,7 @@ class OuterServer:
                    if outer_tx is not None else None)
     self.lookahead = lookahead
     self._point: Optional[tuple[Any, Any, Any]] = None  # (θ, state, their dispatch point)
+    self._park = park
     holds = lookahead_lib.holds_one
     if lookahead and not holds(self._state, lookahead_lib.LOOKAHEAD_STATES):
       raise ValueError("lookahead=True needs an hj.mla or hj.heloco state in outer_tx's state "
@@ -331,7 +335,7 @@ class OuterServer:
         point = _unpack(point) if self.packed else point
       else:
         point = self.params if self.packed else _copy(self._params)
-      self._point = made = (self._params, self._state, point)
+      self._point = made = (self._params, self._state, self._park(point))
     return made[2]
 
   def apply(self, delta: Any, staleness: int) -> None:

@@ -14,7 +14,6 @@ import pytest
 
 import heloco_jax as hj
 from heloco_jax.rundir import checkpoint
-from heloco_jax.runtime import simulated
 from heloco_jax.training import inner as inner_lib
 
 K, H, WIDTH = 4, 3, 8
@@ -123,7 +122,7 @@ def test_a_run_resumed_from_a_checkpoint_mid_flight_ends_bit_for_bit(
   uninterrupted.close()
 
   if whole_states:  # what releases before the carry wrote: whole end states, no "carried"
-    monkeypatch.setattr(simulated.LocalExecutor, "carry", lambda self, state: state)
+    monkeypatch.setattr(inner_lib.InnerLoop, "carry", lambda self, state: state)
   first = _engine()
   saved = checkpoint.Checkpointer(str(tmp_path / "checkpoints"))
 
@@ -173,3 +172,12 @@ def test_pending_starts_wait_in_host_memory_with_the_same_bits():
     hj.simulated_runtime(pending_memory="host")
   assert str(error.value) == ("pending_memory='host' is not allowed; allowed: one of "
                               "['device', 'pinned_host']")
+  params, loss_fn = _problem()  # where no start waits, the option is refused, not ignored
+  for options in ({"method": "diloco"}, {"streaming": hj.Streaming(fragments=2)}):
+    with pytest.raises(ValueError) as error:
+      hj.make_engine(loss_fn, params, [_Data(i) for i in range(K)], inner_steps=2,
+                     budget=hj.Budget(steps=8),
+                     runtime=hj.simulated_runtime(pending_memory="pinned_host"),
+                     **{"method": "heloco", **options})
+    assert str(error.value).startswith("pending_memory='pinned_host' is not allowed with")
+    assert "\n" not in str(error.value)
