@@ -27,6 +27,12 @@ What the digests cannot say: how much of the jitter is the validation set's samp
 part a 4× set removes) and how much the model's own loss moving between evaluations (which no
 validation set removes); the residual is an upper bound on the first's eval-to-eval part.
 Each digest keeps the mean loss per evaluation and per language, not per sequence.
+
+The pilot that splits them (``pilot_runs``: the authors' severe seed-0 HeLoCo and MLA runs
+with 4× the validation sequences, ``--pilot=OUT --run-pilot --corpus=DIR`` runs them;
+``--pilot=OUT`` compares them with the committed runs, ``pilot_comparison``): the validation
+set's sampling alone would halve (a) (√(32/128)); the model's own movement alone would leave
+it where it is.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from scipy import stats
 
 from experiments import analysis, grids, science
 
@@ -96,17 +103,21 @@ def window_weights(result: Result, table: str = "time",
   return weights
 
 
-def _window_curve(result: Result, table: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(simulated times, losses, window weights) of the evaluations the window reads."""
+def _window_curve(result: Result, table: str,
+                  key: str = "val_loss") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(simulated times, losses, window weights) of the evaluations the window reads; ``key``:
+  the evaluation's field (``val_loss/de``: one language's)."""
   w = window_weights(result, table)
   read = np.flatnonzero(w > 1e-12)
   times = np.array([result.evals[i]["sim_time"] for i in read])
-  return times, np.array([result.evals[i]["val_loss"] for i in read]), w[read]
+  return times, np.array([result.evals[i][key] for i in read]), w[read]
 
 
-def run_noise(result: Result, table: str = "time", degree: int = DEGREE) -> float:
-  """(a) of one run: the residual sd of the evaluations its window reads, over their mean."""
-  times, loss, _ = _window_curve(result, table)
+def run_noise(result: Result, table: str = "time", degree: int = DEGREE,
+              key: str = "val_loss") -> float:
+  """(a) of one run: the residual sd of the evaluations its window reads, over their mean
+  (``key``: of one language's loss, ``val_loss/de``)."""
+  times, loss, _ = _window_curve(result, table, key)
   return residual_sd(times, loss, degree) / float(loss.mean())
 
 
@@ -217,13 +228,152 @@ def report(results: Sequence[Result]) -> str:
   return "\n".join(lines)
 
 
+# The pilot (issue 81, item 5): one pair at 4× the validation sequences, to tell the validation
+# set's sampling from the model's own movement, which the digests cannot split.
+PILOT_VAL_SEQUENCES = 128  # the claims model's data.val_sequences_per_language is 32
+PILOT_METHODS = ("heloco", "mla")
+
+
+def pilot_runs(val_sequences: int = PILOT_VAL_SEQUENCES, seeds: Sequence[int] = (0,),
+               preset: str = "severe") -> list[grids.Run]:
+  """The pilot's runs: the authors grid's HeLoCo and MLA token runs at ``preset`` (what the
+  time row reads, ``science.runs_for``) with only ``data.val_sequences_per_language`` changed,
+  named ``val<N>/`` + the grid's name."""
+  out = []
+  for run in grids.authors_grid(seeds=seeds):
+    if (run.table, run.preset) != ("tokens", preset) or run.method not in PILOT_METHODS:
+      continue
+    overrides = {**dict(run.overrides), "data.val_sequences_per_language": val_sequences}
+    out.append(dataclasses.replace(run, name=f"val{val_sequences}/{run.name}",
+                                   overrides=tuple(overrides.items())))
+  return out
+
+
+def noise_ratio(new: Sequence[float], old: Sequence[float], dof: int,
+                level: float = 0.95) -> dict[str, float]:
+  """The ratio of two sets of residual sds pooled as root mean squares (``new`` over ``old``,
+  each with ``dof`` degrees of freedom), its ``level`` interval by the F distribution (as if
+  the residuals were independent), and ``sampling_max``: the largest share of ``old``'s
+  residual variance that could be the validation set's sampling, which a 4× set cuts to a
+  quarter (ratio² = 1 − ¾·share), at the interval's low end."""
+  f = float(np.mean(np.square(new)) / np.mean(np.square(old)))
+  d1, d2, tail = dof * len(new), dof * len(old), (1 - level) / 2
+  low, high = f / stats.f.ppf(1 - tail, d1, d2), f / stats.f.ppf(tail, d1, d2)
+  return {"ratio": math.sqrt(f), "low": math.sqrt(low), "high": math.sqrt(high),
+          "sampling_max": float(min(1.0, max(0.0, (1 - low) / 0.75)))}
+
+
+def _val_sequences(result: Result) -> int:
+  return int(dict(result.run.overrides)["data.val_sequences_per_language"])
+
+
+def pilot_comparison(results: Sequence[Result], pilot: Sequence[Result],
+                     table: str = "time") -> dict[str, Any]:
+  """The pilot's runs (``pilot``) against the same cell's runs in ``results`` (the committed
+  digests): per method, (a) of the pilot run (``pilot``) and of the same seed's run
+  (``same_seed``), that cell's (a) over its seeds (``seeds``: seed -> value) and the median
+  over the five languages of each language's (a) (``*_languages``); per seed, the window gain
+  (``science.window_gain``) and ``pair_noise`` of the pilot pair and of the same seed's pair.
+  ``ratio``: the pilot's (a) over the same seed's, HeLoCo's and MLA's pooled as root mean
+  squares (the validation set's sampling alone: √(32/128) = 0.5; the model's own movement
+  alone: 1); ``ratio_cell``: over the cell's, all its seeds' runs pooled (the pilot's
+  trajectory is not the same seed's: 128 sequences also take 96 per language out of
+  training)."""
+  preset, seed = pilot[0].run.preset, pilot[0].run.seed
+  languages = [f"val_loss/{lang}" for lang in grids.LANGUAGES.split(",")]
+  lang = lambda r: float(np.median([run_noise(r, table, key=k) for k in languages]))
+  own = {m: {r.run.seed: r for r in science.runs_for(results, table, preset, m)}
+         for m in PILOT_METHODS}
+  new = {r.run.method: r for r in pilot}
+  out: dict[str, Any] = {"preset": preset, "seed": seed, "val_sequences": _val_sequences(pilot[0]),
+                         "base_sequences": _val_sequences(own["mla"][seed])}
+  for m in PILOT_METHODS:
+    out[m] = {"pilot": run_noise(new[m], table), "same_seed": run_noise(own[m][seed], table),
+              "seeds": {s: run_noise(r, table) for s, r in sorted(own[m].items())},
+              "pilot_languages": lang(new[m]), "same_seed_languages": lang(own[m][seed]),
+              "seeds_languages": {s: lang(r) for s, r in sorted(own[m].items())}}
+  rms = lambda key: math.sqrt(np.mean([out[m][key] ** 2 for m in PILOT_METHODS]))
+  cell = lambda key: math.sqrt(np.mean([v ** 2 for m in PILOT_METHODS
+                                        for v in out[m][key].values()]))
+  out["ratio"] = rms("pilot") / rms("same_seed")
+  out["ratio_languages"] = rms("pilot_languages") / rms("same_seed_languages")
+  out["ratio_cell"] = rms("pilot") / cell("seeds")
+  out["ratio_cell_languages"] = rms("pilot_languages") / cell("seeds_languages")
+  out["sampling_ratio"] = math.sqrt(out["base_sequences"] / out["val_sequences"])
+  cell_runs = [r for m in PILOT_METHODS for r in own[m].values()]
+  dof = len(_window_curve(pilot[0], table)[0]) - DEGREE - 1
+  for name, keys in (("pooled", ["val_loss"]), ("pooled_languages", languages)):
+    out[name] = noise_ratio([run_noise(r, table, key=k) for r in pilot for k in keys],
+                            [run_noise(r, table, key=k) for r in cell_runs for k in keys], dof)
+  out["gain_pilot"] = science.window_gain(pilot, table, preset, "mla")["gain"]
+  out["gain_same_seed"] = science.window_gain(results, table, preset, "mla", seeds=[seed])["gain"]
+  out["pair_pilot"] = pair_noise(new["heloco"], new["mla"], table)
+  out["pair_same_seed"] = pair_noise(own["heloco"][seed], own["mla"][seed], table)
+  return out
+
+
+def pilot_report(results: Sequence[Result], pilot: Sequence[Result]) -> str:
+  """``pilot_comparison`` as text."""
+  c = pilot_comparison(results, pilot)
+  pct = lambda xs: ", ".join(f"{100 * x:.2f}" for x in xs)
+  lines = [f"pilot: {c['preset']} paces, seed {c['seed']}, {c['val_sequences']} validation "
+           f"sequences per language against {c['base_sequences']}; (a) in % of the loss"]
+  for m in PILOT_METHODS:
+    d = c[m]
+    lines.append(
+        f"- {m}: (a) {100 * d['pilot']:.2f}% ({c['base_sequences']} sequences: same seed "
+        f"{100 * d['same_seed']:.2f}%; seeds {pct(d['seeds'].values())}); one language's (a), "
+        f"median of 5: {100 * d['pilot_languages']:.2f}% (same seed "
+        f"{100 * d['same_seed_languages']:.2f}%; seeds {pct(d['seeds_languages'].values())})")
+  p, q = c["pair_pilot"], c["pair_same_seed"]
+  lines += [f"ratio of (a), pilot / {c['base_sequences']} sequences (HeLoCo and MLA pooled as "
+            f"root mean squares): same seed {c['ratio']:.2f} (mean loss), "
+            f"{c['ratio_languages']:.2f} (one language's); the cell's seeds "
+            f"{c['ratio_cell']:.2f} (mean loss), {c['ratio_cell_languages']:.2f} (one "
+            f"language's); sampling alone gives {c['sampling_ratio']:.2f}, the model's own "
+            "movement alone 1",
+            *(f"pooled, {what}: the pilot's runs against the cell's, ratio "
+              f"{c[k]['ratio']:.2f} (95% F interval {c[k]['low']:.2f}-{c[k]['high']:.2f}, "
+              f"residuals taken as independent): the validation set's sampling is at most "
+              f"{100 * c[k]['sampling_max']:.0f}% of the residual variance at "
+              f"{c['base_sequences']} sequences"
+              for k, what in (("pooled", "the mean loss"),
+                              ("pooled_languages", "each language's loss (5 series a run)"))),
+            f"window gain: pilot {c['gain_pilot']:+.3f}%, same seed {c['gain_same_seed']:+.3f}%; "
+            f"its evaluation noise (b), pp: independent {p['independent']:.3f} (same seed "
+            f"{q['independent']:.3f}), paired {p['paired']:.3f} (same seed {q['paired']:.3f})"]
+  return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--results", default=os.path.join(_HERE, "results"),
                       help="the digests' folder (default: experiments/results)")
+  parser.add_argument("--pilot", default="",
+                      help="the pilot's folder (pilot_runs: OUT/runs, digests in OUT/digests): "
+                      "compare its runs with the committed ones instead")
+  parser.add_argument("--run-pilot", action="store_true",
+                      help="first run the pilot's runs missing from --pilot (one at a time, as "
+                      "experiments.reproduce runs a grid's; needs --corpus)")
+  parser.add_argument("--corpus", default="", help="the authors grid's corpus folder")
   args = parser.parse_args(argv)
   results = analysis.load(os.devnull, grids.family("science"), args.results)  # digests only
-  print(report(results))
+  if not args.pilot:
+    print(report(results))
+    return 0
+  runs, digests = pilot_runs(), os.path.join(args.pilot, "digests")
+  if args.run_pilot:
+    from experiments import reproduce  # pylint: disable=g-import-not-at-top
+    todo = [r for r in runs if not os.path.exists(analysis.digest_path(digests, r))]
+    if todo and reproduce.run_parallel(todo, args.pilot, args.corpus, digests, jobs=1,
+                                       prune=True) != 0:
+      return 1
+  pilot = analysis.load(args.pilot, runs, digests)
+  if len(pilot) < len(runs):
+    print(f"eval_noise: {len(pilot)} of the pilot's {len(runs)} runs have finished in "
+          f"{args.pilot}", file=sys.stderr)
+    return 1
+  print(pilot_report(results, pilot))
   return 0
 
 
