@@ -199,7 +199,6 @@ class WorkerActor:
                recipe: Optional[tuple] = None, devices_per_worker: int = 0,
                workers_per_actor: int = 1):
     inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset_optimizer)
-    self._carry = inner.carry  # what a worker's next dispatch reads of its end state
     devices = jax.devices()
     self._sending: tuple[Optional[bytes], Any] = (None, None)  # (pickled, jitted send)
     self._downlinks = _Downlinks()
@@ -267,12 +266,12 @@ class WorkerActor:
       if fresh and previous is not None:
         previous = self._inner.fresh_moments(previous)
 
-      def run_worker(worker, previous, start, batches, key):
+      def run_worker(worker, previous, start, batches, key, carry=False):
         del worker
         return simulated.compute_worker(self._inner, previous, put(start), put(batches),
-                                        put(key))
-      if fragment is None:
-        state, delta, loss = run_worker(worker, previous, start, batches, key)
+                                        put(key), carry)
+      if fragment is None:  # a whole dispatch's end state kept as its carry (as the engine's)
+        state, delta, loss = run_worker(worker, previous, start, batches, key, carry=True)
       else:
         state, delta, loss = put(fragment).run(run_worker, worker, previous, batches, key)
       to_host = sharding.to_host
@@ -281,7 +280,7 @@ class WorkerActor:
         previous = self._executor.fresh_moments(previous)
       if fragment is None:
         state, delta, loss = self._executor.run_worker(worker % self._slots, previous, start,
-                                                       batches, key)
+                                                       batches, key, carry=True)
       else:
         state, delta, loss = self._executor.run_fragment(worker % self._slots, previous,
                                                          fragment, batches, key)
@@ -294,8 +293,6 @@ class WorkerActor:
     else:
       delta, compression = to_host(delta), None
     held = held if fragment is not None else start  # the worker's next x̂
-    if fragment is None:  # (a fragment dispatch goes on from the worker's θ)
-      state = self._carry(state)
     return (to_host(state), delta, jax.device_get(loss), os.getpid(), compression,
             to_host(state.model_state), None if download is None else to_host(held))
 
@@ -714,7 +711,8 @@ class RayExecutor(simulated.OneProcess):
   def run_worker(self, worker, previous, start, batches, key, carry=False):
     """Worker ``worker``'s dispatch, returned three times (the handles of the end state, Δ
     and the training loss); ``transmit`` sends it to the worker's actor (which keeps the
-    ``carry`` of a whole dispatch's end state whatever ``carry`` says: ``WorkerActor.run``)."""
+    ``carry`` of a whole dispatch's end state whatever ``carry`` says: ``WorkerActor.run``
+    asks its executor for it)."""
     del carry
     fresh = isinstance(previous, Dispatch) and previous.fresh
     options = {}

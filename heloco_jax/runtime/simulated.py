@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, get_args
 
 import jax
 import jax.numpy as jnp
@@ -325,7 +325,7 @@ class SimulatedClock:
 
 
 PendingMemory = Literal["device", "pinned_host"]
-PENDING_MEMORIES: tuple[str, ...] = ("device", "pinned_host")
+PENDING_MEMORIES: tuple[str, ...] = get_args(PendingMemory)
 
 
 def _in_memory(tree: Any, kind: str) -> Any:
