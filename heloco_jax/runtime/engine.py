@@ -171,7 +171,9 @@ class Engine:
         streams=streams, recorder=recorder,
         state=RunState(next_checkpoint=spec.checkpoint_every),
         features=state_lib.Features(rejection=rejection.RejectionState(
-            limit=spec.rejection_limit or rejection.default_limit(spec.num_workers))),
+            limit=spec.rejection_limit or rejection.default_limit(spec.num_workers)),
+            # a faulty executor's replayed Δ (runtime.faults)
+            replay=getattr(executor, "replay", None) or state_lib.ReplayState()),
         key=jax.random.key(spec.seed),
         model_states=model_state_lib.ModelStates(
             executor.to_server(model_state) if model_state is not None else None,
@@ -323,6 +325,7 @@ class Engine:
       template["downlink"] = [params] * k
     if run.model_states.merged is not None:
       template["model_state"] = run.model_states.merged
+    template.update(run.features.replay.template(meta.get("replay", {}), params))
     if self.layout is None:
       return template
     # Sharded θ: restored where an uninterrupted run holds each array.
@@ -336,7 +339,7 @@ class Engine:
     run.key = jax.random.wrap_key_data(arrays["key"])
     arrays = dict(arrays)
     if self.layout is not None:  # back where an uninterrupted run holds them
-      for name in ("pending", "workers", "compression", "downlink", "anchors"):
+      for name in ("pending", "workers", "compression", "downlink", "anchors", "replayed"):
         if name in arrays:
           arrays[name] = self.layout.put(arrays[name])
     elif "compression" in arrays:  # on the host, as ``Uplink.init`` makes them

@@ -9,6 +9,9 @@ compression, before the server's rejection of non-finite Δ and its ``hj.aggrega
   noise=σ     Δ → Δ + σ·rms(Δ_leaf)·ξ per leaf, ξ ~ N(0, 1) from the dispatch's own key
               (deterministic per seed, and across a resume)
   nan         Δ → NaN everywhere (the server rejects it)
+  replay=n    Δ_k → Δ_{max(0, k − n)}: the worker's own honest Δ of n dispatches (rounds)
+              earlier, its first until it has n (a stale replay; ``state.ReplayState`` holds the
+              last n, and a checkpoint keeps them)
 
 ``faulty(runtime, faults)`` wraps a runtime factory: its executor's results are altered from
 the outside (an asynchronous dispatch's Δ, a fragment's Δ, a synchronous round's ends as
@@ -27,8 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from heloco_jax.runtime import factories
+from heloco_jax.runtime import state as state_lib
 
-Behaviour = Literal["sign", "scale", "noise", "nan"]
+Behaviour = Literal["sign", "scale", "noise", "nan", "replay"]
+VALUED = ("scale", "noise", "replay")  # the behaviours spelled with '=VALUE'
 BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
 _SPEC = re.compile(r"^\s*(\d+)\s*:\s*([a-z]+)\s*(?:=\s*([^,\s]+))?\s*$")
 # Folded into a dispatch's key for its noise (the inner loop splits the key itself).
@@ -44,7 +49,7 @@ class Fault:
 
   def __str__(self) -> str:
     return f"{self.worker}:{self.behaviour}" + (
-        f"={self.value:g}" if self.behaviour in ("scale", "noise") else "")
+        f"={self.value:g}" if self.behaviour in VALUED else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +59,7 @@ class Faults:
 
   @classmethod
   def parse(cls, text: str, name: str = "chaos.faulty") -> "Faults":
-    """``"1:sign,3:scale=10,4:noise=0.1,5:nan"``; '' is none.
+    """``"1:sign,3:scale=10,4:noise=0.1,5:nan,6:replay=2"``; '' is none.
 
     Raises:
       ValueError: one line naming ``name`` and the entry that is not allowed.
@@ -62,13 +67,13 @@ class Faults:
     faults = []
     for entry in [e for e in str(text).split(",") if e.strip()]:
       match = _SPEC.match(entry)
-      allowed = ("'W:sign', 'W:scale=S', 'W:noise=SIGMA' or 'W:nan', comma-separated "
-                 "(e.g. '1:sign,3:scale=10,4:noise=0.1')")
+      allowed = ("'W:sign', 'W:scale=S', 'W:noise=SIGMA', 'W:nan' or 'W:replay=N', "
+                 "comma-separated (e.g. '1:sign,3:scale=10,4:noise=0.1')")
       if not match or match.group(2) not in BEHAVIOURS:
         raise ValueError(f"{name}={text!r} is not allowed ({entry.strip()!r}); allowed: "
                          f"{allowed}")
       worker, behaviour, value = int(match.group(1)), match.group(2), match.group(3)
-      needs = behaviour in ("scale", "noise")
+      needs = behaviour in VALUED
       if needs != (value is not None):
         raise ValueError(f"{name}={text!r} is not allowed ({entry.strip()!r}: {behaviour} "
                          f"takes {'a value' if needs else 'no value'}); allowed: {allowed}")
@@ -76,11 +81,13 @@ class Faults:
         number = float(value) if needs else 0.0
       except ValueError:
         number = math.nan
-      if needs and (not math.isfinite(number) or (behaviour == "noise" and number <= 0)
-                    or (behaviour == "scale" and number == 1.0)):
-        raise ValueError(f"{name}={text!r} is not allowed ({entry.strip()!r}); allowed: "
-                         + ("scale=S with S finite and not 1" if behaviour == "scale"
-                            else "noise=SIGMA with SIGMA finite and > 0"))
+      valid = {"scale": lambda x: x != 1.0, "noise": lambda x: x > 0,
+               "replay": lambda x: x >= 1 and x == int(x)}
+      if needs and not (math.isfinite(number) and valid[behaviour](number)):
+        raise ValueError(f"{name}={text!r} is not allowed ({entry.strip()!r}); allowed: " + {
+            "scale": "scale=S with S finite and not 1",
+            "noise": "noise=SIGMA with SIGMA finite and > 0",
+            "replay": "replay=N with N a whole number >= 1"}[behaviour])
       faults.append(Fault(worker, behaviour, number))
     workers = [f.worker for f in faults]
     if len(set(workers)) < len(workers):
@@ -106,7 +113,10 @@ class Faults:
 
 
 def alter(fault: Fault, delta: Any, key: jax.Array) -> Any:
-  """``delta`` as ``fault`` sends it (module docstring); ``key`` only for noise."""
+  """``delta`` as ``fault`` sends it (module docstring); ``key`` only for noise. A replay
+  depends on the worker's earlier Δ: ``state.ReplayState.send``."""
+  if fault.behaviour == "replay":
+    raise ValueError("a replay sends an earlier Δ: ReplayState.send, not alter")
   leaves, treedef = jax.tree.flatten(delta)
   if fault.behaviour == "sign":
     out = [-x for x in leaves]
@@ -133,8 +143,11 @@ class FaultyExecutor:
   def __init__(self, executor: Any, faults: Faults):
     self._executor = executor
     self.faults = faults
+    self.replay = state_lib.ReplayState()  # the run's ``Features.replay``
     self._rounds = jax.jit(self._round_ends)
     self._take = jax.jit(lambda tree, w: jax.tree.map(lambda x: x[w], tree), static_argnums=1)
+    self._honest = jax.jit(lambda start, ends, w: jax.tree.map(lambda s, e: s - e[w], start, ends),
+                           static_argnums=2)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._executor, name)
@@ -143,7 +156,10 @@ class FaultyExecutor:
     fault = self.faults.of(worker)
     if fault is None:
       return delta
-    return _alter(fault, self._executor.fetch(delta, "delta"), key)
+    delta = self._executor.fetch(delta, "delta")
+    if fault.behaviour == "replay":
+      return self.replay.send(worker, int(fault.value), delta)
+    return _alter(fault, delta, key)
 
   def run_worker(self, worker, previous, start, batches, key, carry=False):
     state, delta, loss = self._executor.run_worker(worker, previous, start, batches, key, carry)
@@ -153,11 +169,14 @@ class FaultyExecutor:
     state, delta, loss = self._executor.run_fragment(worker, previous, steps, batches, key)
     return state, self._altered(worker, delta, key), loss
 
-  def _round_ends(self, starts: dict[int, Any], ends: Any, keys: jax.Array) -> Any:
-    """Round ends (stacked on axis 0) with each faulty worker's as start − f(start − end)."""
+  def _round_ends(self, starts: dict[int, Any], ends: Any, keys: jax.Array,
+                  replayed: dict[int, Any]) -> Any:
+    """Round ends (stacked on axis 0) with each faulty worker's as start − f(start − end)
+    (a replaying worker's f(Δ): ``replayed``)."""
     for fault in self.faults.faults:
       w, start = fault.worker, starts[fault.worker]
-      delta = alter(fault, jax.tree.map(lambda s, e: s - e[w], start, ends), keys[w])
+      delta = replayed[w] if w in replayed else alter(
+          fault, jax.tree.map(lambda s, e: s - e[w], start, ends), keys[w])
       ends = jax.tree.map(lambda e, s, d: e.at[w].set((s - d).astype(e.dtype)), ends, start,
                           delta)
     return ends
@@ -166,7 +185,10 @@ class FaultyExecutor:
     # The faulty workers' starts (θ), copied: the inner loop donates the states it is given.
     starts = {f.worker: self._take(states.params, f.worker) for f in self.faults.faults}
     ends, metrics = self._executor.run_round(states, batches, keys, anchor)
-    return ends._replace(params=self._rounds(starts, ends.params, keys)), metrics
+    replayed = {f.worker: self.replay.send(f.worker, int(f.value),
+                                           self._honest(starts[f.worker], ends.params, f.worker))
+                for f in self.faults.faults if f.behaviour == "replay"}
+    return ends._replace(params=self._rounds(starts, ends.params, keys, replayed)), metrics
 
 
 def faulty(runtime: Optional[factories.RuntimeFactory], faults: Faults
@@ -188,6 +210,9 @@ def faulty(runtime: Optional[factories.RuntimeFactory], faults: Faults
       why = "DDP sends gradients every step, not pseudo-gradients"
     if why is None and spec.method.synchrony == "round" and spec.fragments > 1:
       why = "Streaming DiLoCo's workers keep their own θ across rounds"
+    if why is None and spec.fragments > 1 and any(f.behaviour == "replay"
+                                                  for f in faults.faults):
+      why = "a replay resends a whole θ's Δ and fragments send one fragment's"
     if why:
       raise ValueError(f"chaos.faulty={str(faults)!r} is not allowed: {why}; allowed: "
                        "faulty workers of a run with pseudo-gradients")

@@ -298,6 +298,34 @@ class Traffic:
 
 
 @dataclasses.dataclass
+class ReplayState:
+  """The honest Δ that replaying faulty workers (``W:replay=N``; ``runtime.faults``) hold,
+  oldest first, N at most per worker: a feature's checkpoint entry (``queued``: [worker, how
+  many] per worker) and its arrays (``held``, the queues one after the other)."""
+  queued: list = dataclasses.field(default_factory=list)
+  held: Optional[list] = dataclasses.field(default=None, metadata={"array": "replayed"})
+
+  def send(self, worker: int, n: int, delta: Any) -> Any:
+    """What ``worker`` sends in place of its honest ``delta``, its k-th: its Δ_{max(0, k−n)}."""
+    queues, held = {}, iter(self.held or ())
+    for w, count in self.queued:
+      queues[w] = [next(held) for _ in range(count)]
+    queue = queues.setdefault(worker, [])
+    queue.append(delta)
+    sent = queue[0]
+    if len(queue) > n:
+      queue.pop(0)
+    self.queued = [[w, len(q)] for w, q in sorted(queues.items())]
+    self.held = [d for _, q in sorted(queues.items()) for d in q]
+    return sent
+
+  def template(self, meta: dict[str, Any], delta: Any) -> dict[str, Any]:
+    """The abstract arrays of a checkpoint with this entry (``meta``), each Δ like ``delta``."""
+    count = sum(n for _, n in meta.get("queued", ()))
+    return {"replayed": [delta] * count} if count else {}
+
+
+@dataclasses.dataclass
 class Features:
   """Each feature's own state, restored from the checkpoint entry of its field's name
   (docs/DESIGN.md, "Checkpoints"); its arrays go under their field's ``metadata["array"]``."""
@@ -314,6 +342,7 @@ class Features:
   downlink: downlink_lib.DownlinkState = dataclasses.field(
       default_factory=downlink_lib.DownlinkState)
   evaluation: EvaluationState = dataclasses.field(default_factory=EvaluationState)
+  replay: ReplayState = dataclasses.field(default_factory=ReplayState)
 
   def items(self) -> list[tuple[str, Any]]:
     return [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]

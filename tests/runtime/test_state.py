@@ -37,6 +37,8 @@ FILLED = {
         initial_eval={"event": "eval", "val_loss": 5.5}, last_eval={"event": "eval",
                                                                     "val_loss": 2.25},
         next_eval=math.inf),
+    "replay": state_lib.ReplayState(queued=[[1, 2], [3, 1]], held=[
+        {"w": jnp.arange(4.0)}, {"w": jnp.ones(4)}, {"w": jnp.full(4, -2.0)}]),
 }
 
 

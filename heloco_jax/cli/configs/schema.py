@@ -346,7 +346,8 @@ KEYS: tuple[Key, ...] = (
     Key("chaos.downtime", 60.0, number(0.0, low_open=True),
         "mean simulated seconds a randomly failed worker stays away"),
     Key("chaos.faulty", "", Check(faults.Faults.parse, "'' (none) or 'W:sign', 'W:scale=S', "
-                                  "'W:noise=SIGMA', 'W:nan', comma-separated"),
+                                  "'W:noise=SIGMA', 'W:nan', 'W:replay=N', "
+                                  "comma-separated"),
         "faulty workers: each alters its pseudo-gradient before upload, e.g. "
         "'1:sign,3:scale=10,4:noise=0.1' (docs/ALGORITHMS.md, \"Faulty workers\")"),
 )
