@@ -573,6 +573,8 @@ def claims_table(results: Sequence[Result], dates: Optional[dict[str, float]] = 
             f"{grids.ddp_own_steps():,} steps){setting}; not their setting | 21.1–24.4% "
             f"faster | {rule} | {_palsgd_seeds(results, method, tuned[0])} | "
             f"{speedup[0]} | – | – | – | {speedup[1]} |")
+  if line := palsgd8m_claim(results, dates):
+    lines.append(line)
   return "\n".join(lines)
 
 
@@ -661,6 +663,117 @@ def palsgd_fair_table(results: Sequence[Result]) -> str:
                     f"not reached on {sum(~np.isfinite(times))} of {len(times)} seeds | –"
                     if times else "– | –") + f" | {len(runs)} |")
   return "\n".join(lines)
+
+
+def _palsgd8m_runs(results: Sequence[Result], name: str) -> dict[int, Result]:
+  """Seed -> the palsgd8m grid's run ``name`` (``grids.palsgd8m_grid``)."""
+  table = f"palsgd8m/c{grids.PALSGD8M_C:g}"
+  return {r.run.seed: r for r in results if r.run.table == table and r.run.method == name}
+
+
+def _censored_time(run: Result, target: float) -> float:
+  """Simulated seconds to ``target`` (``analysis.time_to_loss``); the run's end where it never
+  gets there (a bound in the run's favour: it would need longer)."""
+  t = analysis.time_to_loss(run.evals, target)
+  return t if np.isfinite(t) else float(run.evals[-1]["sim_time"])
+
+
+def palsgd8m_picks(results: Sequence[Result]
+                   ) -> tuple[Optional[float], Optional[tuple[float, float]]]:
+  """(DDP's inner lr factor, PALSGD's (outer lr, pull)) picked by the palsgd8m rule
+  (``grids.palsgd8m_grid``'s comment) on the tuning seeds ``grids.PALSGD8M.seeds``: DDP's
+  lowest mean final validation loss; PALSGD's shortest mean time to each seed's tuned-DDP
+  final loss (inf where a seed never reaches it; then the lower mean final loss). None for a
+  side whose tuning runs have not all landed."""
+  tuning = grids.PALSGD8M.seeds
+  final = lambda runs: float(np.mean([runs[s].summary["final_val_loss"] for s in tuning]))
+  ddp = {f: _palsgd8m_runs(results, grids.ddp_fair_name(f)) for f in grids.PALSGD8M_DDP_FACTORS}
+  if not all(set(tuning) <= set(runs) for runs in ddp.values()):
+    return None, None
+  factor = min(ddp, key=lambda f: final(ddp[f]))
+  palsgd = {c: _palsgd8m_runs(results, grids.palsgd_fair_name(*c))
+            for c in grids.PALSGD8M_CANDIDATES}
+  if not all(set(tuning) <= set(runs) for runs in palsgd.values()):
+    return factor, None
+  target = {s: ddp[factor][s].summary["final_val_loss"] for s in tuning}
+  time = lambda runs: float(np.mean([analysis.time_to_loss(runs[s].evals, target[s])
+                                     for s in tuning]))
+  return factor, min(palsgd, key=lambda c: (time(palsgd[c]), final(palsgd[c])))
+
+
+def palsgd8m_speedups(results: Sequence[Result]) -> dict[int, float]:
+  """Seed -> PALSGD's speedup over DDP in % ((t_DDP − t_PALSGD) / t_DDP, t: simulated seconds
+  to that seed's DDP final loss, PALSGD's censored at its end), both at their picks
+  (``palsgd8m_picks``), on every seed both have."""
+  factor, best = palsgd8m_picks(results)
+  if best is None:
+    return {}
+  ddp = _palsgd8m_runs(results, grids.ddp_fair_name(factor))
+  palsgd = _palsgd8m_runs(results, grids.palsgd_fair_name(*best))
+  out = {}
+  for seed in sorted(set(ddp) & set(palsgd)):
+    target = ddp[seed].summary["final_val_loss"]
+    t_ddp = analysis.time_to_loss(ddp[seed].evals, target)
+    out[seed] = 100 * (t_ddp - _censored_time(palsgd[seed], target)) / t_ddp
+  return out
+
+
+def palsgd8m_claim(results: Sequence[Result], dates: Optional[dict[str, float]] = None
+                   ) -> Optional[str]:
+  """The claims table's line of PALSGD vs DDP at ≈8M parameters: the paired speedups over
+  the seeds (``palsgd8m_speedups``), their 95% CI, category and verdict (the HeLoCo rows'
+  rule, module docstring); None until both picks are known."""
+  speedups = palsgd8m_speedups(results)
+  if not speedups:
+    return None
+  factor, (lr, pull) = palsgd8m_picks(results)
+  mean, low, high = paired_ci(list(speedups.values()))
+  cell = {"seeds": len(speedups), "category": category(low, high)}
+  names = (grids.ddp_fair_name(factor), grids.palsgd_fair_name(lr, pull))
+  sides = {side: sorted(_palsgd8m_runs(results, name)[s].origin for s in speedups)
+           for side, name in zip(("DDP's", "PALSGD's"), names)}
+  interval = f"[{low:+.1f}, {high:+.1f}]" if np.isfinite(low) else "[no CI: 1 seed]"
+  per_seed = ", ".join(f"seed {s}: {v:+.1f}%" for s, v in speedups.items())
+  return (f"| PALSGD trains faster than DDP (time to DDP's final loss) at ≈8M parameters (the "
+          f"body model, {grids.scale_params(grids.PALSGD8M) / 1e6:.1f}M; c = "
+          f"{grids.PALSGD8M_C:g}), both tuned on seeds "
+          f"{', '.join(map(str, grids.PALSGD8M.seeds))} (DDP inner lr × {factor:.3g}, PALSGD "
+          f"outer lr {lr:g}, pull {pull:g}) | 21.1% faster (GPT-Neo-8M) | "
+          f"{rule_label(sides, dates)} | {len(speedups)} of "
+          f"{len(grids.PALSGD8M.seeds) + len(grids.PALSGD8M_MORE_SEEDS)} | {verdict([cell])} | "
+          f"– | – | – | speedup {mean:+.1f}% {interval}, {cell['category']}, p "
+          f"{_p(paired_p(list(speedups.values())))}; {per_seed} |")
+
+
+def palsgd8m_table(results: Sequence[Result]) -> str:
+  """Markdown: the palsgd8m grid's candidates (final loss; PALSGD's time to the tuned DDP's
+  loss on the tuning seeds), the picks marked; "" without runs."""
+  factor, best = palsgd8m_picks(results)
+  lines = []
+  for f in grids.PALSGD8M_DDP_FACTORS:
+    runs = _palsgd8m_runs(results, grids.ddp_fair_name(f))
+    if runs:
+      lines.append(f"| DDP, inner lr × {f:.3g}{' (pick)' if f == factor else ''} | "
+                   f"{_final_losses(runs)} | – | {len(runs)} |")
+  target = ({s: r.summary["final_val_loss"]
+             for s, r in _palsgd8m_runs(results, grids.ddp_fair_name(factor)).items()}
+            if factor is not None else {})
+  for lr, pull in grids.PALSGD8M_CANDIDATES:
+    runs = _palsgd8m_runs(results, grids.palsgd_fair_name(lr, pull))
+    if not runs:
+      continue
+    times = [analysis.time_to_loss(runs[s].evals, target[s]) for s in sorted(runs)
+             if s in target]
+    reached = [t for t in times if np.isfinite(t)]
+    text = ("–" if not times else f"{np.mean(reached):,.0f} ({len(reached)} of {len(times)} "
+            "seeds reach it)" if reached else f"not reached on {len(times)} of {len(times)} seeds")
+    lines.append(f"| PALSGD, outer lr {lr:g}, pull {pull:g}"
+                 f"{' (pick)' if (lr, pull) == best else ''} | {_final_losses(runs)} | {text} | "
+                 f"{len(runs)} |")
+  if not lines:
+    return ""
+  return "\n".join(["| run | final val loss | time to the tuned DDP's final loss, s | seeds |",
+                    "|---|---|---|---|", *lines])
 
 
 def _final_losses(runs: dict[int, Result]) -> str:
@@ -1445,7 +1558,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
             "time_table": loss_table(results, "time"), "lr_table": lr_table(results),
             "skeptic_lr_table": skeptic_lr_table(results), "palsgd_table": palsgd_table(results),
             "palsgd_why_table": palsgd_why_table(results),
-            "palsgd_fair_table": palsgd_fair_table(results), "vocab_table": vocab_table(results),
+            "palsgd_fair_table": palsgd_fair_table(results),
+            "palsgd8m_table": palsgd8m_table(results), "vocab_table": vocab_table(results),
             "decay_why_table": decay_why_table(results)}
   fields = {
       "command": command, "finished": str(len(on_cpu)), "planned": str(planned),
@@ -1468,6 +1582,8 @@ def write_results(results: Sequence[Result], path: str, fig_dir: str, command: s
       "jitter": f"{grids.JITTER:g}", "palsgd_why_c": f"{grids.PALSGD_WHY_C:g}",
       "ddp_own_steps": f"{grids.ddp_own_steps():,}",
       "ddp_fair_lr_factors": ", ".join(f"{f:.3g}" for f in grids.DDP_FAIR_LR_FACTORS),
+      "palsgd8m_c": f"{grids.PALSGD8M_C:g}",
+      "palsgd8m_ddp_factors": ", ".join(f"{f:.3g}" for f in grids.PALSGD8M_DDP_FACTORS),
       "vocab_50k": f"{grids.VOCAB_50K:,}", "authors_vocab": f"{grids.AUTHORS_VOCAB:,}",
       "fast_share": f"{steps_per_second.max() / steps_per_second.sum():.0%}",
       "fast_worker_steps": f"{grids.fastest_worker_steps(grids.AUTHORS, 'severe'):,}",

@@ -324,8 +324,8 @@ def test_science_grid_finishes_seed_by_seed():
     assert grids.family(name) == list(dict.fromkeys(
         runs + grids.grid("skeptic") + grids.grid("streaming") + grids.grid("cgad_lr")
         + grids.grid("cgad") + grids.grid("chaos") + grids.grid("symmetric")
-        + grids.grid("scale") + grids.grid("body") + grids.grid("faulty")
-        + grids.grid("merge_order")))
+        + grids.grid("scale") + grids.grid("body") + grids.grid("palsgd8m")
+        + grids.grid("faulty") + grids.grid("merge_order")))
 
 
 def test_dn_tuned_grid_changes_only_delayed_nesterovs_outer_lr():
@@ -518,8 +518,8 @@ def test_skeptic_grid_runs_the_most_answer_per_core_hour_first():
     assert family == list(dict.fromkeys(
         grids.grid("science") + runs + grids.grid("streaming") + grids.grid("cgad_lr")
         + grids.grid("cgad") + grids.grid("chaos") + grids.grid("symmetric")
-        + grids.grid("scale") + grids.grid("body") + grids.grid("faulty")
-        + grids.grid("merge_order")))
+        + grids.grid("scale") + grids.grid("body") + grids.grid("palsgd8m")
+        + grids.grid("faulty") + grids.grid("merge_order")))
     assert len(family) == len(set(family))  # the symmetric grid's runs of other grids once
 
 
@@ -880,3 +880,47 @@ def test_the_merge_order_grid_compares_both_orders_at_quorum_2_and_3_over_5_seed
   for run in runs[:20]:  # seed 0: every quorum, preset and order
     config = _validated(run)
     assert config.outer.merge_order == dict(run.overrides)["outer.merge_order"]
+
+
+def test_the_palsgd8m_grid_tunes_both_on_the_same_seeds_then_runs_the_picks(monkeypatch):
+  """Issue 81, item 2: the body model, homogeneous and IID at c = 0.25; seeds 0-2 run every
+  DDP factor (its decay over its own 2,000 steps) and every PALSGD candidate (twice the tokens,
+  its decay over its own 4,000 local steps); seeds 3 and 4 only the picks, once known."""
+  monkeypatch.setattr(grids, "PALSGD8M_DDP_BEST", None)
+  monkeypatch.setattr(grids, "PALSGD8M_BEST", None)
+  runs = grids.grid("palsgd8m")
+  assert len(runs) == 3 * (3 + 3) and {r.seed for r in runs} == {0, 1, 2}
+  assert grids.SCALES["palsgd8m"] is grids.PALSGD8M and grids.scale_params(
+      grids.PALSGD8M) == grids.scale_params(grids.BODY) == 7_395_840
+  for run in runs:
+    keys = dict(run.overrides)
+    ddp = keys["method"] == "ddp"
+    assert (keys["model.d_model"], keys["model.num_layers"], keys["speeds"],
+            keys["data.partition"], keys["comm.latency"], keys["inner.reset_optimizer"]) == (
+                256, 8, "homogeneous", "iid", 0.25, False)
+    assert keys["budget.tokens"] == (1 if ddp else 2) * 2_560_000
+    assert keys["inner.total_steps"] == (2_000 if ddp else 4_000)
+    assert keys["budget.eval_every_tokens"] == 64_000
+    if ddp:
+      factor = float(run.method.split("_x")[1])
+      assert keys["inner.learning_rate"] == pytest.approx(2e-4 * factor, rel=3e-3)
+    else:
+      assert keys["inner.learning_rate"] == 2e-4 and keys["inner.palsgd_coins"] == "shared"
+      pull = keys["inner.pseudo_sync_rate"] * 2e-4 / keys["inner.pseudo_sync_prob"]
+      assert (keys["outer.learning_rate"], round(pull, 6)) in grids.PALSGD8M_CANDIDATES
+  for run in runs[:6]:
+    _validated(run)
+  monkeypatch.setattr(grids, "PALSGD8M_DDP_BEST", 5.0)
+  monkeypatch.setattr(grids, "PALSGD8M_BEST", (0.7, 0.05))
+  later = [r.name for r in grids.grid("palsgd8m") if r.seed > 2]
+  assert later == [f"palsgd8m/c0.25/{name}/seed{s}" for s in (3, 4)
+                   for name in ("ddp_own_decay_x5", "palsgd_lr0.7_pull0.05")]
+
+
+def test_the_palsgd8m_picks_are_the_rules_on_the_committed_digests():
+  """grids.PALSGD8M_DDP_BEST and PALSGD8M_BEST are what science.palsgd8m_picks computes from
+  the tuning seeds' digests (None while they have not all landed)."""
+  from experiments import science  # pylint: disable=g-import-not-at-top
+  results_dir = os.path.join(os.path.dirname(__file__), "..", "experiments", "results")
+  results = analysis.load("", grids.palsgd8m_grid(seeds=grids.PALSGD8M.seeds), results_dir)
+  assert science.palsgd8m_picks(results) == (grids.PALSGD8M_DDP_BEST, grids.PALSGD8M_BEST)
