@@ -409,7 +409,8 @@ def make_engine(
       before its rounds; None: H).
     reset_optimizer: a fresh inner optimizer state at every dispatch; None:
       the method's default (True but for PALSGD). The worker's step count and
-      the step counts of the schedules in ``inner_tx``'s state are kept.
+      the step counts of the schedules in ``inner_tx``'s state are kept. True is
+      refused with DDP (no dispatches).
     syncer: how an asynchronous method groups and merges arrivals
       (``hj.Syncer(quorum=q, timeout=T, grace_window=w, adaptive_grace=κ,
       weights="mean" | "tokens")``, docs/ALGORITHMS.md, "Syncer policies");
@@ -552,7 +553,7 @@ def make_engine(
   streaming = dataclasses.replace(  # NumPy scalars as Python's: config.json is JSON
       streaming, fragments=int(streaming.fragments), overlap_steps=int(streaming.overlap_steps),
       alpha=float(streaming.alpha))
-  reset = spec_method.reset_optimizer if reset_optimizer is None else bool(reset_optimizer)
+  reset = spec_method.resets(reset_optimizer)
   if streaming.fragments > 1:  # workers never restart as a whole (ALGORITHMS.md, "Fragments")
     reset = False
   inner = inner_lib.InnerLoop(loss_fn, inner_tx, reset, layout=sharding.layout_of(params))

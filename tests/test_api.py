@@ -172,6 +172,8 @@ def test_a_non_finite_evaluation_stops_the_run():
      "method_options key 'lookahead_dispatch' is not allowed with method='diloco'"),
     (dict(method="heloco", method_options={"lookahead_dispatch": False}),
      "method_options['lookahead_dispatch']=False is not allowed with method='heloco'"),
+    (dict(method="ddp", reset_optimizer=True),
+     "reset_optimizer=True is not allowed with method='ddp'"),
 ])
 def test_bad_arguments_are_refused_in_one_line(kwargs, named):
   with pytest.raises(ValueError, match="allowed") as error:

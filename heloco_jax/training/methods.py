@@ -144,6 +144,22 @@ class Method:
                        "allowed: methods with an MLA or HeLoCo momentum (mla, heloco)")
     return bool(option)
 
+  def resets(self, option: Optional[bool] = None, name: str = "reset_optimizer") -> bool:
+    """Whether a dispatch starts a fresh inner optimizer state (``option`` None: the method's
+    default); errors call the option ``name``.
+
+    Raises:
+      ValueError: True with DDP, which has no dispatches (one optimizer state steps on every
+        all-reduced gradient).
+    """
+    if option is None:
+      return self.reset_optimizer
+    if option and self.synchrony == "step":
+      raise ValueError(f"{name}=True is not allowed with method={self.name!r}; allowed: None "
+                       "or False (DDP has no dispatches: one optimizer state steps on every "
+                       "all-reduced gradient)")
+    return bool(option)
+
   def make_inner(self, config: inner_lib.InnerConfig) -> optax.GradientTransformation:
     """The default inner optimizer: AdamW, or PALSGD's variant of it."""
     if self.inner == "palsgd":

@@ -102,6 +102,22 @@ def test_dylu_is_for_asynchronous_methods_only():
     validation.validate(config)
 
 
+def test_a_fresh_optimizer_per_dispatch_is_refused_for_ddp():
+  """DDP has no dispatches: inner.reset_optimizer=True would be ignored, so it is refused;
+  False (what DDP does) and unset are taken."""
+  from heloco_jax.cli.configs import default, validation
+  config = default.get_config()
+  config.method, config.inner.reset_optimizer = "ddp", False
+  validation.validate(config)
+  config.inner.reset_optimizer = True
+  with pytest.raises(validation.ConfigError, match=r"^config\.inner\.reset_optimizer=True is "
+                                                   r"not allowed with method='ddp'; allowed: "
+                                                   r"None or False"):
+    validation.validate(config)
+  config.method = "diloco"
+  validation.validate(config)
+
+
 def test_palsgds_pull_constraint_binds_palsgd_only():
   from heloco_jax.cli.configs import default, validation
   config = default.get_config()

@@ -266,6 +266,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _RUNTIME_KEYS[config.runtime](config, method)
   try:
     method.lookahead_dispatch(config.lookahead_dispatch, name="lookahead_dispatch")
+    method.resets(config.inner.reset_optimizer, name="inner.reset_optimizer")
   except ValueError as error:
     raise ConfigError(f"config.{error}") from None
   if config.budget.tokens == 0 and config.budget.sim_seconds == 0:
