@@ -382,7 +382,8 @@ def make_engine(
       diloco, palsgd, async_nesterov, delayed_nesterov, mla, heloco, cgad.
     budget: where the run ends and how often it is evaluated (``hj.Budget``:
       steps, tokens with tokens_per_step, simulated seconds; eval cadence).
-    inner_steps: H, local steps per dispatch.
+    inner_steps: H, local steps per dispatch (DDP: its steps per compiled chunk and
+      per metrics row; its trajectory does not depend on it).
     speeds: a preset name (homogeneous, mild, moderate, severe, mixed: the
       HeLoCo authors' 1, 2, 3, 1, 5 and the default) or K simulated seconds per
       step.
