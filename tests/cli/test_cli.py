@@ -118,6 +118,41 @@ def test_a_fresh_optimizer_per_dispatch_is_refused_for_ddp():
   validation.validate(config)
 
 
+def test_every_outer_key_is_some_methods_and_checked_for_the_others():
+  from heloco_jax.cli.configs import schema, validation
+  from heloco_jax.training import methods
+  owned = set().union(*map(validation._keys_of, methods.METHODS.values()))  # pylint: disable=protected-access
+  assert {k.name for k in schema.KEYS if k.name.startswith("outer.")} <= owned
+
+
+@pytest.mark.parametrize("method, key, value, owners", [
+    ("diloco", "outer.keep_threshold", 0.5, "heloco"),
+    ("ddp", "outer.learning_rate", 0.5,
+     "diloco, palsgd, async_nesterov, delayed_nesterov, mla, heloco, cgad"),
+    ("heloco", "inner.pseudo_sync_prob", 0.3, "palsgd"),
+    ("mla", "palsgd_warmup_steps", 5, "palsgd"),
+    ("palsgd", "outer.weighting", "none", "async_nesterov, delayed_nesterov, mla, heloco"),
+    ("cgad", "outer.buffer_size", 3, "delayed_nesterov"),
+])
+def test_another_methods_key_set_away_from_its_default_is_refused(method, key, value, owners):
+  """It would be ignored (the CLI passes a method only its own keys): refused in one line
+  naming the key and the methods that take it; the owner takes it."""
+  from heloco_jax.cli.configs import default, validation
+  config = default.get_config()
+  config.method = method
+  *parents, leaf = key.split(".")
+  node = config
+  for parent in parents:
+    node = node[parent]
+  node[leaf] = value
+  with pytest.raises(validation.ConfigError) as error:
+    validation.validate(config)
+  assert str(error.value).startswith(f"config.{key}={value!r} is not allowed; allowed: ")
+  assert f"with method={method!r} (a key of {owners})" in str(error.value)
+  config.method = owners.split(", ")[-1]
+  validation.validate(config)
+
+
 def test_palsgds_pull_constraint_binds_palsgd_only():
   from heloco_jax.cli.configs import default, validation
   config = default.get_config()

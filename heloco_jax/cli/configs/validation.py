@@ -213,6 +213,32 @@ def _validate_faulty(config: ml_collections.ConfigDict, method: Any) -> None:
     _fail("chaos.faulty", config.chaos.faulty, f"faulty workers that fit the run ({why})")
 
 
+# The config keys of ``Method.run_keys`` and of PALSGD's inner optimizer: a method takes them
+# or not (``_validate_method_keys``).
+_RUN_KEYS = {"lookahead_dispatch": "lookahead_dispatch", "dylu": "dylu",
+             "coins": "inner.palsgd_coins", "warmup_steps": "palsgd_warmup_steps"}
+_PALSGD_INNER_KEYS = ("inner.pseudo_sync_prob", "inner.pseudo_sync_rate")
+
+
+def _keys_of(method: Any) -> set[str]:
+  """The method-specific config keys ``method`` takes."""
+  return ({f"outer.{key}" for key in method.outer_keys}
+          | {_RUN_KEYS[key] for key in method.run_keys}
+          | (set(_PALSGD_INNER_KEYS) if method.inner == "palsgd" else set()))
+
+
+def _validate_method_keys(config: ml_collections.ConfigDict, method: Any) -> None:
+  """A key of other methods set away from its default would be ignored: refused, naming the
+  methods that take it (``Method.outer_keys``, ``Method.run_keys``, PALSGD's inner keys)."""
+  every = set().union(*map(_keys_of, METHODS.values()))
+  for key in sorted(every - _keys_of(method)):
+    value, default = _value(config, key), schema.BY_NAME[key].default
+    if value != default:
+      owners = ", ".join(m.name for m in METHODS.values() if key in _keys_of(m))
+      _fail(key, value, f"{'unset' if default is None else repr(default)} with method="
+            f"{config.method!r} (a key of {owners})")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ``ConfigError`` for the first invalid value of ``config``."""
   check_keys(config)
@@ -269,6 +295,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     method.resets(config.inner.reset_optimizer, name="inner.reset_optimizer")
   except ValueError as error:
     raise ConfigError(f"config.{error}") from None
+  _validate_method_keys(config, method)
   if config.budget.tokens == 0 and config.budget.sim_seconds == 0:
     _fail("budget.tokens", 0, "a token budget > 0, or a budget.sim_seconds > 0 (a run needs "
           "an end)")
