@@ -701,11 +701,12 @@ def palsgd8m_picks(results: Sequence[Result]
   return factor, min(palsgd, key=lambda c: (time(palsgd[c]), final(palsgd[c])))
 
 
-def palsgd8m_speedups(results: Sequence[Result]) -> dict[int, float]:
+def palsgd8m_speedups(results: Sequence[Result], picks: Optional[tuple[
+    Optional[float], Optional[tuple[float, float]]]] = None) -> dict[int, float]:
   """Seed -> PALSGD's speedup over DDP in % ((t_DDP − t_PALSGD) / t_DDP, t: simulated seconds
   to that seed's DDP final loss, PALSGD's censored at its end), both at their picks
-  (``palsgd8m_picks``), on every seed both have."""
-  factor, best = palsgd8m_picks(results)
+  (``picks``; default ``palsgd8m_picks``), on every seed both have."""
+  factor, best = picks or palsgd8m_picks(results)
   if best is None:
     return {}
   ddp = _palsgd8m_runs(results, grids.ddp_fair_name(factor))
@@ -723,10 +724,11 @@ def palsgd8m_claim(results: Sequence[Result], dates: Optional[dict[str, float]] 
   """The claims table's line of PALSGD vs DDP at ≈8M parameters: the paired speedups over
   the seeds (``palsgd8m_speedups``), their 95% CI, category and verdict (the HeLoCo rows'
   rule, module docstring); None until both picks are known."""
-  speedups = palsgd8m_speedups(results)
+  picks = palsgd8m_picks(results)
+  speedups = palsgd8m_speedups(results, picks)
   if not speedups:
     return None
-  factor, (lr, pull) = palsgd8m_picks(results)
+  factor, (lr, pull) = picks
   mean, low, high = paired_ci(list(speedups.values()))
   cell = {"seeds": len(speedups), "category": category(low, high)}
   names = (grids.ddp_fair_name(factor), grids.palsgd_fair_name(lr, pull))

@@ -206,14 +206,26 @@ def outer_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
           if key not in _ADDED_OUTER_KEYS or config.outer[key] != _ADDED_OUTER_KEYS[key]}
 
 
+# ``Method.run_keys`` -> their config keys (``method_options``; the CLI's validation refuses
+# another method's set away from its default).
+RUN_KEYS = {"lookahead_dispatch": "lookahead_dispatch", "dylu": "dylu",
+            "coins": "inner.palsgd_coins", "warmup_steps": "palsgd_warmup_steps"}
+
+
+def config_value(config: ml_collections.ConfigDict, name: str) -> Any:
+  """The value of the dotted key ``name`` (e.g. ``inner.palsgd_coins``) of ``config``."""
+  node = config
+  for part in name.split("."):
+    node = node[part]
+  return node
+
+
 def method_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """``hj.make_engine``'s ``method_options``: ``config.outer``'s keys of the method and
-  the run keys it takes (``Method.run_keys``) of ``lookahead_dispatch``, ``dylu``,
-  ``inner.palsgd_coins`` and ``palsgd_warmup_steps``."""
-  run = {"lookahead_dispatch": config.lookahead_dispatch, "dylu": config.dylu,
-         "coins": config.inner.palsgd_coins, "warmup_steps": config.palsgd_warmup_steps}
+  the run keys it takes (``Method.run_keys``, their config keys ``RUN_KEYS``)."""
   return {**outer_options(config),
-          **{key: run[key] for key in methods.get(config.method).run_keys}}
+          **{key: config_value(config, RUN_KEYS[key])
+             for key in methods.get(config.method).run_keys}}
 
 
 def engine_options(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -137,6 +137,11 @@ def alter(fault: Fault, delta: Any, key: jax.Array) -> Any:
 _alter = jax.jit(alter, static_argnums=0)
 
 
+def _round_delta(start: Any, ends: Any, worker: int) -> Any:
+  """Worker ``worker``'s Δ of a round: ``start`` − its end (``ends`` stacked on axis 0)."""
+  return jax.tree.map(lambda s, e: s - e[worker], start, ends)
+
+
 class FaultyExecutor:
   """``executor`` whose faulty workers' Δ are altered (``Faults``) before they are sent."""
 
@@ -146,8 +151,7 @@ class FaultyExecutor:
     self.replay = state_lib.ReplayState()  # the run's ``Features.replay``
     self._rounds = jax.jit(self._round_ends)
     self._take = jax.jit(lambda tree, w: jax.tree.map(lambda x: x[w], tree), static_argnums=1)
-    self._honest = jax.jit(lambda start, ends, w: jax.tree.map(lambda s, e: s - e[w], start, ends),
-                           static_argnums=2)
+    self._honest = jax.jit(_round_delta, static_argnums=2)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._executor, name)
@@ -175,8 +179,8 @@ class FaultyExecutor:
     (a replaying worker's f(Δ): ``replayed``)."""
     for fault in self.faults.faults:
       w, start = fault.worker, starts[fault.worker]
-      delta = replayed[w] if w in replayed else alter(
-          fault, jax.tree.map(lambda s, e: s - e[w], start, ends), keys[w])
+      delta = replayed[w] if w in replayed else alter(fault, _round_delta(start, ends, w),
+                                                      keys[w])
       ends = jax.tree.map(lambda e, s, d: e.at[w].set((s - d).astype(e.dtype)), ends, start,
                           delta)
     return ends

@@ -40,18 +40,11 @@ def _fail(key: str, value: Any, allowed: str) -> None:
   raise ConfigError(f"config.{key}={value!r} is not allowed; allowed: {allowed}.")
 
 
-def _value(config: ml_collections.ConfigDict, name: str) -> Any:
-  node = config
-  for part in name.split("."):
-    node = node[part]
-  return node
-
-
 def check_keys(config: ml_collections.ConfigDict, names: Any = None) -> None:
   """Each key's own rule (``schema.KEYS``), for ``names`` (default: every key)."""
   for name in names or schema.BY_NAME:
     key = schema.BY_NAME[name]
-    value = _value(config, name)
+    value = harness.config_value(config, name)
     if not key.check(value):
       _fail(name, value, key.check.allowed)
 
@@ -213,17 +206,15 @@ def _validate_faulty(config: ml_collections.ConfigDict, method: Any) -> None:
     _fail("chaos.faulty", config.chaos.faulty, f"faulty workers that fit the run ({why})")
 
 
-# The config keys of ``Method.run_keys`` and of PALSGD's inner optimizer: a method takes them
-# or not (``_validate_method_keys``).
-_RUN_KEYS = {"lookahead_dispatch": "lookahead_dispatch", "dylu": "dylu",
-             "coins": "inner.palsgd_coins", "warmup_steps": "palsgd_warmup_steps"}
+# The config keys of PALSGD's inner optimizer: a method takes them or not
+# (``_validate_method_keys``).
 _PALSGD_INNER_KEYS = ("inner.pseudo_sync_prob", "inner.pseudo_sync_rate")
 
 
 def _keys_of(method: Any) -> set[str]:
   """The method-specific config keys ``method`` takes."""
   return ({f"outer.{key}" for key in method.outer_keys}
-          | {_RUN_KEYS[key] for key in method.run_keys}
+          | {harness.RUN_KEYS[key] for key in method.run_keys}
           | (set(_PALSGD_INNER_KEYS) if method.inner == "palsgd" else set()))
 
 
@@ -232,7 +223,7 @@ def _validate_method_keys(config: ml_collections.ConfigDict, method: Any) -> Non
   methods that take it (``Method.outer_keys``, ``Method.run_keys``, PALSGD's inner keys)."""
   every = set().union(*map(_keys_of, METHODS.values()))
   for key in sorted(every - _keys_of(method)):
-    value, default = _value(config, key), schema.BY_NAME[key].default
+    value, default = harness.config_value(config, key), schema.BY_NAME[key].default
     if value != default:
       owners = ", ".join(m.name for m in METHODS.values() if key in _keys_of(m))
       _fail(key, value, f"{'unset' if default is None else repr(default)} with method="
