@@ -10,8 +10,9 @@ on at each yield, in one place.
     The syncer (``heloco_jax.comm.syncer``: quorum, grace window, token weights)
     may group arrivals into one update (``OuterServer.update``). A failure
     schedule (``heloco_jax.training.membership``) takes workers away and brings them
-    back through the same queue. On the simulated clock a dispatch fixes its
-    inputs (start point, batches, PRNG key) and its steps are computed lazily:
+    back through the same queue (``runtime.elastic``, the component the loops
+    call). On the simulated clock a dispatch fixes its inputs (start point,
+    batches, PRNG key) and its steps are computed lazily:
     when its job reaches the head of the arrival queue (so the device works on
     the next arrival while the host handles this one) or when a checkpoint
     needs it; work a budget discards is never computed. The results are those
@@ -35,7 +36,7 @@ import numpy as np
 
 from heloco_jax.training import aggregate as aggregate_lib
 from heloco_jax.comm import fragments as fragments_lib
-from heloco_jax.runtime import base, clocks, streaming
+from heloco_jax.runtime import base, clocks, elastic as elastic_lib, streaming
 from heloco_jax.runtime.base import Job
 from heloco_jax.runtime.state import Run
 from heloco_jax.training import inner as inner_lib
@@ -71,13 +72,7 @@ async def run_async(run: Run) -> AsyncIterator[None]:
   queue = run.arrivals()
 
   def dispatch(worker: int, now: float) -> None:
-    back = membership.away(worker, now) if absences else None
-    if back is not None:  # away already (ALGORITHMS.md, "Elastic membership")
-      if downlink is not None:  # it comes back holding nothing of θ
-        f.downlink.forget(worker)
-      if now > 0:  # it left as its work arrived: nothing lost (a new worker: none to leave)
-        run.emit(_membership_row(run, "left", worker, now, dropped=0))
-      expect(worker, back, "join")
+    if elastic and elastic.away_at_dispatch(worker, now):  # its return is queued instead
       return
     if fragments:
       s.jobs[worker] = streaming.dispatch_fragment(run, worker, now)
@@ -97,73 +92,28 @@ async def run_async(run: Run) -> AsyncIterator[None]:
       s.jobs[worker] = Job(None, s.version, int(steps[worker]) * spec.units_per_step,
                            finish, work)
     f.membership.dispatched_units += s.jobs[worker].units
-    leave = membership.next_leave(worker, now) if absences else math.inf
-    if leave < s.jobs[worker].finish:  # it leaves first: the dispatch is lost, never computed
-      expect(worker, leave, "leave", lose(worker))
+    leave = elastic.next_leave(worker, now) if elastic else math.inf
+    if elastic and leave < s.jobs[worker].finish:  # it leaves first: lost, never computed
+      elastic.lost_to_leave(worker, leave)
       return
     if clock.eager:
       run.compute(worker)
     queue.push(worker, s.jobs[worker], leave)
 
-  def leaves(worker: int) -> float:
-    """When ``worker`` leaves after the dispatch of its job in flight, on a real clock (whose
-    job holds its dispatch time as its ``finish``: the clock learns the finish as it comes)."""
-    return membership.next_leave(worker, s.jobs[worker].finish) if absences else math.inf
-
-  def lose(worker: int) -> int:
-    """``worker``'s dispatch in flight is lost (it leaves first): the units it held."""
-    if fragments:  # it comes back to θ as a whole (FAILURES.md)
-      f.streaming.restart(worker)
-    if downlink is not None:
-      f.downlink.forget(worker)
-    return s.jobs.pop(worker).units
-
-  def expect(worker: int, at: float, kind: str, dropped: int = 0) -> None:
-    """A membership event of ``worker`` at ``at`` in the arrival queue ("leave": with the
-    units its lost dispatch held; "join"); none for a worker that never comes back."""
-    if math.isfinite(at):
-      away[worker] = [at, kind, dropped]
-      queue.push(worker, Job(None, 0, 0, at))
-
-  def membership_event(worker: int, now: float) -> None:
-    _, kind, dropped = away.pop(worker)
-    if kind == "leave":
-      left(worker, now, dropped)
-    else:
-      joined(worker, now)
-
-  def left(worker: int, now: float, dropped: int) -> None:
-    f.membership.dropped_units += dropped
-    run.emit(_membership_row(run, "left", worker, now, dropped))
-    back = membership.away(worker, now)
-    if back is None:  # back already: a real clock took the loss after the absence ended
-      joined(worker, now)
-    else:
-      expect(worker, back, "join")
-
-  def joined(worker: int, now: float) -> None:
-    run.emit(_membership_row(run, "joined", worker, now))
-    dispatch(worker, now)
-
-  def event_in_a_group(worker: int, at: float) -> None:
-    s.sim_time = at
-    membership_event(worker, at)
-
   # A feature that is off is not called on the arrival path (docs/DESIGN.md, "The engine").
-  membership, absences = spec.membership, bool(spec.membership.absences)
   fragments, carried = spec.streaming, run.model_states.active
   downlink = None if fragments else run.downlink  # (fragments: x̂ is the anchor, streaming.py)
   adaptive = spec.syncer.adaptive_grace > 0  # else every group has the same rule
   rule = spec.syncer.rule(None)
-  away = f.membership.away  # per worker away or about to leave (restored before the loop)
-  events = base.Events(lambda w: w in away, lambda w: w not in away or away[w][1] == "join",
-                       event_in_a_group) if absences else None
+  elastic = (elastic_lib.AsyncMembership(run, queue, dispatch) if spec.membership.absences
+             else None)
   for worker in sorted(s.jobs, key=lambda w: (s.jobs[w].finish, w)):  # restored jobs
     if fragments:
       s.jobs[worker].fragment = f.streaming.syncs[worker] % spec.fragments
-    queue.push(worker, s.jobs[worker], leaves(worker))  # (a simulated queue ignores it)
-  for worker, (at, _, _) in sorted(away.items()):  # restored membership events
-    queue.push(worker, Job(None, 0, 0, at))
+    queue.push(worker, s.jobs[worker],  # (a simulated queue ignores the leave)
+               elastic.leaves(worker) if elastic else math.inf)
+  if elastic:
+    elastic.restore()
   if s.phase is None:
     s.phase, s.workers = "async", [None] * spec.num_workers
     f.compression.states = run.uplink.init(run.server.params, spec.num_workers, stacked=False)
@@ -177,21 +127,17 @@ async def run_async(run: Run) -> AsyncIterator[None]:
     while len(queue):
       if adaptive:
         rule = spec.syncer.rule(f.syncer.mean_gap)
-      now, group, times = await queue.pop(rule, events)
-      if group[0] in away:  # a membership event at the head of the queue
+      now, group, times = await queue.pop(rule, elastic.events if elastic else None)
+      if elastic and group[0] in elastic.away:  # a membership event at the queue's head
         if spec.budget.over(s.units, now):
           break
         s.sim_time = now
-        membership_event(group[0], now)
+        elastic.event(group[0], now)
         continue
-      if absences and not clock.simulated:  # taken when they left (FAILURES.md): lost
+      if elastic and not clock.simulated:  # taken when they left (FAILURES.md): lost
         if spec.budget.over(s.units, now):
           break
-        for w, at in [(w, at) for w, at in zip(group, times) if leaves(w) <= at]:
-          s.sim_time = at
-          left(w, at, lose(w))
-        times = [at for w, at in zip(group, times) if w in s.jobs]
-        group = [w for w in group if w in s.jobs]
+        group, times = elastic.without_leavers(group, times)
         if not group:
           continue
       if adaptive:
@@ -313,7 +259,8 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
   s.phase = "rounds"
   membership = spec.membership
   while True:
-    present = await _present(run)  # everyone away: the next round starts when one comes back
+    # Everyone away: the next round starts when one comes back.
+    present = await elastic_lib.present(run)
     if present is None:
       return
     # The keys draw PALSGD's coins: one per round for all (shared) or one per worker.
@@ -373,53 +320,10 @@ async def run_rounds(run: Run) -> AsyncIterator[None]:
       s.version += 1
     run.model_states.round(states, accepted)
     if membership.absences:
-      _membership_rows(run, start, s.sim_time, real_steps, present, lost)
+      elastic_lib.barrier_rows(run, start, s.sim_time, real_steps, present, lost)
     _count_round(run, 0, inner_lib.train_loss(metrics) if part.any() else None,
                  int(part.sum()))
     yield
-
-
-async def _present(run: Run) -> Optional[np.ndarray]:
-  """The workers present at the next barrier. With every one away, the clock first moves to
-  (the real clock: waits for) the first return, its rows written; None when none comes back
-  within the budget."""
-  s, spec = run.state, run.spec
-  while not (present := spec.membership.present(spec.num_workers, s.sim_time)).any():
-    back = min(spec.membership.away(i, s.sim_time) for i in range(spec.num_workers))
-    if not math.isfinite(back) or spec.budget.over(s.units, back):
-      return None
-    none = np.zeros(spec.num_workers, bool)
-    _membership_rows(run, s.sim_time, back, np.zeros(spec.num_workers, int), none, none)
-    await run.clock.wait_until(back)
-    s.sim_time = back
-  return present
-
-
-def _membership_rows(run: Run, start: float, end: float, real_steps: np.ndarray,
-                     present: np.ndarray, lost: np.ndarray) -> None:
-  """The ``left`` and ``joined`` rows between a synchronous loop's barriers at ``start`` and
-  ``end``; a worker ``lost`` from the round or step counts its ``real_steps`` as dropped."""
-  spec, membership = run.spec, run.features.membership
-  membership.dispatched_units += int(real_steps[present].sum()) * spec.units_per_step
-  membership.dropped_units += int(real_steps[lost].sum()) * spec.units_per_step
-  dropped = set()
-  for at, worker, kind in spec.membership.events(start, end):
-    units = None
-    if kind == "left":
-      first = lost[worker] and worker not in dropped
-      units = int(real_steps[worker]) * spec.units_per_step * first
-      dropped.add(worker)
-    run.emit(_membership_row(run, kind, worker, at, units))
-
-
-def _membership_row(run: Run, kind: str, worker: int, at: float,
-                    dropped: Optional[int] = None) -> dict[str, Any]:
-  """A ``left`` (with the units its lost work held) or ``joined`` row (DESIGN.md,
-  "metrics.jsonl"), one key order for every loop."""
-  row = {"event": kind, "worker": worker, "sim_time": at}
-  if dropped is not None:
-    row["dropped_" + run.spec.unit] = dropped
-  return {**row, "outer_updates": run.state.version}
 
 
 def _with_theta(run: Run, states: inner_lib.InnerState, which: np.ndarray
@@ -509,7 +413,8 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
         states.params, fragments_lib.merge_arrived(alpha, arrived, local), p))
 
   while True:
-    present = await _present(run)  # everyone away: the next round starts when one comes back
+    # Everyone away: the next round starts when one comes back.
+    present = await elastic_lib.present(run)
     if present is None:
       return
     j = f.streaming.syncs[0] + 1
@@ -581,7 +486,7 @@ async def _streaming_rounds(run: Run) -> AsyncIterator[None]:
     f.streaming.syncs[0] = j
     f.streaming.missed = [bool(m) for m in ~part]
     if membership.absences:
-      _membership_rows(run, start, s.sim_time, planned, present, lost)
+      elastic_lib.barrier_rows(run, start, s.sim_time, planned, present, lost)
     _count_round(run, p, loss, int(part.sum()))
     yield
 
@@ -598,7 +503,8 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
         run.model_states.for_ddp())
     s.ddp_remaining = steps
   while s.ddp_remaining is None or s.ddp_remaining > 0:
-    present = await _present(run)  # everyone away: the next step starts when one comes back
+    # Everyone away: the next step starts when one comes back.
+    present = await elastic_lib.present(run)
     if present is None:
       break
     chunk = spec.inner_steps if s.ddp_remaining is None else min(spec.inner_steps,
@@ -612,7 +518,7 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
       break
     lost = np.zeros(k, bool)
     if membership.absences and planned is not None:  # a real clock's first chunk: no plan
-      chunk, planned, lost = _ddp_until_an_event(run, present, planned)
+      chunk, planned, lost = elastic_lib.ddp_until_an_event(run, present, planned)
     part = present & ~lost
     workers = int(part.sum())
     start = s.sim_time
@@ -638,31 +544,10 @@ async def run_ddp(run: Run, steps: Optional[int] = None) -> AsyncIterator[None]:
     if s.ddp_remaining is not None:
       s.ddp_remaining -= chunk
     if membership.absences:
-      _membership_rows(run, start, s.sim_time, np.where(present, chunk, 0), present, lost)
+      elastic_lib.barrier_rows(run, start, s.sim_time, np.where(present, chunk, 0), present, lost)
     _emit_train(run, loss, bytes_up=chunk * workers * gradient,
                 bytes_down=chunk * workers * gradient)
     yield
-
-
-def _ddp_until_an_event(run: Run, present: np.ndarray, planned: list
-                        ) -> tuple[int, list, np.ndarray]:
-  """A DDP chunk cut at the next membership event (ALGORITHMS.md, "Elastic membership"):
-  (steps, their plan, the workers lost). The steps that end by the event run as planned (the
-  largest power of two of them; the rest in the next chunks); a step in which a worker
-  leaves runs alone, without it (its part dropped); a worker that comes back joins at the
-  next step's start."""
-  s, membership = run.state, run.spec.membership
-  t, k = s.sim_time, run.spec.num_workers
-  event = min(membership.next_leave(i, t) if present[i] else membership.away(i, t)
-              for i in range(k))
-  ends = t + np.cumsum([seconds for seconds, _ in planned])
-  steps = int(np.sum(ends <= event))
-  if steps == len(planned):
-    return steps, planned, np.zeros(k, bool)
-  if steps:  # a power of two: cut chunks compile a few scan lengths, not one per length
-    steps = 1 << (steps.bit_length() - 1)
-    return steps, planned[:steps], np.zeros(k, bool)
-  return 1, planned[:1], membership.lost(present, t, ends[0])
 
 
 LOOPS: dict[str, Callable[[Run], AsyncIterator[None]]] = {

@@ -4,7 +4,7 @@
 A ``Membership`` lists, per worker, the intervals [leave, back) in which it is away: a crash
 or preemption at ``leave``, a recovery (or a scale-up) at ``back`` (``math.inf``: it never
 comes back). A worker away from t = 0 is a new worker that joins at ``back``, with its own
-data stream. The rules, applied by the asynchronous loop (``runtime.loops``):
+data stream. The rules, applied by the asynchronous loop (``runtime.elastic``):
 
   * a worker whose dispatch would arrive after it leaves loses that dispatch whole: its
     tokens count as dropped (``tokens_dropped``), it never reaches the server;
@@ -14,7 +14,7 @@ data stream. The rules, applied by the asynchronous loop (``runtime.loops``):
   * every dispatched token is applied, rejected, dropped, or still in flight when the budget
     ends (never computed on the simulated clock).
 
-Synchronous methods run elastic rounds and DDP steps (``runtime.loops``): a round or step
+Synchronous methods run elastic rounds and DDP steps (``runtime.elastic``): a round or step
 takes the workers present at its start; one that leaves before it ends loses its part of
 it (dropped), the others' parts are averaged; one that comes back joins at the next start.
 On a real clock the same rules read the clock: an asynchronous dispatch is lost when its
