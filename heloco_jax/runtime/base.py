@@ -244,10 +244,14 @@ class Runtime:
     executor: where work runs (its ``synchronies`` say which methods it can run).
     clock: builds the run's clock from its ``ClockSettings`` and the executor.
     arrivals: builds the queue of asynchronous work in flight.
+    features: run features (``state.Features`` fields by name) whose state a piece of the
+      runtime owns, e.g. a faulty executor's replay queue (``runtime.faults``): the run takes
+      them as its own, so a checkpoint keeps and restores them.
   """
   executor: Executor
   clock: ClockFactory
   arrivals: ArrivalsFactory
+  features: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def describe(self) -> str:
     return self.executor.describe()

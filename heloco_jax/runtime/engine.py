@@ -172,8 +172,7 @@ class Engine:
         state=RunState(next_checkpoint=spec.checkpoint_every),
         features=state_lib.Features(rejection=rejection.RejectionState(
             limit=spec.rejection_limit or rejection.default_limit(spec.num_workers)),
-            # a faulty executor's replayed Δ (runtime.faults)
-            replay=getattr(executor, "replay", None) or state_lib.ReplayState()),
+            **runtime.features),
         key=jax.random.key(spec.seed),
         model_states=model_state_lib.ModelStates(
             executor.to_server(model_state) if model_state is not None else None,

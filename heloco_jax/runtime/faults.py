@@ -148,7 +148,7 @@ class FaultyExecutor:
   def __init__(self, executor: Any, faults: Faults):
     self._executor = executor
     self.faults = faults
-    self.replay = state_lib.ReplayState()  # the run's ``Features.replay``
+    self.replay = state_lib.ReplayState()  # the run's ``Features.replay`` (``Runtime.features``)
     self._rounds = jax.jit(self._round_ends)
     self._take = jax.jit(lambda tree, w: jax.tree.map(lambda x: x[w], tree), static_argnums=1)
     self._honest = jax.jit(_round_delta, static_argnums=2)
@@ -221,5 +221,7 @@ def faulty(runtime: Optional[factories.RuntimeFactory], faults: Faults
       raise ValueError(f"chaos.faulty={str(faults)!r} is not allowed: {why}; allowed: "
                        "faulty workers of a run with pseudo-gradients")
     built = inner_factory(inner, spec)
-    return dataclasses.replace(built, executor=FaultyExecutor(built.executor, faults))
+    executor = FaultyExecutor(built.executor, faults)
+    return dataclasses.replace(built, executor=executor,
+                               features={**built.features, "replay": executor.replay})
   return dataclasses.replace(inner_factory, build=build)
