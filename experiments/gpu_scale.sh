@@ -6,8 +6,9 @@
 #   there:      bash experiments/gpu_scale.sh             # carry .scale/corpus and .whl
 #   back here:  bash experiments/gpu_scale.sh import DIR  # DIR: the call's files_at; its new
 #                                                          # digests into experiments/results, committed
-# There, runs whose digest is committed here are skipped and no run starts after DEADLINE
-# seconds (default 420, for a 600 s call): a run cut off with the machine is lost, not resumed.
+# There, runs whose digest is committed here are skipped and a run starts only if it is
+# expected to end within DEADLINE seconds (default 480, for a 600 s call; the first of its
+# size always starts): a run cut off with the machine is lost, not resumed.
 # ONLY (a regex of run names) picks runs, as --only does; CORPUS (prepare) copies that corpus
 # folder instead of building one.
 set -euo pipefail
@@ -30,7 +31,7 @@ run)
   if [[ -d experiments/results/scale ]]; then cp -r experiments/results/scale "$OUT/digests/"; fi
   nvidia-smi -L 2>/dev/null || true
   python3 -m experiments.reproduce --grid=scale --out=/tmp/scale_runs --corpus=.scale/corpus \
-    --jobs=1 --digests="$OUT/digests" --results="$OUT/RESULTS.md" --deadline="${DEADLINE:-420}" \
+    --jobs=1 --digests="$OUT/digests" --results="$OUT/RESULTS.md" --deadline="${DEADLINE:-480}" \
     --only="${ONLY:-}" > "$OUT/scale.log" 2>&1 || echo "reproduce exited $?"
   grep -E "^reproduce" "$OUT/scale.log" || tail -20 "$OUT/scale.log"
   find "$OUT/digests" -name '*.json' | sort

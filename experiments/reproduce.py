@@ -185,12 +185,18 @@ class Progress:
     self.left.pop(run.name, None)
     self._rate(run, wall_seconds)
 
+  def training_seconds(self, run: grids.Run) -> Optional[float]:
+    """``run``'s expected training time: its shape's mean seconds per token × its tokens
+    (None: no run of its shape timed yet)."""
+    rates = self._per_token.get(_shape(run))
+    return float(np.mean(rates)) * expected_tokens(run) if rates else None
+
   def eta(self) -> str:
     seconds, unknown = 0.0, 0
     for run in self.left.values():
-      rates = self._per_token.get(_shape(run))
-      if rates:
-        seconds += np.mean(rates) * expected_tokens(run)
+      expected = self.training_seconds(run)
+      if expected is not None:
+        seconds += expected
       else:
         unknown += 1
     if not self.left:
@@ -265,9 +271,41 @@ def finish(run: grids.Run, out: str, results_dir: str, commit: bool, prune: bool
     prune_checkpoints(workdir)
 
 
-def _left_for_later(queue: Sequence[grids.Run]) -> None:
-  print(f"reproduce: --deadline passed: {len(queue)} runs not started ({queue[0].name} next); "
+# A run's start besides its training time (the interpreter, JAX, the data, a compile from the
+# cache, the first evaluation): 20-40 s seen on a 2-core machine; counted against --deadline.
+START_SECONDS = 60.0
+
+
+def next_fitting(queue: Sequence[grids.Run], progress: Progress, deadline: float
+                 ) -> Optional[int]:
+  """The index in ``queue`` of the first run expected to end by ``deadline``
+  (``time.monotonic()``): its training time (``Progress.training_seconds``) and its start
+  (``START_SECONDS``); a run of a shape not timed yet while the deadline has not passed. None
+  when no run fits: a run the deadline cuts off is lost with the machine."""
+  now = time.monotonic()
+  if now > deadline:
+    return None
+  for i, run in enumerate(queue):
+    seconds = progress.training_seconds(run)
+    if seconds is None or now + START_SECONDS + seconds <= deadline:
+      return i
+  return None
+
+
+def _left_for_later(queue: Sequence[grids.Run], deadline: float) -> None:
+  left = deadline - time.monotonic()
+  why = ("--deadline passed" if left < 0 else
+         f"--deadline in {left / 60:.0f} min, which no queued run is expected to end by")
+  print(f"reproduce: {why}: {len(queue)} runs not started ({queue[0].name} next); "
         "the same command starts them", file=sys.stderr, flush=True)
+
+
+def _start_first(queue: Sequence[grids.Run], index: int, progress: Progress) -> None:
+  if index:
+    expected = progress.training_seconds(queue[0]) or 0.0
+    print(f"reproduce: {queue[0].name} would end after --deadline (about "
+          f"{(expected + START_SECONDS) / 60:.0f} min): {queue[index].name} starts first",
+          file=sys.stderr, flush=True)
 
 
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
@@ -279,7 +317,8 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
   ``results_dir`` (and, with ``commit``, into git; ``prune``: see ``finish``). ``timed``:
   finished runs' (run, wall_seconds), for the time left (``Progress``) before a run of this
-  call ends. No run starts after ``deadline`` (``time.monotonic()``; ``--deadline``). SIGTERM
+  call ends. A run starts only if it is expected to end by ``deadline`` (``time.monotonic()``;
+  ``--deadline``; ``next_fitting``): the first queued one that does. SIGTERM
   or Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the
   command is run again). Returns 0, 1 (some run failed) or 130."""
   cores = _cores()
@@ -300,11 +339,14 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
   last_beat = time.monotonic()
   try:
     while running or (queue and not stopping):  # a stop leaves the queue for next time
-      if queue and time.monotonic() > deadline:
-        _left_for_later(queue)
-        queue = []
       while queue and len(running) < jobs and not stopping:
-        run = queue.pop(0)
+        index = next_fitting(queue, progress, deadline)
+        if index is None:
+          _left_for_later(queue, deadline)
+          queue = []
+          break
+        _start_first(queue, index, progress)
+        run = queue.pop(index)
         index = next(i for i in range(jobs) if i not in running)
         slot = slots[index]
         log = os.path.join(out, "logs", run.name + ".log")
@@ -389,9 +431,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="delete each finished run's checkpoints but its newest (its final "
                            "state), so that a long grid does not fill the disk")
   parser.add_argument("--deadline", type=float, default=0.0,
-                      help="start no run later than this many seconds after the command began "
-                           "(0: no limit), for a leased machine whose calls are cut off: a run "
-                           "cut off there is lost with the machine")
+                      help="seconds from now by which every run started must end (0: no "
+                           "limit): a run starts only if the finished runs of its size say it "
+                           "ends by then (the first queued one that does), for a machine "
+                           "leased until a known time: a run cut off is lost with it")
   parser.add_argument("--prepare-only", action="store_true",
                       help="build the corpus and BPE vocabularies the chosen runs read (into "
                            "OUT/corpus; with --corpus, the vocabularies it lacks) and stop: "
@@ -440,25 +483,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   data_path = _corpus(args.corpus, args.out, todo) if any(
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
+  timed = []  # the finished runs' training times, for the time left and --deadline
+  for run in finished if todo else ():
+    with open(analysis.digest_path(results_dir, run)) as f:
+      timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
   if (jobs > 1 or args.isolate) and todo:
-    timed = []  # the finished runs' training times, for the time left
-    for run in finished:
-      with open(analysis.digest_path(results_dir, run)) as f:
-        timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
     status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit,
                           timed=timed, prune=args.prune, deadline=deadline)
     if status != 0:
       return status
-  start, failed = time.perf_counter(), []
-  serial = todo if jobs == 1 and not args.isolate else []
-  for i, run in enumerate(serial):
-    if time.monotonic() > deadline:
-      _left_for_later(serial[i:])
+  failed = []
+  serial = list(todo) if jobs == 1 and not args.isolate else []
+  progress = Progress(serial, 1, timed)
+  while serial:
+    index = next_fitting(serial, progress, deadline)
+    if index is None:
+      _left_for_later(serial, deadline)
       break
+    _start_first(serial, index, progress)
+    run = serial.pop(index)
     workdir = os.path.join(args.out, "runs", run.name)
-    elapsed = time.perf_counter() - start
-    eta = f", about {elapsed / i * (len(todo) - i) / 60:.1f} min left" if i else ""
-    print(f"reproduce: [{i + 1}/{len(todo)}] {run.name}{eta}", file=sys.stderr, flush=True)
+    print(f"reproduce: [{progress.done + 1}/{progress.total}] {run.name}; {progress.eta()}",
+          file=sys.stderr, flush=True)
     status = train.main([f"--workdir={workdir}", *run.args(data_path)])
     if status in (130, 143):  # Ctrl-C or SIGTERM: stopped at a checkpoint
       print(f"reproduce: {run.name} stopped (exit {status}); re-run the same command to resume",
@@ -466,10 +512,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       return status
     if status != 0:  # e.g. a diverged run (a high outer lr): the queue goes on without it
       failed.append(run.name)
+      progress.finished(run, 0.0)  # counted, not timed
       print(f"reproduce: {run.name} failed (exit {status}); the next run starts",
             file=sys.stderr, flush=True)
       continue
     finish(run, args.out, results_dir, args.commit, args.prune)
+    with open(os.path.join(workdir, "summary.json")) as f:
+      progress.finished(run, json.load(f)["wall_seconds"])
   if failed:
     print(f"reproduce: {len(failed)} runs failed: {', '.join(failed)}; re-run the command to "
           "retry them (finished runs are skipped)", file=sys.stderr)

@@ -544,6 +544,36 @@ def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_
       [*runs[3:5], palsgd], jobs=2, timed=[(runs[0], 800.0)]).eta()
 
 
+def test_a_run_starts_only_if_the_finished_runs_of_its_size_say_it_ends_by_the_deadline(
+    monkeypatch, capsys):
+  """--deadline on a machine leased until a known time: the first queued run expected to end
+  by it starts (its shape's seconds per token × its tokens, and START_SECONDS); none, once no
+  run fits or the deadline has passed; a shape not timed yet starts while it has not."""
+  monkeypatch.setattr(reproduce.time, "monotonic", lambda: 1000.0)
+  runs = grids.grid("palsgd8m")
+  ddp = next(r for r in runs if r.method.startswith("ddp"))
+  palsgd = next(r for r in runs if r.method.startswith("palsgd"))  # twice DDP's tokens
+  assert reproduce.expected_tokens(palsgd) == 2 * reproduce.expected_tokens(ddp)
+  progress = reproduce.Progress([palsgd, ddp], jobs=1, timed=[(ddp, 1000.0)])
+  assert progress.training_seconds(palsgd) == pytest.approx(2000.0)
+  start = reproduce.START_SECONDS
+  queue = [palsgd, ddp]
+  assert reproduce.next_fitting(queue, progress, 1000.0 + start + 2000.0) == 0
+  assert reproduce.next_fitting(queue, progress, 1000.0 + start + 1999.0) == 1
+  assert reproduce.next_fitting(queue, progress, 1000.0 + start + 999.0) is None
+  assert reproduce.next_fitting(queue, progress, 999.0) is None  # passed
+  assert reproduce.next_fitting(queue, progress, float("inf")) == 0
+  other = grids.grid("authors")[0]  # a shape nobody timed: starts while the deadline is ahead
+  assert reproduce.next_fitting([other, ddp], progress, 1001.0) == 0
+  assert reproduce.next_fitting([other, ddp], progress, 999.0) is None
+  reproduce._start_first(queue, 1, progress)
+  reproduce._left_for_later(queue, 1000.0 + 600.0)
+  err = capsys.readouterr().err
+  assert f"{palsgd.name} would end after --deadline (about 34 min): {ddp.name} starts" in err
+  assert ("--deadline in 10 min, which no queued run is expected to end by: 2 runs not "
+          f"started ({palsgd.name} next)") in err
+
+
 @pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
   out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
