@@ -164,31 +164,35 @@ class Progress:
   tokens left, over the runs running at once.
 
   The rates come from each finished run's summary ``wall_seconds`` (its training time, all
-  its resumed parts together): those of ``timed``, the (run, wall_seconds) of runs finished
-  before this command, and those of the runs it finishes.
+  its resumed parts together): those of the runs this command finishes (this machine's) where
+  it has finished one of that shape, else those of ``timed``, the (run, wall_seconds) of runs
+  finished before it (perhaps on another machine: one 2-core machine of this project trains
+  the body grid's model 1.7× slower than another).
   """
 
   def __init__(self, todo: Sequence[grids.Run], jobs: int,
                timed: Sequence[tuple[grids.Run, float]] = ()):
     self.left = {r.name: r for r in todo}
     self.jobs, self.total, self.done = jobs, len(todo), 0
-    self._per_token: dict[tuple, list[float]] = {}
+    self._earlier: dict[tuple, list[float]] = {}  # seconds per token by shape
+    self._here: dict[tuple, list[float]] = {}
     for run, wall_seconds in timed:
-      self._rate(run, wall_seconds)
+      self._rate(self._earlier, run, wall_seconds)
 
-  def _rate(self, run: grids.Run, wall_seconds: float) -> None:
+  @staticmethod
+  def _rate(rates: dict[tuple, list[float]], run: grids.Run, wall_seconds: float) -> None:
     if wall_seconds > 0:  # 0: a summary from before wall_seconds was kept
-      self._per_token.setdefault(_shape(run), []).append(wall_seconds / expected_tokens(run))
+      rates.setdefault(_shape(run), []).append(wall_seconds / expected_tokens(run))
 
   def finished(self, run: grids.Run, wall_seconds: float) -> None:
     self.done += 1
     self.left.pop(run.name, None)
-    self._rate(run, wall_seconds)
+    self._rate(self._here, run, wall_seconds)
 
   def training_seconds(self, run: grids.Run) -> Optional[float]:
     """``run``'s expected training time: its shape's mean seconds per token × its tokens
     (None: no run of its shape timed yet)."""
-    rates = self._per_token.get(_shape(run))
+    rates = self._here.get(_shape(run)) or self._earlier.get(_shape(run))
     return float(np.mean(rates)) * expected_tokens(run) if rates else None
 
   def eta(self) -> str:

@@ -534,9 +534,10 @@ def test_time_left_comes_from_finished_runs_training_time_also_those_of_earlier_
   progress = reproduce.Progress(runs[3:7], jobs=2,
                                 timed=[(runs[0], 900.0), (runs[1], 700.0), (runs[2], 0.0)])
   assert progress.eta() == "about 27 min left"  # 4 × 800 / 2 s
-  # A run resumed by this command reports its summary's training time, all parts together.
+  # A run resumed by this command reports its summary's training time, all parts together;
+  # this command's runs (this machine's) then set the rate of their shape.
   progress.finished(runs[3], 1100.0)
-  assert progress.eta() == "about 23 min left"  # 3 × 900 / 2 s
+  assert progress.eta() == "about 28 min left"  # 3 × 1100 / 2 s
   assert (progress.done, progress.total) == (1, 4)
   # A shape not timed yet is counted apart.
   palsgd = next(r for r in grids.grid("palsgd_c") if r.method == "palsgd")
@@ -572,6 +573,9 @@ def test_a_run_starts_only_if_the_finished_runs_of_its_size_say_it_ends_by_the_d
   assert f"{palsgd.name} would end after --deadline (about 34 min): {ddp.name} starts" in err
   assert ("--deadline in 10 min, which no queued run is expected to end by: 2 runs not "
           f"started ({palsgd.name} next)") in err
+  # A run this command finishes (this machine's) sets its shape's rate from then on.
+  progress.finished(ddp, 1500.0)
+  assert progress.training_seconds(palsgd) == pytest.approx(3000.0)
 
 
 @pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
