@@ -449,8 +449,8 @@ def make_engine(
       the same call resumes exactly, and ``history`` is then the whole run's.
     deterministic: None: True on a simulated clock; on a GPU, True needs
       XLA's deterministic ops (``hj.enable_deterministic_ops``).
-    rejection_limit: non-finite pseudo-gradients in a row that stop the run;
-      None: K (at least 2).
+    rejection_limit: rejected pseudo-gradients in a row (non-finite, or refused by an
+      aggregation screen) that stop the run; None: K (at least 2).
     metrics_fetch_every: arrival rows whose device scalars are fetched together.
     on_row: called with every history row as it is emitted (progress,
       ``hj.TensorBoardWriter``).

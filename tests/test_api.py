@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -82,6 +83,24 @@ def test_the_readme_example_learns_and_is_bit_identical_across_runs(capsys):
   with open(path) as f:
     code = f.read().split('"""', 2)[2].strip()
   assert code in readme
+
+
+def test_the_guides_robust_aggregation_example_survives_its_faulty_worker(capsys):
+  """examples/robust_aggregation.py (docs/GUIDE.md, "Robust aggregation and faulty workers"):
+  per row, the robust rule ends near the clean run where mean() does not."""
+  runpy.run_path(os.path.join(ROOT, "examples", "robust_aggregation.py"))
+  rows = capsys.readouterr().out.strip().splitlines()
+  assert len(rows) == 3 and "{'norm': " in rows[2]  # the screen rejected the ascending worker
+  for row in rows:
+    clean, poisoned, robust = (float(x) for x in re.findall(r"\d\.\de[-+]\d+", row))
+    assert poisoned > 4 * clean and robust < 1.5 * clean, row
+  with open(os.path.join(ROOT, "docs", "GUIDE.md")) as f:
+    guide = f.read()
+  with open(os.path.join(ROOT, "examples", "robust_aggregation.py")) as f:
+    example = f.read()
+  section = guide.split("### Robust aggregation and faulty workers", 1)[1]
+  loss = section.split("def loss_fn(params, batch):", 1)[1].split("\n\n", 1)[0]
+  assert "def loss_fn(params, batch):" + loss in example  # the guide shows the example's loss
 
 
 @pytest.mark.parametrize("method", list(methods.METHODS))

@@ -534,8 +534,10 @@ def _main(argv: list[str]) -> int:
     except OSError:
       pass
     engine.close()
-  rejected = (f" ({summary['rejected_tokens']} of them rejected: {summary['rejected']} "
-              "non-finite pseudo-gradients)" if summary["rejected"] else "")
+  count = summary["rejected"]  # per reason: the rejected rows' (DESIGN.md, "summary.json")
+  reasons = ", ".join(f"{reason} {n}" for reason, n in summary["rejected_by"].items())
+  rejected = (f" ({summary['rejected_tokens']} of them rejected: {count} "
+              f"pseudo-gradient{'s' * (count != 1)}: {reasons})" if count else "")
   stopped = f"stopped: {summary['stopped']}: " if summary.get("stopped") else ""
   print(f"heloco-jax train: {stopped or 'done: '}{summary['tokens']} tokens{rejected}, "
         f"{summary['outer_updates']} outer updates, {summary['sim_time']:.0f} {seconds}, "

@@ -17,9 +17,10 @@ The summary reports the applied and the rejected units apart. PALSGD's
 pseudo-sync steps read no data and count none. Work whose arrival would pass
 a budget is discarded, with everything still in flight.
 
-Faults (``heloco_jax.training.rejection``): a non-finite pseudo-gradient is
-rejected before the outer rule, with a ``{"event": "rejected"}`` row; the
-worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit``
+Faults (``heloco_jax.training.rejection``): a non-finite pseudo-gradient (or one an
+aggregation screen refuses, ``hj.aggregate.screen``) is rejected before the outer rule,
+with a ``{"event": "rejected"}`` row and its ``reason`` (counted in the summary's
+``rejected_by``); the worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit``
 rejections in a row (default K, at least 2), at the end of a run in which
 every arrival was rejected, or when an evaluation is not finite, the run stops
 with a ``DivergenceError`` naming the workers and the cause.
@@ -511,6 +512,7 @@ class Engine:
                **({"stopped": self.stopped} if self.stopped else {}),
                f"applied_{unit}": s.units - rejected.rejected_units,
                f"rejected_{unit}": rejected.rejected_units, "rejected": rejected.rejected,
+               "rejected_by": dict(sorted(rejected.rejected_by.items())),
                "sim_time": s.sim_time, "outer_updates": s.version}
     if self.spec.membership.absences:  # every dispatched unit, accounted for (FAILURES.md)
       dispatched, dropped = membership.dispatched_units, membership.dropped_units

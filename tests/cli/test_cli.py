@@ -225,7 +225,7 @@ def test_a_run_writes_config_metrics_and_summary(tmp_path, capsys):
   assert {"val_loss/syn0", "sim_time", "outer_updates"} <= set(evals[-1])
   summary = json.loads((workdir / "summary.json").read_text())
   assert set(summary) == {"method", "seed", "tokens", "applied_tokens", "rejected_tokens",
-                          "rejected", "sim_time", "outer_updates",
+                          "rejected", "rejected_by", "sim_time", "outer_updates",
                           "initial_val_loss", "final_val_loss", "mean_staleness",
                           "bytes_sent", "peak_bytes_per_sync", "network_seconds",
                           "wall_seconds", "tokens_per_second", "num_params"}

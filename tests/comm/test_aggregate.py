@@ -187,6 +187,7 @@ def test_the_screen_rejects_arrivals_in_rows_and_redispatches():
   arrivals = [r for r in result.history if r["event"] == "arrival" and r["worker"] == 0]
   assert arrivals  # re-dispatched after each rejection, some accepted
   assert result.summary["rejected"] == len(rejected)
+  assert result.summary["rejected_by"] == {"norm": len(rejected)}
 
 
 def test_a_screened_run_resumes_with_its_history_bit_for_bit(tmp_path, monkeypatch):

@@ -185,5 +185,6 @@ def test_a_few_rejections_are_reported_apart_in_the_summary_and_final_line(
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["rejected"] == 1 and summary["rejected_tokens"] == 2 * 4 * 16  # H·B·T
   assert summary["applied_tokens"] == summary["tokens"] - summary["rejected_tokens"]
-  assert (f"done: {summary['tokens']} tokens (128 of them rejected: 1 non-finite "
-          "pseudo-gradients)") in capsys.readouterr().err
+  assert summary["rejected_by"] == {"nan": 1}
+  assert (f"done: {summary['tokens']} tokens (128 of them rejected: 1 pseudo-gradient: "
+          "nan 1)") in capsys.readouterr().err

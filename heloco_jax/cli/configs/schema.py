@@ -135,7 +135,8 @@ KEYS: tuple[Key, ...] = (
     Key("palsgd_warmup_steps", None, optional(integer(0), "H"),
         "DDP steps before PALSGD's rounds", type=int),
     Key("rejection_limit", None, optional(integer(1), "num_workers, at least 2"),
-        "non-finite pseudo-gradients in a row (none applied between) that stop the run",
+        "rejected pseudo-gradients in a row (non-finite, or refused by syncer.aggregate's "
+        "screen; none applied between) that stop the run",
         type=int),
     Key("writers", "", TEXT, "metric writers, comma-separated: jsonl (always), tensorboard "
         "(DIR/tensorboard, needs tensorboardX); '' = jsonl, plus tensorboard when "
