@@ -167,7 +167,7 @@ class Progress:
   its resumed parts together): those of the runs this command finishes (this machine's) where
   it has finished one of that shape, else those of ``timed``, the (run, wall_seconds) of runs
   finished before it (perhaps on another machine: one 2-core machine of this project trains
-  the body grid's model 1.7× slower than another).
+  the body grid's model 1.5–2× slower than another).
   """
 
   def __init__(self, todo: Sequence[grids.Run], jobs: int,

@@ -20,10 +20,10 @@ a budget is discarded, with everything still in flight.
 Faults (``heloco_jax.training.rejection``): a non-finite pseudo-gradient (or one an
 aggregation screen refuses, ``hj.aggregate.screen``) is rejected before the outer rule,
 with a ``{"event": "rejected"}`` row and its ``reason`` (counted in the summary's
-``rejected_by``); the worker restarts with a fresh optimizer state. After ``RunSpec.rejection_limit``
-rejections in a row (default K, at least 2), at the end of a run in which
-every arrival was rejected, or when an evaluation is not finite, the run stops
-with a ``DivergenceError`` naming the workers and the cause.
+``rejected_by``); the worker restarts with a fresh optimizer state. After
+``RunSpec.rejection_limit`` rejections in a row (default K, at least 2), at the end
+of a run in which every arrival was rejected, or when an evaluation is not finite,
+the run stops with a ``DivergenceError`` naming the workers and the cause.
 """
 
 from __future__ import annotations
