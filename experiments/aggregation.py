@@ -66,6 +66,17 @@ def faulty_losses(results: Sequence[Result]) -> dict[tuple[str, str, str, str], 
   return out
 
 
+def faulty_rejected(results: Sequence[Result]) -> dict[tuple[str, str, str, str], dict[int, float]]:
+  """The same keys as ``faulty_losses`` -> seed -> the share of the run's tokens whose
+  pseudo-gradients were rejected (a screen's, or non-finite): the work a rule threw away."""
+  out: dict[tuple[str, str, str, str], dict[int, float]] = {}
+  for r in results:
+    _, workers, behaviour, method, rule, _ = r.run.name.split("/")
+    out.setdefault((workers, behaviour, method, rule), {})[r.run.seed] = (
+        r.summary.get("rejected_tokens", 0) / max(1, r.summary.get("tokens", 0)))
+  return out
+
+
 def fault_ratios(losses: dict[int, float], clean: dict[int, float]) -> list[float]:
   """Per seed both have (and ``clean`` is finite), ``losses`` ÷ ``clean``; inf where the
   run's loss is not finite (it diverged)."""
@@ -135,16 +146,25 @@ def _rows(losses, workers: str, behaviour: str, num_workers: int, f: int):
         yield method, rule, cell, fault_ratios(cell, clean)
 
 
-def faulty_table(losses, workers: str, behaviour: str, num_workers: int, f: int) -> str:
+def _share_text(shares: Sequence[float]) -> str:
+  """The mean share of tokens rejected over a cell's seeds, as a percentage ("0" for none)."""
+  mean = float(np.mean(shares)) if shares else 0.0
+  return "0" if mean == 0 else f"{100 * mean:.1f}%"
+
+
+def faulty_table(losses, workers: str, behaviour: str, num_workers: int, f: int,
+                 rejected: Optional[dict] = None) -> str:
   """Markdown: one (K, f) and behaviour: per method × rule, the final loss, its ratio to the
-  clean mean (paired), the paired seeds and the verdict; "" without runs."""
+  clean mean (paired), the share of tokens rejected (``faulty_rejected``: mean over the
+  seeds), the paired seeds and the verdict; "" without runs."""
   lines = ["| method | rule | final val loss | ÷ the method's clean mean run (paired, 95% CI) "
-           "| seeds | verdict |", "|---|---|---|---|---|---|"]
+           "| tokens rejected | seeds | verdict |", "|---|---|---|---|---|---|---|"]
   for method, rule, cell, ratios in _rows(losses, workers, behaviour, num_workers, f):
     seeds = f"{len(ratios)}" + (f" paired of {len(cell)}" if len(ratios) < len(cell) else "")
+    shares = list((rejected or {}).get((workers, behaviour, method, rule), {}).values())
     lines.append(f"| {method} | {_rule_label(method, num_workers, f, rule)} | "
-                 f"{_loss_text(list(cell.values()))} | {ratio_text(ratios)} | {seeds} | "
-                 f"{robustness(ratios)} |")
+                 f"{_loss_text(list(cell.values()))} | {ratio_text(ratios)} | "
+                 f"{_share_text(shares)} | {seeds} | {robustness(ratios)} |")
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -173,7 +193,7 @@ def faulty_section(results: Sequence[Result]) -> list[str]:
           "updates", ""]
   if not results:
     return head + [_landed(results, "faulty"), ""]
-  losses = faulty_losses(results)
+  losses, rejected = faulty_losses(results), faulty_rejected(results)
   faulty = {r.run.table: dict(r.run.overrides)["chaos.faulty"] for r in results}
   setups = " and ".join(f"K = {k} workers with f = {f} faulty" for k, f in grids.FAULTY_WORKERS)
   lines = head + [
@@ -185,7 +205,9 @@ def faulty_section(results: Sequence[Result]) -> list[str]:
       f"{len(grids.AUTHORS.seeds)} seeds. DiLoCo takes the peer rules in its rounds; HeLoCo "
       "and MLA take the mean and the norm screen on single arrivals and the peer rules in "
       "quorum groups, with the mean at that quorum too.", "",
-      "How a row is judged: its final loss (mean ± sample "
+      "A row's tokens rejected: the share of its run's tokens whose pseudo-gradients the rule "
+      "rejected (the screen's; mean over its seeds). How a row is judged: its final loss "
+      "(mean ± sample "
       "std over its seeds) is divided, seed by seed, by the same method's clean `mean` run's: "
       "the ratio is the geometric mean of those per-seed ratios with its paired 95% CI "
       "(Student's t on the log ratios). Verdict: **robust** when the CI's upper bound is ≤ "
@@ -194,7 +216,7 @@ def faulty_section(results: Sequence[Result]) -> list[str]:
       "both bounds (bounds as printed, 3 decimals).", ""]
   for num_workers, f in grids.FAULTY_WORKERS:
     workers = f"K{num_workers}f{f}"
-    tables = [(b, faulty_table(losses, workers, b, num_workers, f))
+    tables = [(b, faulty_table(losses, workers, b, num_workers, f, rejected))
               for b, _ in grids.FAULTY_BEHAVIOURS if b != "clean"]
     cost = clean_cost(losses, workers, num_workers, f)
     if not cost and not any(t for _, t in tables):

@@ -22,7 +22,7 @@ _SUMMARY = {"applied_tokens": 2_560_000, "bytes_sent": 0, "initial_val_loss": 7.
 _LANGUAGES = grids.LANGUAGES.split(",")
 
 
-def _write(results_dir, name, final, curve=None):
+def _write(results_dir, name, final, curve=None, rejected_tokens=0):
   """The digest of the run ``name`` of the faulty or merge_order grid: its summary, an
   evaluation every 5% of the token budget (``curve``: fraction -> loss) and no arrivals."""
   run = next(r for r in grids.grid(name.split("/")[0]) if r.name == name)
@@ -35,7 +35,7 @@ def _write(results_dir, name, final, curve=None):
                   "tokens": budget * i // 20, "val_loss": loss,
                   **{f"val_loss/{x}": loss for x in _LANGUAGES}})
   digest = {"summary": {**_SUMMARY, "final_val_loss": final, "method": run.method,
-                        "seed": run.seed},
+                        "seed": run.seed, "rejected_tokens": rejected_tokens},
             "evals": evals, "arrivals": {}}
   path = analysis.digest_path(str(results_dir), run)
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -92,14 +92,15 @@ def _faulty_digests(results_dir):
   # heloco's screen on 3 seeds, its clean mean run on 2: read on the 2 paired seeds
   for seed in (0, 1):
     _write(results_dir, f"faulty/K6f1/clean/heloco/mean/seed{seed}", 4.0)
-  for seed, loss in enumerate((4.4, 4.8, 9.0)):
-    _write(results_dir, f"faulty/K6f1/sign/heloco/screen/seed{seed}", loss)
+  for seed, loss in enumerate((4.4, 4.8, 9.0)):  # it rejected 1%, 2% and 6% of the tokens
+    _write(results_dir, f"faulty/K6f1/sign/heloco/screen/seed{seed}", loss,
+           rejected_tokens=(25_600, 51_200, 153_600)[seed])
 
 
 def _table(lines, title):
   """The rows of the table under the paragraph ``title``: method|rule -> cells."""
   table = lines[lines.index(title) + 2].splitlines()
-  assert table[0].startswith("| method | rule |") and table[1] == "|---|---|---|---|---|---|"
+  assert table[0].startswith("| method | rule |") and table[1] == "|---|---|---|---|---|---|---|"
   rows = {}
   for line in table[2:]:
     cells = line[2:-2].split(" | ")
@@ -124,7 +125,8 @@ def test_faulty_rows_give_each_rules_ratio_to_the_clean_mean_its_interval_and_ve
   for (behaviour, method, rule), (ratios, verdict) in _CELLS.items():
     if behaviour != "sign":
       continue
-    loss, ratio, seeds, found = sign[f"{method}|{labels[rule]}"]
+    loss, ratio, rejected, seeds, found = sign[f"{method}|{labels[rule]}"]
+    assert rejected == "0"  # nothing rejected but by the screen
     assert found == verdict
     assert seeds == str(len(ratios))
     if None in ratios:
@@ -138,14 +140,15 @@ def test_faulty_rows_give_each_rules_ratio_to_the_clean_mean_its_interval_and_ve
     assert verdict == ("**robust**" if high <= 1.25 else "**breaks**" if low >= 1.5
                        else "**partly**")
   # paired by seed: 2 of the screen's 3 seeds have a clean mean run
-  loss, ratio, seeds, verdict = sign["heloco|`screen(norm=2.0)`"]
+  loss, ratio, rejected, seeds, verdict = sign["heloco|`screen(norm=2.0)`"]
+  assert rejected == "3.0%"  # the mean over its 3 seeds of 1%, 2% and 6% of 2,560,000 tokens
   mean, low, high = _interval([4.4 / 4.0, 4.8 / 4.0])
   screen = np.array([4.4, 4.8, 9.0])  # the loss column reads every seed present
   assert (loss, seeds) == (f"{screen.mean():.3f} ± {screen.std(ddof=1):.3f}", "2 paired of 3")
   assert ratio == f"×{mean:.3f} [{low:.3f}, {high:.3f}]" and verdict == "**partly**"
   # one seed: no CI, its ratio stands for both bounds
   scale = _table(lines, "scale10 (`chaos.faulty=0:scale=10`):")
-  assert scale["diloco|`median()`"][1:] == ["×1.300 (1 seed)", "1", "**partly**"]
+  assert scale["diloco|`median()`"][1:] == ["×1.300 (1 seed)", "0", "1", "**partly**"]
   assert "noise (`chaos.faulty=0:noise=1`):" not in lines  # no runs of it
   # what a rule costs when nobody is faulty: its clean run ÷ the clean mean's
   cost = next(line for line in lines if line.startswith("What each rule costs"))
@@ -261,7 +264,7 @@ def test_report_only_writes_the_sections_and_counts_their_runs_apart(tmp_path):
                 - set(grids.grid("chaos")) - set(grids.grid("faulty"))
                 - set(grids.grid("merge_order")) - set(grids.grid("scale")))
   assert re.search(rf"\b0 of {planned} runs are finished", text)  # the header counts the CPU runs
-  assert "| diloco | `mean` | 10.000 | ×2.000 (1 seed) | 1 | **breaks** |" in text
+  assert "| diloco | `mean` | 10.000 | ×2.000 (1 seed) | 0 | 1 | **breaks** |" in text
   assert "0 of 100 runs landed: the grid runs in the background" in text
   assert text.index("## Faulty workers") < text.index("## HeLoCo's merge order") < text.index(
       "## Small scale")
