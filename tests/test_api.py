@@ -85,6 +85,7 @@ def test_the_readme_example_learns_and_is_bit_identical_across_runs(capsys):
   assert code in readme
 
 
+@pytest.mark.slow  # 9 runs, 16 s in CI: tests/test_docs.py runs the guide's own block (2 runs)
 def test_the_guides_robust_aggregation_example_survives_its_faulty_worker(capsys):
   """examples/robust_aggregation.py (docs/GUIDE.md, "Robust aggregation and faulty workers"):
   per row, the robust rule ends near the clean run where mean() does not."""
