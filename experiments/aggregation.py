@@ -55,26 +55,26 @@ def _landed(results: Sequence[Result], grid: str) -> str:
 # (a) Faulty workers.
 
 
-def faulty_losses(results: Sequence[Result]) -> dict[tuple[str, str, str, str], dict[int, float]]:
-  """(workers ``K<K>f<f>``, behaviour, method, rule name) -> seed -> final validation loss of
-  the faulty grid's runs (named ``faulty/K<K>f<f>/<behaviour>/<method>/<rule>/seed<s>``)."""
+def _by_cell(results: Sequence[Result], value) -> dict[tuple[str, str, str, str], dict[int, float]]:
+  """(workers ``K<K>f<f>``, behaviour, method, rule name) -> seed -> ``value(summary)`` of the
+  faulty grid's runs (named ``faulty/K<K>f<f>/<behaviour>/<method>/<rule>/seed<s>``)."""
   out: dict[tuple[str, str, str, str], dict[int, float]] = {}
   for r in results:
     _, workers, behaviour, method, rule, _ = r.run.name.split("/")
-    out.setdefault((workers, behaviour, method, rule), {})[r.run.seed] = float(
-        r.summary["final_val_loss"])
+    out.setdefault((workers, behaviour, method, rule), {})[r.run.seed] = value(r.summary)
   return out
+
+
+def faulty_losses(results: Sequence[Result]) -> dict[tuple[str, str, str, str], dict[int, float]]:
+  """``_by_cell``: each run's final validation loss."""
+  return _by_cell(results, lambda summary: float(summary["final_val_loss"]))
 
 
 def faulty_rejected(results: Sequence[Result]) -> dict[tuple[str, str, str, str], dict[int, float]]:
-  """The same keys as ``faulty_losses`` -> seed -> the share of the run's tokens whose
-  pseudo-gradients were rejected (a screen's, or non-finite): the work a rule threw away."""
-  out: dict[tuple[str, str, str, str], dict[int, float]] = {}
-  for r in results:
-    _, workers, behaviour, method, rule, _ = r.run.name.split("/")
-    out.setdefault((workers, behaviour, method, rule), {})[r.run.seed] = (
-        r.summary.get("rejected_tokens", 0) / max(1, r.summary.get("tokens", 0)))
-  return out
+  """``_by_cell``: the share of the run's tokens whose pseudo-gradients were rejected (a
+  screen's, or non-finite): the work a rule threw away."""
+  return _by_cell(results, lambda summary: (
+      summary.get("rejected_tokens", 0) / max(1, summary.get("tokens", 0))))
 
 
 def fault_ratios(losses: dict[int, float], clean: dict[int, float]) -> list[float]:
