@@ -11,8 +11,8 @@ as processes pinned to their own cores (default: one per core), or with
 ``--jobs=1`` in this process (compiled programs are cached in
 ``OUT/xla_cache``). A finished run's digest goes to experiments/results (the
 smoke grid: OUT/results); runs with a digest are skipped and interrupted ones
-resume from their checkpoints, so the same command continues a grid after any
-interruption (experiments/README.md, "The runner").
+resume from their checkpoints, before any new run starts, so the same command
+continues a grid after any interruption (experiments/README.md, "The runner").
 The paper grid reads the debian_docs corpus (de, en, es, fr, it); it is built
 into ``OUT/corpus`` when ``--corpus`` is not given (``heloco-jax corpus``,
 about a minute, Debian packages only).
@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -153,6 +153,34 @@ def expected_tokens(run: grids.Run) -> float:
   return o["budget.sim_seconds"] * k * o["batch_size"] * o["model.context"] / slowest
 
 
+def checkpointed_share(run: grids.Run, workdir: str) -> float:
+  """The share of ``run``'s budget that its newest checkpoint in ``workdir`` holds, where its
+  resume starts (0 without one): tokens of a token budget, simulated seconds of a time
+  budget, the larger where both are set. Reads the checkpoint's meta only."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return 0.0  # most runs: no checkpoint manager (nor orbax) needed
+  from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
+  meta = checkpoint.newest_meta(directory)
+  if meta is None:
+    return 0.0
+  o = dict(run.overrides)
+  shares = [meta.get("units", 0) / o["budget.tokens"] if o.get("budget.tokens") else 0.0,
+            meta.get("sim_time", 0.0) / o["budget.sim_seconds"]
+            if o.get("budget.sim_seconds") else 0.0]
+  return min(1.0, max(shares))
+
+
+def resumes_first(todo: Sequence[grids.Run], out: str
+                  ) -> tuple[list[grids.Run], dict[str, float]]:
+  """``todo`` with the runs that resume from a checkpoint first (the grid's order otherwise),
+  and their checkpoints' shares of their budgets (``checkpointed_share``): a run stopped part
+  way (a session's end, SIGTERM) finishes before a new one starts, and counts its time left."""
+  started = {run.name: share for run in todo
+             if (share := checkpointed_share(run, os.path.join(out, "runs", run.name))) > 0}
+  return sorted(todo, key=lambda run: run.name not in started), started
+
+
 def _shape(run: grids.Run) -> tuple:
   o = dict(run.overrides)
   return tuple(o.get(k) for k in ("model.d_model", "model.num_layers", "model.context",
@@ -171,8 +199,10 @@ class Progress:
   """
 
   def __init__(self, todo: Sequence[grids.Run], jobs: int,
-               timed: Sequence[tuple[grids.Run, float]] = ()):
+               timed: Sequence[tuple[grids.Run, float]] = (),
+               started: Optional[Mapping[str, float]] = None):
     self.left = {r.name: r for r in todo}
+    self.started = dict(started or {})  # run name -> its checkpoint's share of the budget
     self.jobs, self.total, self.done = jobs, len(todo), 0
     self._earlier: dict[tuple, list[float]] = {}  # seconds per token by shape
     self._here: dict[tuple, list[float]] = {}
@@ -191,9 +221,10 @@ class Progress:
 
   def training_seconds(self, run: grids.Run) -> Optional[float]:
     """``run``'s expected training time: its shape's mean seconds per token × its tokens
-    (None: no run of its shape timed yet)."""
+    left (all but its checkpoint's share, ``started``; None: no run of its shape timed yet)."""
     rates = self._here.get(_shape(run)) or self._earlier.get(_shape(run))
-    return float(np.mean(rates)) * expected_tokens(run) if rates else None
+    left = 1.0 - self.started.get(run.name, 0.0)
+    return float(np.mean(rates)) * expected_tokens(run) * left if rates else None
 
   def eta(self) -> str:
     seconds, unknown = 0.0, 0
@@ -315,21 +346,23 @@ def _start_first(queue: Sequence[grids.Run], index: int, progress: Progress) -> 
 def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_dir: str,
                  jobs: int, heartbeat: float = 300.0, commit: bool = False,
                  timed: Sequence[tuple[grids.Run, float]] = (), prune: bool = False,
-                 deadline: float = float("inf")) -> int:
+                 deadline: float = float("inf"),
+                 started: Optional[Mapping[str, float]] = None) -> int:
   """Runs ``todo`` as ``python -m heloco_jax.cli.train`` processes, ``jobs`` at a time, each pinned
   to its own cores with as many XLA threads (two 1-thread runs train 1.41× the tokens/s of one
   2-thread run on 2 cores). Logs go to OUT/logs/<name>.log; each finished run's digest to
   ``results_dir`` (and, with ``commit``, into git; ``prune``: see ``finish``). ``timed``:
   finished runs' (run, wall_seconds), for the time left (``Progress``) before a run of this
-  call ends. A run starts only if it is expected to end by ``deadline`` (``time.monotonic()``;
-  ``--deadline``; ``next_fitting``): the first queued one that does. SIGTERM
-  or Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the
+  call ends; ``started``: the shares of their budgets that runs resuming from a checkpoint
+  hold (``resumes_first``). A run starts only if it is expected to end by ``deadline``
+  (``time.monotonic()``; ``--deadline``; ``next_fitting``): the first queued one that does.
+  SIGTERM or Ctrl-C stops the running runs at their next checkpoint boundary (they resume when the
   command is run again). Returns 0, 1 (some run failed) or 130."""
   cores = _cores()
   jobs = max(1, min(jobs, len(cores), len(todo)))
   per_job = len(cores) // jobs
   slots = [cores[i * per_job:(i + 1) * per_job] for i in range(jobs)]
-  progress, queue, running, failed = Progress(todo, jobs, timed), list(todo), {}, []
+  progress, queue, running, failed = Progress(todo, jobs, timed, started), list(todo), {}, []
   stopping = []
 
   def stop(signum, frame):
@@ -484,6 +517,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
   if args.report_only:
     todo = []
+  todo, started = resumes_first(todo, args.out)
+  if started:
+    print(f"reproduce: {len(started)} resume from their checkpoints first: " + ", ".join(
+        f"{name} at {share:.0%}" for name, share in started.items()), file=sys.stderr)
   data_path = _corpus(args.corpus, args.out, todo) if any(
       r.needs_corpus() for r in todo) else ""
   jobs = args.jobs or len(_cores())
@@ -493,12 +530,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       timed.append((run, json.load(f)["summary"].get("wall_seconds", 0.0)))
   if (jobs > 1 or args.isolate) and todo:
     status = run_parallel(todo, args.out, data_path, results_dir, jobs, commit=args.commit,
-                          timed=timed, prune=args.prune, deadline=deadline)
+                          timed=timed, prune=args.prune, deadline=deadline, started=started)
     if status != 0:
       return status
   failed = []
   serial = list(todo) if jobs == 1 and not args.isolate else []
-  progress = Progress(serial, 1, timed)
+  progress = Progress(serial, 1, timed, started)
   while serial:
     index = next_fitting(serial, progress, deadline)
     if index is None:

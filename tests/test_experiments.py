@@ -578,6 +578,58 @@ def test_a_run_starts_only_if_the_finished_runs_of_its_size_say_it_ends_by_the_d
   assert progress.training_seconds(palsgd) == pytest.approx(3000.0)
 
 
+def _checkpoint(workdir, *metas):
+  """Checkpoints 1, 2, ... in ``workdir`` with these metas (a tiny state each)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from heloco_jax.rundir import checkpoint  # pylint: disable=g-import-not-at-top
+  saved = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+  for step, meta in enumerate(metas, 1):
+    saved.save(step, {"w": jnp.ones(3)}, meta)
+  saved.close()
+
+
+def test_runs_with_a_checkpoint_resume_first_and_count_only_the_budget_they_have_left(
+    tmp_path, monkeypatch):
+  """A run stopped part way (a session's end) holds a share of its budget in its newest
+  checkpoint: it goes before the new runs, and the time left and --deadline count only the
+  rest of it. Reading the checkpoint writes nothing: its run may be running."""
+  out = str(tmp_path)
+  runs = [r for r in grids.grid("merge_order") if r.seed == 0][:3]  # 2,560,000 tokens each
+  timed_run = next(r for r in grids.grid("body") if r.table == "body/time")  # a time budget
+  sim_seconds = dict(timed_run.overrides)["budget.sim_seconds"]
+  _checkpoint(os.path.join(out, "runs", runs[2].name),
+              {"units": 320_000, "sim_time": 1.0}, {"units": 640_000, "sim_time": 2.0})
+  _checkpoint(os.path.join(out, "runs", timed_run.name), {"units": 7, "sim_time": sim_seconds / 2})
+  half_written = tmp_path / "runs" / runs[2].name / "checkpoints" / "3.orbax-checkpoint-tmp-9"
+  half_written.mkdir()
+  todo, started = reproduce.resumes_first([*runs, timed_run], out)
+  assert [r.name for r in todo] == [runs[2].name, timed_run.name, runs[0].name, runs[1].name]
+  assert started == {runs[2].name: 0.25, timed_run.name: 0.5}  # the newest checkpoint's
+  assert half_written.is_dir() and not (tmp_path / "runs" / runs[0].name).exists()
+  progress = reproduce.Progress(todo, jobs=1, timed=[(runs[0], 1000.0)], started=started)
+  assert progress.training_seconds(runs[2]) == pytest.approx(750.0)
+  assert progress.training_seconds(runs[1]) == pytest.approx(1000.0)
+  # (750 + 1000 + 1000) s; the body run's size is not timed
+  assert progress.eta() == "about 46 min left (+ 1 runs of a size not timed yet)"
+  monkeypatch.setattr(reproduce.time, "monotonic", lambda: 0.0)
+  deadline = reproduce.START_SECONDS + 800.0  # the resumed run fits, a new one does not
+  assert reproduce.next_fitting([runs[1], runs[2]], progress, deadline) == 1
+
+
+def test_the_runner_resumes_a_stopped_run_before_new_ones(tmp_path, capsys):
+  out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
+  heloco = next(r for r in grids.grid("smoke") if r.name == "tokens/homogeneous/heloco/seed0")
+  tokens = dict(heloco.overrides)["budget.tokens"]
+  _checkpoint(os.path.join(out, "runs", heloco.name), {"units": tokens // 4, "sim_time": 1.0})
+  assert reproduce.main(["--grid=smoke", f"--out={out}", f"--digests={digests}", "--jobs=1",
+                         "--deadline=1e-9", "--only=tokens/homogeneous/(mla|heloco)/",
+                         f"--results={tmp_path / 'RESULTS.md'}"]) == 0
+  err = capsys.readouterr().err
+  assert f"1 resume from their checkpoints first: {heloco.name} at 25%" in err
+  assert f"2 runs not started ({heloco.name} next)" in err  # the grid's order puts mla first
+
+
 @pytest.mark.slow  # 30–80 s: the default suite stays under 15 minutes
 def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
   out, digests = str(tmp_path / "out"), str(tmp_path / "digests")

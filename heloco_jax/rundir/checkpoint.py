@@ -297,10 +297,7 @@ class Checkpointer:
     failures = []
     for candidate in reversed(steps):
       try:
-        meta = self._manager.restore(candidate, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore())).meta
-        if meta.pop("crc32", None) != meta_checksum(meta):  # a missing one fails too
-          raise ValueError("its metadata fails its checksum (or has none)")
+        meta = _verified_meta(self._manager, candidate)
         refusal = accept(meta) if accept is not None else None
         if refusal:
           raise ValueError(refusal)
@@ -335,6 +332,38 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _verified_meta(manager: ocp.CheckpointManager, step: int) -> Meta:
+  """Checkpoint ``step``'s meta, its CRC32 checked (and removed); ValueError if it fails."""
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  if meta.pop("crc32", None) != meta_checksum(meta):  # a missing one fails too
+    raise ValueError("its metadata fails its checksum (or has none)")
+  return meta
+
+
+def newest_meta(directory: str) -> Optional[Meta]:
+  """The meta of the newest checkpoint under ``directory`` that verifies (the run's clock and
+  counters: e.g. ``units`` and ``sim_time``, where a resume starts), or None where there is
+  none. Read only: nothing is created, written or removed, so the run may be running."""
+  if not os.path.isdir(directory):
+    return None
+  try:
+    with _quiet_orbax():
+      manager = ocp.CheckpointManager(
+          os.path.abspath(directory), item_names=("arrays", "meta"),
+          options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+      try:
+        for step in sorted(manager.all_steps(), reverse=True):
+          try:
+            return _verified_meta(manager, step)
+          except Exception:  # pylint: disable=broad-except  (unreadable: the next older)
+            continue
+      finally:
+        manager.close()
+  except Exception:  # pylint: disable=broad-except  (not a checkpoints folder)
+    return None
+  return None
 
 
 def _packed_shapes(layout: Meta, template: Any) -> dict[str, jax.ShapeDtypeStruct]:
