@@ -924,6 +924,9 @@ def test_the_faulty_grid_lists_every_rule_a_method_takes_under_every_fault():
   # 2 (K, f) × 4 behaviours (clean too) × (diloco 4 + heloco 6 + mla 6 rules) × 3 seeds
   assert len(names) == len(set(names)) == 2 * 4 * 16 * 3 == 384
   assert grids.SCALES["faulty"] is grids.AUTHORS and grids.GRIDS["faulty"] is grids.faulty_grid
+  # f = 1 of 6 reaches its 3 seeds (its verdicts) before 2 of 8 starts; seed by seed within.
+  assert all(name.startswith("faulty/K6f1/") for name in names[:192])
+  assert [r.seed for r in runs[:192]] == sorted(r.seed for r in runs[:192])
   cells = {(r.table, r.method, r.name.split("/")[-2]) for r in runs}
   for k, f in ((6, 1), (8, 2)):
     q = {6: 3, 8: 5}[k]
