@@ -1081,9 +1081,13 @@ SCALES["body"] = BODY
 # (t_DDP − t_PALSGD) / t_DDP over the 5 seeds, paired 95% CI, the claims table's rule (a seed
 # whose PALSGD never reaches the target counts at its run's end, a bound in PALSGD's favour).
 # About 28 min a DDP run and 56 min a PALSGD run on one core of this machine: 15.4 h in all.
+# Amended on 2026-12-02 (session 44), after seed 0's three DDP runs and before any PALSGD run:
+# × √5 was lowest there by 0.58 nats (3.680, against 4.258 at × 5 and 4.298 at × 10), at the
+# candidates' lower edge, so × 1 (each worker's own inner lr) joins them. A better-tuned DDP
+# is a harder target for PALSGD, never an easier one.
 PALSGD8M = dataclasses.replace(BODY, eval_every_tokens=BODY.tokens // 40)
 PALSGD8M_C = PALSGD_WHY_C
-PALSGD8M_DDP_FACTORS = (math.sqrt(5), 5.0, 10.0)
+PALSGD8M_DDP_FACTORS = (1.0, math.sqrt(5), 5.0, 10.0)
 PALSGD8M_CANDIDATES = ((0.1, 0.05), (0.7, 0.05), (1.0, 0.2))  # (outer lr, pull)
 PALSGD8M_MORE_SEEDS = (3, 4)
 # The picks, by the rule above from seeds 0-2's digests (None until they have all landed;

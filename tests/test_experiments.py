@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -978,7 +979,8 @@ def test_the_palsgd8m_grid_tunes_both_on_the_same_seeds_then_runs_the_picks(monk
   monkeypatch.setattr(grids, "PALSGD8M_DDP_BEST", None)
   monkeypatch.setattr(grids, "PALSGD8M_BEST", None)
   runs = grids.grid("palsgd8m")
-  assert len(runs) == 3 * (3 + 3) and {r.seed for r in runs} == {0, 1, 2}
+  assert len(runs) == 3 * (4 + 3) and {r.seed for r in runs} == {0, 1, 2}
+  assert grids.PALSGD8M_DDP_FACTORS == (1.0, math.sqrt(5), 5.0, 10.0)
   assert grids.SCALES["palsgd8m"] is grids.PALSGD8M and grids.scale_params(
       grids.PALSGD8M) == grids.scale_params(grids.BODY) == 7_395_840
   for run in runs:
@@ -997,7 +999,7 @@ def test_the_palsgd8m_grid_tunes_both_on_the_same_seeds_then_runs_the_picks(monk
       assert keys["inner.learning_rate"] == 2e-4 and keys["inner.palsgd_coins"] == "shared"
       pull = keys["inner.pseudo_sync_rate"] * 2e-4 / keys["inner.pseudo_sync_prob"]
       assert (keys["outer.learning_rate"], round(pull, 6)) in grids.PALSGD8M_CANDIDATES
-  for run in runs[:6]:
+  for run in runs[:7]:
     _validated(run)
   monkeypatch.setattr(grids, "PALSGD8M_DDP_BEST", 5.0)
   monkeypatch.setattr(grids, "PALSGD8M_BEST", (0.7, 0.05))
