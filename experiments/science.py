@@ -749,14 +749,18 @@ def palsgd8m_claim(results: Sequence[Result], dates: Optional[dict[str, float]] 
 
 def palsgd8m_table(results: Sequence[Result]) -> str:
   """Markdown: the palsgd8m grid's candidates (final loss; PALSGD's time to the tuned DDP's
-  loss on the tuning seeds), the picks marked; "" without runs."""
+  loss on the tuning seeds), the picks marked (DDP's as an edge where it is the lowest or the
+  highest factor: a tuning that may not have found DDP's best); "" without runs."""
   factor, best = palsgd8m_picks(results)
+  factors = grids.PALSGD8M_DDP_FACTORS
   lines = []
-  for f in grids.PALSGD8M_DDP_FACTORS:
+  for f in factors:
     runs = _palsgd8m_runs(results, grids.ddp_fair_name(f))
+    mark = ("" if f != factor else " (pick, the candidates' edge)"
+            if f in (min(factors), max(factors)) else " (pick)")
     if runs:
-      lines.append(f"| DDP, inner lr × {f:.3g}{' (pick)' if f == factor else ''} | "
-                   f"{_final_losses(runs)} | – | {len(runs)} |")
+      lines.append(f"| DDP, inner lr × {f:.3g}{mark} | {_final_losses(runs)} | – | "
+                   f"{len(runs)} |")
   target = ({s: r.summary["final_val_loss"]
              for s, r in _palsgd8m_runs(results, grids.ddp_fair_name(factor)).items()}
             if factor is not None else {})

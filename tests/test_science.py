@@ -327,6 +327,12 @@ def test_palsgd_at_8m_picks_both_by_the_rule_and_judges_the_paired_speedups(monk
       in table
   assert "| PALSGD, outer lr 1, pull 0.2 | 2.0000 ± 0.0000 | 33 (3 of 3 seeds reach it) | 3 |" \
       in table
+  # A pick at the lowest (or highest) factor is marked: the tuning may not have found DDP's best.
+  lowest = [r for r in results if r.run.method != "ddp_own_decay_x1"] + [
+      _palsgd8m("ddp_own_decay_x1", seed, 2.0, 10.0) for seed in range(3)]
+  assert science.palsgd8m_picks(lowest)[0] == 1.0
+  assert "| DDP, inner lr × 1 (pick, the candidates' edge) | 2.0000 ± 0.0000 | – | 3 |" in (
+      science.palsgd8m_table(lowest))
 
 
 def test_palsgd_fairly_takes_the_tuned_ddps_loss_as_the_target_and_its_time_as_the_reference(
