@@ -1174,7 +1174,7 @@ def faulty_rules(method: str, num_workers: int, f: int) -> tuple[tuple[str, str,
 def faulty_grid(scale: Scale = AUTHORS, seeds: Sequence[int] | None = None) -> list[Run]:
   """(K, f) by (K, f), then seed by seed: behaviour (clean first) × ``FAULTY_METHODS`` × rule,
   named ``faulty/K<K>f<f>/<behaviour>/<method>/<rule>/seed<s>``; the table is
-  ``faulty/K<K>f<f>/<behaviour>``. f = 1 of 6 reaches its verdicts (3 seeds, 48 core-hours on
+  ``faulty/K<K>f<f>/<behaviour>``. f = 1 of 6 reaches its verdicts (3 seeds, about 43 core-hours on
   a 2-core AMD EPYC) before 2 of 8 starts."""
   runs = []
   for num_workers, f in FAULTY_WORKERS:
