@@ -5,6 +5,8 @@
   python -m experiments.reproduce --grid=smoke --out=DIR      # a few minutes, synthetic data
   python -m experiments.reproduce --grid=science --out=DIR    # issue 18's grids: hours
   python -m experiments.reproduce --grid=science --out=DIR --report-only  # RESULTS.md only
+  python -m experiments.reproduce --grid=body,merge_order --out=DIR --deadline=SECONDS
+      # grids of one report in order: the later ones' runs fill what the earlier ones' cannot
 
 Each run is ``heloco-jax train`` in ``OUT/runs/<name>``: ``--jobs`` at a time
 as processes pinned to their own cores (default: one per core), or with
@@ -440,10 +442,38 @@ def run_parallel(todo: Sequence[grids.Run], out: str, data_path: str, results_di
   return 0
 
 
+def _report(name: str) -> str:
+  """The report a grid's runs go to (``main``): the smoke grid's own, RESULTS.md
+  (``grids.ONE_REPORT``) or RESULTS_small_scale.md."""
+  if grids.SCALES[name] is grids.SMOKE:
+    return "smoke"
+  return "RESULTS.md" if name in grids.ONE_REPORT else "RESULTS_small_scale.md"
+
+
+def _grid_names(parser: argparse.ArgumentParser, value: str) -> list[str]:
+  """``--grid``'s grids, in order; refused in one line: a name that is not a grid, or grids
+  of different reports."""
+  names = [name.strip() for name in value.split(",")]
+  for name in names:
+    if name not in grids.GRIDS:
+      parser.error(f"--grid={value}: {name!r} is not a grid; allowed: "
+                   f"{', '.join(sorted(grids.GRIDS))}, or several of one report, "
+                   "comma-separated")
+  reports = {name: _report(name) for name in names}
+  if len(set(reports.values())) > 1:
+    parser.error(f"--grid={value}: grids of one report only, here "
+                 + ", ".join(f"{name} ({report})" for name, report in reports.items()))
+  return names
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m experiments.reproduce",
                                    description=__doc__.splitlines()[0])
-  parser.add_argument("--grid", default="paper", choices=sorted(grids.GRIDS))
+  parser.add_argument("--grid", default="paper",
+                      help="the grid (experiments/grids.py), or grids of one report, comma-"
+                           "separated: their runs in that order, so that with --deadline the "
+                           "later grids' runs fill the time that none of the earlier ones "
+                           f"fits ({', '.join(sorted(grids.GRIDS))})")
   parser.add_argument("--out", required=True, help="folder for the runs (resumable)")
   parser.add_argument("--corpus", default="", help="debian_docs corpus folder (paper grid)")
   parser.add_argument("--only", default="", help="run only the runs whose name matches")
@@ -484,6 +514,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not args.deadline >= 0:
     parser.error(f"--deadline={args.deadline} is not allowed; allowed: seconds >= 0 (0: none)")
   deadline = time.monotonic() + args.deadline if args.deadline else float("inf")
+  names = _grid_names(parser, args.grid)
 
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -492,10 +523,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.out, "xla_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-  smoke = grids.SCALES[args.grid] is grids.SMOKE
+  smoke = grids.SCALES[names[0]] is grids.SMOKE
   results_dir = args.digests or (os.path.join(args.out, "results") if smoke
                                  else os.path.join(_HERE, "results"))
-  runs = grids.grid(args.grid)
+  runs = list(dict.fromkeys(run for name in names for run in grids.grid(name)))
   chosen = [r for r in runs if re.search(args.only, r.name)] if args.only else runs
   todo, finished = [], []
   for run in chosen:
@@ -567,10 +598,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   # RESULTS.md reports every finished run of this scale found (tuning, paper grid, PALSGD,
   # ablations; or the issue-18 grids), whichever grid this command ran.
-  family = grids.family(args.grid)
+  family = list(dict.fromkeys(run for name in names for run in grids.family(name)))
   results = analysis.load(args.out, family, results_dir)
   # One RESULTS.md (grids.ONE_REPORT): issues 34, 35 and 80's runs in sections of their own.
-  one_report = args.grid in grids.ONE_REPORT
+  one_report = names[0] in grids.ONE_REPORT
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if one_report else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
@@ -590,7 +621,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         + aggregation.sections([r for r in results if r.run in aggregated], dates),
         planned=len(reported - on_gpu), dates=dates)
   else:
-    analysis.write_results(results, path, fig_dir, command, _scale_note(args.grid))
+    analysis.write_results(results, path, fig_dir, command, _scale_note(names[0]))
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
         file=sys.stderr)
   return 0

@@ -674,6 +674,28 @@ def test_no_run_starts_after_the_deadline(tmp_path, capsys, runner):
   assert "--deadline=-1.0 is not allowed" in capsys.readouterr().err
 
 
+def test_grids_of_one_report_queue_in_order_and_others_are_refused(tmp_path, capsys):
+  """--grid=A,B: A's runs, then B's, in one queue, so that under --deadline B's shorter runs
+  fill what none of A's fits (next_fitting); grids of different reports, or a name that is
+  not a grid, are refused in one line naming them."""
+  out, digests = str(tmp_path / "out"), str(tmp_path / "digests")
+  assert reproduce.main(["--grid=chaos,streaming", f"--out={out}", f"--digests={digests}",
+                         "--jobs=1", "--deadline=1e-9", f"--results={tmp_path / 'R.md'}"]) == 0
+  err = capsys.readouterr().err
+  first = grids.grid("chaos")[0].name
+  total = len(grids.grid("chaos")) + len(grids.grid("streaming"))
+  assert f"grid chaos,streaming: {total} runs, 0 already finished" in err
+  assert f"--deadline passed: {total} runs not started ({first} next)" in err
+  assert (tmp_path / "R.md").exists()
+  for value, refusal in (
+      ("chaos,huge", "--grid=chaos,huge: 'huge' is not a grid; allowed: ablations, all, "),
+      ("body,paper", "--grid=body,paper: grids of one report only, here body (RESULTS.md), "
+                     "paper (RESULTS_small_scale.md)")):
+    with pytest.raises(SystemExit):
+      reproduce.main([f"--grid={value}", f"--out={out}"])
+    assert refusal in capsys.readouterr().err
+
+
 def test_prepare_only_builds_the_corpus_and_runs_nothing(tmp_path, capsys):
   out = str(tmp_path / "out")
   assert reproduce.main(["--grid=smoke", f"--out={out}", "--prepare-only"]) == 0
