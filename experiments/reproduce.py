@@ -523,7 +523,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.out, "xla_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-  smoke = grids.SCALES[names[0]] is grids.SMOKE
+  report = _report(names[0])  # every grid's (_grid_names)
+  smoke = report == "smoke"
   results_dir = args.digests or (os.path.join(args.out, "results") if smoke
                                  else os.path.join(_HERE, "results"))
   runs = list(dict.fromkeys(run for name in names for run in grids.grid(name)))
@@ -601,7 +602,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   family = list(dict.fromkeys(run for name in names for run in grids.family(name)))
   results = analysis.load(args.out, family, results_dir)
   # One RESULTS.md (grids.ONE_REPORT): issues 34, 35 and 80's runs in sections of their own.
-  one_report = names[0] in grids.ONE_REPORT
+  one_report = report == "RESULTS.md"
   path = args.results or (os.path.join(args.out, "RESULTS.md") if smoke else os.path.join(
       _HERE, "RESULTS.md" if one_report else "RESULTS_small_scale.md"))
   fig_dir = os.path.join(os.path.dirname(os.path.abspath(path)), "figures",
