@@ -103,6 +103,26 @@ def load(out_dir: str, runs: Sequence[grids.Run], results_dir: str = "") -> list
   return results
 
 
+def index_path(report: str) -> str:
+  """Beside a report (``RESULTS.md`` -> ``RESULTS.runs.txt``), the runs it was written from."""
+  return os.path.splitext(report)[0] + ".runs.txt"
+
+
+def write_index(results: Sequence[Result], report: str) -> None:
+  """Names the runs ``report`` was written from, so that what quotes it (the README's claims
+  rows, ``tests/test_readme.py``) is checked against those runs: digests that a grid commits
+  after the report change nothing until the report is regenerated."""
+  with open(index_path(report), "w") as f:
+    f.write(f"# the runs {os.path.basename(report)} was written from (their digests), one a "
+            "line; written with it\n")
+    f.writelines(name + "\n" for name in sorted(r.run.name for r in results))
+
+
+def read_index(report: str) -> list[str]:
+  with open(index_path(report)) as f:
+    return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
 def _losses(results, table, preset, method) -> np.ndarray:
   return np.array([r.summary["final_val_loss"] for r in results
                    if (r.run.table, r.run.preset, r.run.method) == (table, preset, method)])

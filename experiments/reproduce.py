@@ -623,6 +623,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         planned=len(reported - on_gpu), dates=dates)
   else:
     analysis.write_results(results, path, fig_dir, command, _scale_note(names[0]))
+  analysis.write_index(results, path)
   print(f"reproduce: {len(results)}/{len(family)} runs finished; wrote {path} and {fig_dir}/",
         file=sys.stderr)
   return 0

@@ -650,6 +650,8 @@ def test_parallel_runner_writes_digests_and_skips_them(tmp_path, capsys):
     assert len(digest["arrivals"]["worker"]) == digest["summary"]["outer_updates"]
     log = os.path.join(out, "logs", run.name + ".log")
     assert "done:" in open(log).read()
+  # The report names the runs it was written from (the README's quotes are checked on those).
+  assert analysis.read_index(os.path.join(out, "RESULTS.md")) == sorted(r.name for r in runs)
   # The digests alone hold the results: with the runs gone, nothing runs again.
   shutil.rmtree(os.path.join(out, "runs"))
   assert reproduce.main(args) == 0
@@ -669,6 +671,7 @@ def test_no_run_starts_after_the_deadline(tmp_path, capsys, runner):
   assert "--deadline passed: 2 runs not started (tokens/homogeneous/mla/seed0 next)" in err
   assert not os.path.exists(os.path.join(out, "runs")) and not os.path.exists(digests)
   assert os.path.exists(tmp_path / "RESULTS.md")
+  assert analysis.read_index(str(tmp_path / "RESULTS.md")) == []  # it read no run
   with pytest.raises(SystemExit):
     reproduce.main([*base, "--deadline=-1"])
   assert "--deadline=-1.0 is not allowed" in capsys.readouterr().err
