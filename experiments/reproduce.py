@@ -36,6 +36,7 @@ import numpy as np
 
 from experiments import aggregation, analysis, chaos, grids, science, streaming
 from heloco_jax.runtime import clocks
+from heloco_jax.training import methods
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -184,9 +185,12 @@ def resumes_first(todo: Sequence[grids.Run], out: str
 
 
 def _shape(run: grids.Run) -> tuple:
+  """The model's shape and the method's inner loop: a palsgd8m PALSGD run costs 1.45× DDP's
+  seconds per token on the same model (experiments/README.md)."""
   o = dict(run.overrides)
-  return tuple(o.get(k) for k in ("model.d_model", "model.num_layers", "model.context",
-                                  "data.tokenizer", "batch_size"))
+  method = methods.METHODS.get(o.get("method", run.method))
+  return (*(o.get(k) for k in ("model.d_model", "model.num_layers", "model.context",
+                               "data.tokenizer", "batch_size")), method and method.inner)
 
 
 class Progress:
@@ -223,8 +227,12 @@ class Progress:
 
   def training_seconds(self, run: grids.Run) -> Optional[float]:
     """``run``'s expected training time: its shape's mean seconds per token × its tokens
-    left (all but its checkpoint's share, ``started``; None: no run of its shape timed yet)."""
-    rates = self._here.get(_shape(run)) or self._earlier.get(_shape(run))
+    left (all but its checkpoint's share, ``started``; None: no run of its model timed yet).
+    Until a run of its inner loop is timed, the model's runs of other loops give the rate."""
+    shape = _shape(run)
+    model = [[rate for key, some in rates.items() if key[:-1] == shape[:-1] for rate in some]
+             for rates in (self._here, self._earlier)]
+    rates = self._here.get(shape) or self._earlier.get(shape) or model[0] or model[1]
     left = 1.0 - self.started.get(run.name, 0.0)
     return float(np.mean(rates)) * expected_tokens(run) * left if rates else None
 
