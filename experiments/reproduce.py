@@ -185,7 +185,7 @@ def resumes_first(todo: Sequence[grids.Run], out: str
 
 
 def _shape(run: grids.Run) -> tuple:
-  """The model's shape and the method's inner loop: a palsgd8m PALSGD run costs 1.1–1.3× DDP's
+  """The model's shape and the method's inner loop: a palsgd8m PALSGD run costs 1.2–1.5× DDP's
   seconds per token on the same model (experiments/README.md)."""
   o = dict(run.overrides)
   method = methods.METHODS.get(o.get("method", run.method))

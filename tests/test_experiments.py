@@ -578,7 +578,7 @@ def test_a_run_starts_only_if_the_finished_runs_of_its_size_say_it_ends_by_the_d
   progress.finished(ddp, 1500.0)
   assert progress.training_seconds(palsgd) == pytest.approx(3000.0)
   # Until then from the model's DDP runs; once a PALSGD run is timed, from its own loop's
-  # (a palsgd8m PALSGD run costs 1.1–1.3× DDP's seconds per token: experiments/README.md).
+  # (a palsgd8m PALSGD run costs 1.2–1.5× DDP's seconds per token: experiments/README.md).
   progress.finished(palsgd, 4350.0)
   assert progress.training_seconds(palsgd) == pytest.approx(4350.0)
   assert progress.training_seconds(ddp) == pytest.approx(1500.0)
