@@ -123,6 +123,20 @@ def read_index(report: str) -> list[str]:
     return [line.strip() for line in f if line.strip() and not line.startswith("#")]
 
 
+def load_reported(report: str, runs: Sequence[grids.Run], results_dir: str) -> list[Result]:
+  """The runs among ``runs`` that ``report`` was written from (``write_index``), from their
+  digests in ``results_dir``; a digest the report read and that is gone is an error."""
+  read = set(read_index(report))
+  wanted = [run for run in runs if run.name in read]
+  results = load("", wanted, results_dir)
+  if len(results) != len(wanted):
+    found = {r.run.name for r in results}
+    missing = next(run.name for run in wanted if run.name not in found)
+    raise FileNotFoundError(f"{report} was written from {missing}, which has no digest in "
+                            f"{results_dir}")
+  return results
+
+
 def _losses(results, table, preset, method) -> np.ndarray:
   return np.array([r.summary["final_val_loss"] for r in results
                    if (r.run.table, r.run.preset, r.run.method) == (table, preset, method)])

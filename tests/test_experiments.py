@@ -584,6 +584,17 @@ def test_a_run_starts_only_if_the_finished_runs_of_its_size_say_it_ends_by_the_d
   assert progress.training_seconds(ddp) == pytest.approx(1500.0)
 
 
+def test_a_digest_a_report_read_that_is_gone_is_named(tmp_path):
+  run = grids.grid("smoke")[0]
+  report = str(tmp_path / "RESULTS.md")
+  analysis.write_index([analysis.Result(run, {}, [], [])], report)
+  assert analysis.read_index(report) == [run.name]
+  with pytest.raises(FileNotFoundError, match=f"RESULTS.md was written from {run.name}, which "
+                     "has no digest in"):
+    analysis.load_reported(report, grids.grid("smoke"), str(tmp_path / "digests"))
+  assert analysis.load_reported(report, [], str(tmp_path / "digests")) == []
+
+
 def _checkpoint(workdir, *metas):
   """Checkpoints 1, 2, ... in ``workdir`` with these metas (a tiny state each)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -1044,8 +1055,7 @@ def test_the_palsgd8m_picks_are_the_rules_on_the_committed_digests():
   landed there: a digest a grid commits later counts once RESULTS.md is regenerated)."""
   from experiments import science  # pylint: disable=g-import-not-at-top
   experiments_dir = os.path.join(os.path.dirname(__file__), "..", "experiments")
-  read = set(analysis.read_index(os.path.join(experiments_dir, "RESULTS.md")))
-  runs = [r for r in grids.palsgd8m_grid(seeds=grids.PALSGD8M.seeds) if r.name in read]
-  results = analysis.load("", runs, os.path.join(experiments_dir, "results"))
-  assert len(results) == len(runs)
+  results = analysis.load_reported(os.path.join(experiments_dir, "RESULTS.md"),
+                                   grids.palsgd8m_grid(seeds=grids.PALSGD8M.seeds),
+                                   os.path.join(experiments_dir, "results"))
   assert science.palsgd8m_picks(results) == (grids.PALSGD8M_DDP_BEST, grids.PALSGD8M_BEST)
