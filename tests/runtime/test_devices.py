@@ -314,7 +314,6 @@ def test_the_link_model_is_waited_on_the_real_clock_and_reported():
   params = {"w": np.zeros((8, 1), np.float32)}  # 32 bytes
   common = dict(method="heloco", inner_tx=optax.sgd(0.05), inner_steps=2,
                 budget=hj.Budget(steps=12), runtime=hj.devices_runtime(batch_size=4))
-  free = hj.simulate(loss, params, [stream()], **common)  # compiles, then the timed runs
   free = hj.simulate(loss, params, [stream()], **common)
   comm = hj.CommModel(latency=0.25, bandwidth=32 / 0.05)  # 0.3 s a message
   linked = hj.simulate(loss, params, [stream()], comm=comm, **common)
@@ -323,4 +322,7 @@ def test_the_link_model_is_waited_on_the_real_clock_and_reported():
   assert linked.summary["outer_updates"] == 6
   assert linked.summary["network_seconds"] == pytest.approx(6 * 2 * 0.3)
   assert linked.summary["network_seconds"] == pytest.approx(simulated.summary["network_seconds"])
-  assert linked.summary["sim_time"] >= free.summary["sim_time"] + 6 * 2 * 0.3 - 0.05
+  # One worker waits its messages one after another, so at least what the link charged passes on
+  # the real clock (3.6 s; the run's compute alone is under 1 s). A margin over the free run's
+  # time flaked under CI load (stop 89: its compute took 0.70 s, the linked run's 0.33 s).
+  assert linked.summary["sim_time"] >= linked.summary["network_seconds"] - 0.01
