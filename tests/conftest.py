@@ -49,7 +49,8 @@ def _xla_knows(flag: str) -> bool:
 
 # XLA's legacy CPU fusion emitter compiles the tests' programs in about 0.35x the time of the
 # MLIR fusion emitters (a tiny heloco run: jit(run) 7.9 s -> 2.5 s, the run 31.5 s -> 15.3 s on
-# one shared core of a 2-core Xeon, 2026-12-03); the same arithmetic, fast-math off in both.
+# one shared core of a 2-core Xeon, 2026-12-03). Every process of the suite compiles with it
+# (subprocesses inherit XLA_FLAGS: tiny.xla_flags), so the runs a test compares agree.
 if _xla_knows("xla_cpu_use_fusion_emitters"):
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
