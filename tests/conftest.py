@@ -27,10 +27,13 @@ determinism.enable()
 # IEEE float32 division on NVIDIA GPUs, where XLA picks div.full (heloco_jax/comm/compress.py);
 # LLVM options of other targets leave the CPU's programs as they are.
 os.environ["XLA_FLAGS"] += " --xla_backend_extra_options=-nvptx-prec-divf32=2"
-# The tests' programs are tiny: compiling them is most of the suite's time, and LLVM's
-# optimisation level 0 compiles them in about 0.6× the CPU time (tests/runtime/test_scheduler.py:
-# 205 s → 142 s). It changes how fast the code runs, not what it computes (no fast-math).
-os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+
+def _accelerator_plugin() -> bool:
+  """Whether a JAX PJRT plugin (CUDA, ROCm, TPU) is installed; no backend starts."""
+  from importlib import metadata, util
+  return (bool(metadata.entry_points(group="jax_plugins"))
+          or any(util.find_spec(name) is not None for name in ("jax_plugins", "libtpu")))
 
 
 def _xla_knows(flag: str) -> bool:
@@ -47,12 +50,20 @@ def _xla_knows(flag: str) -> bool:
   return False
 
 
-# XLA's legacy CPU fusion emitter compiles the tests' programs in about 0.35x the time of the
-# MLIR fusion emitters (a tiny heloco run: jit(run) 7.9 s -> 2.5 s, the run 31.5 s -> 15.3 s on
-# one shared core of a 2-core Xeon, 2026-12-03). Every process of the suite compiles with it
-# (subprocesses inherit XLA_FLAGS: tiny.xla_flags), so the runs a test compares agree.
-if _xla_knows("xla_cpu_use_fusion_emitters"):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# Compile-time switches for the CPU, where they were measured; none where an accelerator's
+# plugin is installed: on an H200 (jax 0.11.2, 2026-12-04) jaxlib's libraries held the string
+# "xla_cpu_use_fusion_emitters" but XLA refused the flag, and every test process died.
+if not _accelerator_plugin():
+  # The tests' programs are tiny: compiling them is most of the suite's time, and LLVM's
+  # optimisation level 0 compiles them in about 0.6× the CPU time (tests/runtime/
+  # test_scheduler.py: 205 s → 142 s). It changes how fast the code runs, not what it computes.
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+  # XLA's legacy CPU fusion emitter compiles the tests' programs in about 0.35x the time of the
+  # MLIR fusion emitters (a tiny heloco run: jit(run) 7.9 s -> 2.5 s, the run 31.5 s -> 15.3 s
+  # on one shared core of a 2-core Xeon, 2026-12-03). Every process of the suite compiles with
+  # it (subprocesses inherit XLA_FLAGS: tiny.xla_flags), so the runs a test compares agree.
+  if _xla_knows("xla_cpu_use_fusion_emitters"):
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402
 

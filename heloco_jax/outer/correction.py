@@ -279,7 +279,7 @@ def correction_coefficients(
   """
   delta = packing.parts(pseudo_grads)
   num_leaves = delta.num_leaves
-  if isinstance(pseudo_grads, packing.Packed):  # row sums, then a segment sum per leaf
+  if isinstance(pseudo_grads, packing.Packed):  # row sums, then a sum per leaf
     leaf_sums = packing.leaf_sums(pseudo_grads, momentum, at_least_float32)
   else:
     leaf_sums = (jnp.stack([_leaf_sums(x, m) for x, m in zip(delta.arrays, delta.like(momentum))])

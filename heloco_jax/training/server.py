@@ -45,7 +45,7 @@ Row = dict[str, Any]
 @jax.jit
 def alignment(delta: Any, momentum: Any) -> jax.Array:
   """Mean over leaves of cos(Δ_leaf, m_leaf); a leaf with Δ or m zero counts 0. Δ and m
-  packed (``packing.Packed``): from their segment sums."""
+  packed (``packing.Packed``): from ``packing.leaf_sums``."""
   if isinstance(momentum, packing.Packed):
     sums = packing.leaf_sums(delta, momentum, lambda d: d.astype(jnp.float32))
     norms = jnp.sqrt(sums[:, 1]) * jnp.sqrt(sums[:, 2])

@@ -64,6 +64,15 @@ def test_leaf_sums_are_numpys_per_leaf_dot_products():
   np.testing.assert_allclose(sums, np.array(want), rtol=2e-6, atol=1e-4)
 
 
+def test_leaf_sums_lower_to_no_scatter():
+  """A scatter (``jax.ops.segment_sum``) took 6.3 ms of the packed HeLoCo step's 7.8 on an
+  H200: XLA fused the row sums into it (packing.leaf_sums' docstring)."""
+  d = packing.pack(_tree(2))
+  text = jax.jit(lambda a, b: packing.leaf_sums(a, b, lambda x: x)).lower(d, d).as_text()
+  assert "scatter" not in text
+  assert "reduce" in text  # the text is the program's: a check that can see its ops
+
+
 @pytest.mark.parametrize("scope", ["leaf", "tree"])
 def test_heloco_correct_on_a_packed_tree_is_the_trees(scope):
   d = {k: v.astype(jnp.float32) for k, v in _tree(4).items()}

@@ -277,7 +277,7 @@ def test_outer_layout_packed_runs_as_the_tree_and_resumes_bit_for_bit(tmp_path, 
                                    **{**options, **more})
   packs = []
   monkeypatch.setattr(server, "_pack", lambda tree, pack=server._pack: packs.append(1) or pack(tree))
-  as_tree = run()
+  as_tree = run(runtime=hj.simulated_runtime(outer_layout="tree"))  # "auto" packs on a GPU
   assert not packs
   packed = run(runtime=hj.simulated_runtime(outer_layout="packed"))
   # each server packed its θ once, and each applied Δ was packed once (no grace groups here)

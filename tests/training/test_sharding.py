@@ -207,7 +207,9 @@ def test_a_flax_cnn_sharded_with_its_batchnorm_statistics_equals_the_unsharded_r
 def test_a_model_state_with_workers_spread_over_host_devices_equals_one_device(probe):
   """The simulated runtime runs worker i on device i mod 8 (host CPU devices here): the
   BatchNorm statistics a worker brings back are merged on θ's device. Before: "incompatible
-  devices" at the first arrival. The result equals this process's one device, bit for bit."""
+  devices" at the first arrival. The result equals this process's one device, bit for bit
+  (within float rounding where this process runs on an accelerator: measured 2e-6 relative
+  on an H200)."""
   import cnn  # pylint: disable=g-import-not-at-top
   import heloco_jax as hj  # pylint: disable=g-import-not-at-top
   one = hj.simulate(cnn.cnn_loss, cnn.PARAMS, cnn.cnn_data(), model_state=cnn.STATS,
@@ -215,9 +217,13 @@ def test_a_model_state_with_workers_spread_over_host_devices_equals_one_device(p
                     eval_fn=cnn.cnn_eval, budget=hj.Budget(steps=48), speeds=[1.0, 2.0],
                     streaming=hj.Streaming(fragments=2, overlap_steps=1))
   spread = probe["flax_cnn"]["heloco_unsharded"]
-  assert spread["params"] == [np.asarray(x).tolist() for x in jax.tree.leaves(one.params)]
-  assert spread["model_state"] == [np.asarray(x).tolist()
-                                   for x in jax.tree.leaves(one.model_state)]
+  for key, tree in (("params", one.params), ("model_state", one.model_state)):
+    ours = [np.asarray(x).tolist() for x in jax.tree.leaves(tree)]
+    if jax.default_backend() == "cpu":
+      assert spread[key] == ours, key
+    else:
+      for a, b in zip(spread[key], ours, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 def test_two_processes_checkpoint_their_own_shards_and_restore_onto_two_meshes(tmp_path):
