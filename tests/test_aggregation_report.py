@@ -22,9 +22,10 @@ _SUMMARY = {"applied_tokens": 2_560_000, "bytes_sent": 0, "initial_val_loss": 7.
 _LANGUAGES = grids.LANGUAGES.split(",")
 
 
-def _write(results_dir, name, final, curve=None, rejected_tokens=0):
+def _write(results_dir, name, final, curve=None, rejected_tokens=0, arrivals=None):
   """The digest of the run ``name`` of the faulty or merge_order grid: its summary, an
-  evaluation every 5% of the token budget (``curve``: fraction -> loss) and no arrivals."""
+  evaluation every 5% of the token budget (``curve``: fraction -> loss) and ``arrivals``
+  (columns, as a digest keeps them; none by default)."""
   run = next(r for r in grids.grid(name.split("/")[0]) if r.name == name)
   budget = dict(run.overrides)["budget.tokens"]
   curve = curve or (lambda f: final + 2.0 * (1 - f))
@@ -36,7 +37,7 @@ def _write(results_dir, name, final, curve=None, rejected_tokens=0):
                   **{f"val_loss/{x}": loss for x in _LANGUAGES}})
   digest = {"summary": {**_SUMMARY, "final_val_loss": final, "method": run.method,
                         "seed": run.seed, "rejected_tokens": rejected_tokens},
-            "evals": evals, "arrivals": {}}
+            "evals": evals, "arrivals": arrivals or {}}
   path = analysis.digest_path(str(results_dir), run)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
@@ -250,6 +251,32 @@ def test_merge_order_with_runs_of_one_order_only_says_none_are_paired(tmp_path):
   lines = aggregation.merge_order_section(_load(tmp_path))
   assert len(lines) == 4 and lines[2].startswith("1 of 100 runs landed (0.5 core-hours): ")
   assert lines[2].endswith("as its digests land. No preset has both orders on a seed yet.")
+
+
+def test_presets_that_run_one_schedule_on_another_clock_are_named_as_one_piece_of_evidence(
+    tmp_path):
+  """At quorum 3, moderate and severe (one fast and four equally slow workers each) arrived in
+  the same order for their first 25-166 arrivals in every pair of runs (2026-12-04)."""
+  workers = [0, 2, 1, 3, 4, 0] * 5  # 30 arrivals
+  other = {"mild": 3, "moderate": 30, "severe": 30, "mixed": 19}  # arrivals shared with moderate
+  for preset, shared in other.items():
+    scale = 2.5 if preset == "severe" else 1.0
+    for order in ("merge_then_correct", "correct_then_merge"):
+      for seed in range(3):
+        order_of = workers[:shared] + [(w + 1) % 5 for w in workers[shared:]]
+        final = 5.0 + (0.01 * seed if preset == "severe" else 0.0)
+        _write(tmp_path, f"merge_order/q3/{preset}/{order}/seed{seed}", final,
+               arrivals={"worker": order_of,
+                         "sim_time": [scale * 10.0 * (i + 1) for i in range(30)]})
+  lines = aggregation.merge_order_section(_load(tmp_path))
+  twins = [line for line in lines if line.startswith("At quorum")]
+  assert twins == [
+      "At quorum 3, moderate and severe run one schedule on clocks 2.50× apart: in each of their "
+      "6 pairs of runs (the same order and seed) the workers arrive in the same order for the "
+      "first 30–30 arrivals (jitter reorders them later), and the final validation losses are "
+      "at most 0.0200 apart, so the two cells are one piece of evidence, not two."]
+  assert lines[lines.index(twins[0]) + 1] == ""  # a paragraph of its own
+  assert aggregation.TWIN_ARRIVALS == 20  # mixed shares 19 with moderate: not named
 
 
 def test_report_only_writes_the_sections_and_counts_their_runs_apart(tmp_path):
