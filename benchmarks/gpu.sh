@@ -2,7 +2,8 @@
 # The GPU figures of the performance issue in one go (run from the repository root on a
 # machine with a GPU; OUT defaults to ./gpu_results):
 #   1. benchmarks/device_step.py, inner loop in float32 and bfloat16 + outer step, twice:
-#      with XLA's deterministic GPU ops off and on (their cost, side by side);
+#      with XLA's deterministic GPU ops off and on (their cost, side by side); then
+#      benchmarks/leaf_sums.py (the packed server's per-leaf sums, three ways);
 #   2. the quickstart in float32 and in bfloat16 (loss curves from metrics.jsonl), each with
 #      the CLI's default: XLA's deterministic ops on in float32, off in bfloat16;
 #   3. ours beside PyTorch bf16 + torch.compile on the same card, one after the other in this
@@ -24,6 +25,8 @@ grep -v '^RESULT' "$OUT/device_step.txt" | tail -45
 XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 240 python3 benchmarks/device_step.py \
   > "$OUT/device_step_deterministic.txt" 2>&1
 echo "## deterministic ops on"; grep -E "tokens/s|ms/update|side by side" "$OUT/device_step_deterministic.txt"
+XLA_FLAGS= timeout 120 python3 benchmarks/leaf_sums.py > "$OUT/leaf_sums.txt" 2>&1
+echo "## the packed server's per-leaf sums"; grep -E " ms" "$OUT/leaf_sums.txt"
 fi
 [[ " $PARTS " == *" quickstart "* ]] && for dtype in float32 bfloat16; do
   timeout 200 python3 -m heloco_jax.cli.train --workdir="$OUT/quickstart_$dtype" \
