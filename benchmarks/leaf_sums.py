@@ -32,13 +32,9 @@ except ImportError:  # run as a script: benchmarks/ is on sys.path
   import device_step
 
 
-def _row_sums(d: jax.Array, m: jax.Array) -> jax.Array:
-  return jnp.stack([jnp.sum(d * m, axis=1), jnp.sum(d * d, axis=1), jnp.sum(m * m, axis=1)], 1)
-
-
 def scatter_sums(delta: Any, momentum: Any, cast: Callable[[Any], Any]) -> jax.Array:
   layout = delta.layout
-  return sum(jax.ops.segment_sum(_row_sums(cast(d), cast(m)), rows,
+  return sum(jax.ops.segment_sum(packing.rows_dot(cast(d), cast(m)), rows,
                                  num_segments=layout.num_leaves, indices_are_sorted=True)
              for d, m, rows in zip(delta.buffers, momentum.buffers, layout.row_leaf))
 
@@ -47,7 +43,7 @@ def one_hot_sums(delta: Any, momentum: Any, cast: Callable[[Any], Any]) -> jax.A
   layout = delta.layout
   total = 0.0
   for d, m, rows in zip(delta.buffers, momentum.buffers, layout.row_leaf):
-    sums = _row_sums(cast(d), cast(m))
+    sums = packing.rows_dot(cast(d), cast(m))
     hot = (jnp.asarray(rows)[:, None] == jnp.arange(layout.num_leaves)).astype(sums.dtype)
     total = total + jnp.einsum("rk,rl->lk", sums, hot, precision=jax.lax.Precision.HIGHEST)
   return total

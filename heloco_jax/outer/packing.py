@@ -193,6 +193,11 @@ def parts(tree: Any) -> Parts:
   return Parts(leaves, take_leaf, treedef.unflatten, treedef.flatten_up_to, len(leaves))
 
 
+def rows_dot(d: jax.Array, m: jax.Array) -> jax.Array:
+  """Per row of two ``[rows, BLOCK]`` buffers, [⟨d, m⟩, |d|², |m|²] as ``[rows, 3]``."""
+  return jnp.stack([jnp.sum(d * m, axis=1), jnp.sum(d * d, axis=1), jnp.sum(m * m, axis=1)], 1)
+
+
 def leaf_sums(delta: Packed, momentum: Packed, cast: Callable[[Any], Any]) -> jax.Array:
   """Per leaf (tree order) [⟨Δ, m⟩, |Δ|², |m|²] as ``[num_leaves, 3]``: row sums, then each
   leaf's rows (a static, contiguous slice of its buffer) summed, in ``cast``'s dtype (applied
@@ -205,10 +210,6 @@ def leaf_sums(delta: Packed, momentum: Packed, cast: Callable[[Any], Any]) -> ja
   layout = delta.layout
   if not layout.num_leaves:
     return jnp.zeros((0, 3), jnp.float32)
-  row_sums = []
-  for d, m in zip(delta.buffers, momentum.buffers):
-    d, m = cast(d), cast(m)
-    row_sums.append(jnp.stack([jnp.sum(d * m, axis=1), jnp.sum(d * d, axis=1),
-                               jnp.sum(m * m, axis=1)], axis=1))
+  row_sums = [rows_dot(cast(d), cast(m)) for d, m in zip(delta.buffers, momentum.buffers)]
   return jnp.stack([jnp.sum(row_sums[b][first:first + n], axis=0)
                     for b, first, n in zip(layout.buffer_of, layout.first_row, layout.num_rows)])
