@@ -159,9 +159,9 @@ def _regression_stream():
 
 
 def _on_a_real_clock(method, inner_steps, membership=hj.Membership(((0, 1.0, 1.5),)),
-                     seconds=2.5, runtime=None, budget=None, **options):
+                     budget=hj.Budget(sim_seconds=2.5), runtime=None, **options):
   """hj.simulate of the regression on a real clock (runtime=devices unless ``runtime``) with
-  ``membership``, in a budget of ``seconds`` (or ``budget``). An untimed run of the same programs first
+  ``membership``, in ``budget``. An untimed run of the same programs first
   (everyone present, a budget of steps) fills the compilation cache: cold, the first
   compilations take 0.65 s of the clock on an idle core, and took past 2.5 s on a busy CI
   machine, where the run ended before the leave at 1.0 was taken."""
@@ -171,7 +171,7 @@ def _on_a_real_clock(method, inner_steps, membership=hj.Membership(((0, 1.0, 1.5
                        method=method, inner_steps=inner_steps,
                        runtime=runtime or hj.devices_runtime(batch_size=8), **options, **timing)
   run(budget=hj.Budget(steps=4 * inner_steps))
-  return run(membership=membership, budget=budget or hj.Budget(sim_seconds=seconds))
+  return run(membership=membership, budget=budget)
 
 
 @pytest.mark.parametrize("method", ["diloco", "heloco"])
@@ -209,7 +209,7 @@ def test_ddp_steps_on_the_real_clock_of_devices(method):
   until it is back). Every dispatched step is accounted for. 4 real seconds: in 2.5, a fresh
   clone's CI on a busy 2-core AMD EPYC (2026-12-02) started no chunk after the return at 1.5
   (a chunk of a new length compiles first)."""
-  result = _on_a_real_clock(method, 4, seconds=4.0)
+  result = _on_a_real_clock(method, 4, budget=hj.Budget(sim_seconds=4.0))
   rows, summary = result.history, result.summary
   events = [(r["event"], r["sim_time"]) for r in rows if r["event"] in ("left", "joined")]
   assert events == [("left", 1.0), ("joined", 1.5)]  # DDP writes them at their times
