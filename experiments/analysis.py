@@ -261,10 +261,18 @@ def time_to_loss(evals: Sequence[dict[str, Any]], target: float) -> float:
   return evals[0]["sim_time"] if evals and evals[0]["val_loss"] <= target else float("inf")
 
 
+def target_loss(reference: Result) -> float:
+  """A reference run's final loss as its curve holds it (its last eval row, rounded as every
+  row is): the target that ``time_to_loss`` reads curves against. The summary's unrounded
+  float32 can lie below the row (3.7108681 under palsgd8m seed 2's 3.71087), and then the
+  reference never reaches its own final loss."""
+  return reference.evals[-1]["val_loss"]
+
+
 def _palsgd_times(results: Sequence[Result]) -> dict[str, list[float]]:
   """Per method, per seed: simulated seconds to reach that seed's DDP final val loss."""
   chosen = [r for r in results if r.run.table == "palsgd"]
-  targets = {r.run.seed: r.summary["final_val_loss"] for r in chosen if r.run.method == "ddp"}
+  targets = {r.run.seed: target_loss(r) for r in chosen if r.run.method == "ddp"}
   if not targets:
     return {}
   return {m: [time_to_loss(r.evals, targets[r.run.seed]) for r in chosen

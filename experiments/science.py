@@ -678,13 +678,6 @@ def _censored_time(run: Result, target: float) -> float:
   return t if np.isfinite(t) else float(run.evals[-1]["sim_time"])
 
 
-def _ddp_target(run: Result) -> float:
-  """A DDP run's final loss as its curve holds it (its last eval row, rounded as every row is),
-  the target that curves are read against: the summary's unrounded float32 lay below the
-  row's 3.71087 on palsgd8m's seed 2, so DDP never reached its own final loss."""
-  return run.evals[-1]["val_loss"]
-
-
 def palsgd8m_picks(results: Sequence[Result]
                    ) -> tuple[Optional[float], Optional[tuple[float, float]]]:
   """(DDP's inner lr factor, PALSGD's (outer lr, pull)) picked by the palsgd8m rule
@@ -702,7 +695,7 @@ def palsgd8m_picks(results: Sequence[Result]
             for c in grids.PALSGD8M_CANDIDATES}
   if not all(set(tuning) <= set(runs) for runs in palsgd.values()):
     return factor, None
-  target = {s: _ddp_target(ddp[factor][s]) for s in tuning}
+  target = {s: analysis.target_loss(ddp[factor][s]) for s in tuning}
   time = lambda runs: float(np.mean([analysis.time_to_loss(runs[s].evals, target[s])
                                      for s in tuning]))
   return factor, min(palsgd, key=lambda c: (time(palsgd[c]), final(palsgd[c])))
@@ -720,7 +713,7 @@ def palsgd8m_speedups(results: Sequence[Result], picks: Optional[tuple[
   palsgd = _palsgd8m_runs(results, grids.palsgd_fair_name(*best))
   out = {}
   for seed in sorted(set(ddp) & set(palsgd)):
-    target = _ddp_target(ddp[seed])
+    target = analysis.target_loss(ddp[seed])
     t_ddp = analysis.time_to_loss(ddp[seed].evals, target)
     out[seed] = 100 * (t_ddp - _censored_time(palsgd[seed], target)) / t_ddp
   return out
@@ -768,7 +761,7 @@ def palsgd8m_table(results: Sequence[Result]) -> str:
     if runs:
       lines.append(f"| DDP, inner lr × {f:.3g}{mark} | {_final_losses(runs)} | – | "
                    f"{len(runs)} |")
-  target = ({s: _ddp_target(r)
+  target = ({s: analysis.target_loss(r)
              for s, r in _palsgd8m_runs(results, grids.ddp_fair_name(factor)).items()}
             if factor is not None else {})
   for lr, pull in grids.PALSGD8M_CANDIDATES:
@@ -1220,7 +1213,7 @@ def palsgd_times(results: Sequence[Result], ddp_name: Optional[str] = None
     for lr, pull in grids.palsgd_fair_sweep():
       if runs := _fair_runs(results, c, grids.palsgd_fair_name(lr, pull)):
         by_name[grids.palsgd_fair_name(lr, pull)] = runs
-    out[c] = {name: {s: analysis.time_to_loss(runs[s].evals, ddp[s].summary["final_val_loss"])
+    out[c] = {name: {s: analysis.time_to_loss(runs[s].evals, analysis.target_loss(ddp[s]))
                      for s in sorted(runs) if s in ddp} for name, runs in by_name.items()}
   return out
 
