@@ -1049,22 +1049,20 @@ def test_the_palsgd8m_grid_tunes_both_on_the_same_seeds_then_runs_the_picks(monk
                    for name in ("ddp_own_decay_x5", "palsgd_lr0.7_pull0.05")]
 
 
+def _reported(runs):
+  """Those of ``runs`` that the committed RESULTS.md was written from, from their digests."""
+  experiments_dir = os.path.join(os.path.dirname(__file__), "..", "experiments")
+  return analysis.load_reported(os.path.join(experiments_dir, "RESULTS.md"), runs,
+                                os.path.join(experiments_dir, "results"))
+
+
 def test_the_palsgd8m_picks_are_the_rules_on_the_committed_digests():
   """grids.PALSGD8M_DDP_BEST and PALSGD8M_BEST are what science.palsgd8m_picks computes from
   the tuning seeds' digests that RESULTS.md was written from (None while they have not all
   landed there: a digest a grid commits later counts once RESULTS.md is regenerated)."""
   from experiments import science  # pylint: disable=g-import-not-at-top
-  experiments_dir = os.path.join(os.path.dirname(__file__), "..", "experiments")
-  results = analysis.load_reported(os.path.join(experiments_dir, "RESULTS.md"),
-                                   grids.palsgd8m_grid(seeds=grids.PALSGD8M.seeds),
-                                   os.path.join(experiments_dir, "results"))
+  results = _reported(grids.palsgd8m_grid(seeds=grids.PALSGD8M.seeds))
   assert science.palsgd8m_picks(results) == (grids.PALSGD8M_DDP_BEST, grids.PALSGD8M_BEST)
-
-
-def _reported(grid):
-  experiments_dir = os.path.join(os.path.dirname(__file__), "..", "experiments")
-  return analysis.load_reported(os.path.join(experiments_dir, "RESULTS.md"), grids.grid(grid),
-                                os.path.join(experiments_dir, "results"))
 
 
 def test_each_palsgd8m_ddp_run_reaches_its_own_final_loss_on_its_curve():
@@ -1072,7 +1070,7 @@ def test_each_palsgd8m_ddp_run_reaches_its_own_final_loss_on_its_curve():
   (``analysis.target_loss``): with the summary's unrounded float32 (3.7108681 below the row's
   3.71087), seed 2's DDP never reached its own final loss and its speedup was nan."""
   from experiments import science  # pylint: disable=g-import-not-at-top
-  speedups = science.palsgd8m_speedups(_reported("palsgd8m"))
+  speedups = science.palsgd8m_speedups(_reported(grids.grid("palsgd8m")))
   assert len(speedups) >= 3 and all(np.isfinite(v) for v in speedups.values()), speedups
 
 
@@ -1083,6 +1081,7 @@ def test_every_palsgd_ddp_reaches_its_own_final_loss_at_every_c(factor):
   target, × 2.24's seeds 0 and 2 and × 1's seeds 1 and 2 never did (inf)."""
   from experiments import science  # pylint: disable=g-import-not-at-top
   name = factor and grids.ddp_fair_name(factor)
-  times = science.palsgd_times(_reported("palsgd_c") + _reported("palsgd_fair"), name)
+  times = science.palsgd_times(
+      _reported(grids.grid("palsgd_c") + grids.grid("palsgd_fair")), name)
   reference = [t for by_c in times.values() for t in by_c["ddp"].values()]
   assert len(reference) >= 3 and np.all(np.isfinite(reference)), times
