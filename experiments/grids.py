@@ -1143,7 +1143,7 @@ SCALES["palsgd8m"] = PALSGD8M
 ISSUE81 = ("body", "palsgd8m")
 
 
-# Issue 80, item 4 (definitions; not run yet). (a) Faulty workers on the science model
+# Issue 80, item 4. (a) Faulty workers on the science model
 # (``AUTHORS``: the authors' harness, 10,000 local steps of 2 × 128 tokens in all), f = 1 of 6
 # and 2 of 8 workers faulty (``chaos.faulty``: workers 0 and 1, the fastest at mild paces,
 # whose arrivals come most often), each behaviour of ``FAULTY_BEHAVIOURS`` and no fault at all
