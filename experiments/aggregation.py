@@ -130,10 +130,13 @@ def _loss_text(losses: Sequence[float]) -> str:
 
 
 def _rule_label(method: str, num_workers: int, f: int, rule: str) -> str:
-  """A rule's ``syncer.aggregate`` (and its quorum when > 1), from ``grids.faulty_rules``."""
+  """A rule's ``syncer.aggregate`` (and its quorum when > 1), from ``grids.faulty_rules``; a
+  trimmed mean that is the median there says so."""
   spec, quorum = next((s, q) for name, s, q in grids.faulty_rules(method, num_workers, f)
                       if name == rule)
-  return f"`{spec}`" + (f", quorum {quorum}" if quorum > 1 else "")
+  same = (" = `median()`" if quorum > 1 and rule.startswith("trimmed_mean")
+          and grids.trimmed_is_median(f, quorum) else "")
+  return f"`{spec}`{same}" + (f", quorum {quorum}" if quorum > 1 else "")
 
 
 def _rows(losses, workers: str, behaviour: str, num_workers: int, f: int):
@@ -205,7 +208,8 @@ def faulty_section(results: Sequence[Result]) -> list[str]:
       "docs/ALGORITHMS.md): sign flip −Δ, ×10, Gaussian noise of σ = 1 × the leaf's rms; "
       f"{len(grids.AUTHORS.seeds)} seeds. DiLoCo takes the peer rules in its rounds; HeLoCo "
       "and MLA take the mean and the norm screen on single arrivals and the peer rules in "
-      "quorum groups, with the mean at that quorum too.", "",
+      "quorum groups, with the mean at that quorum too; at their quorum q = 2f + 1 the trimmed "
+      "mean of f keeps the middle value, the median's, bit for bit: one run serves both.", "",
       "A row's tokens rejected: the share of its run's tokens whose pseudo-gradients the rule "
       "rejected (the screen's; mean over its seeds). How a row is judged: its final loss "
       "(mean ± sample "

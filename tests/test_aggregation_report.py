@@ -52,7 +52,7 @@ def test_with_no_digests_each_section_is_its_heading_and_one_line():
   assert aggregation.sections([]) == [
       "## Faulty workers: robust aggregation against sign-flipped, scaled and noisy updates",
       "",
-      "0 of 384 runs landed: the grid runs in the background (`python -m experiments.reproduce "
+      "0 of 336 runs landed: the grid runs in the background (`python -m experiments.reproduce "
       "--grid=faulty --out=DIR --commit`), and this section fills in as its digests land.",
       "",
       "## HeLoCo's merge order under a quorum: merge-then-correct against correct-then-merge",
@@ -60,7 +60,7 @@ def test_with_no_digests_each_section_is_its_heading_and_one_line():
       "0 of 100 runs landed: the grid runs in the background (`python -m experiments.reproduce "
       "--grid=merge_order --out=DIR --commit`), and this section fills in as its digests land.",
       ""]
-  assert len(grids.grid("faulty")) == 384 and len(grids.grid("merge_order")) == 100
+  assert len(grids.grid("faulty")) == 336 and len(grids.grid("merge_order")) == 100
 
 
 def _interval(ratios):
@@ -96,6 +96,8 @@ def _faulty_digests(results_dir):
   for seed, loss in enumerate((4.4, 4.8, 9.0)):  # it rejected 1%, 2% and 6% of the tokens
     _write(results_dir, f"faulty/K6f1/sign/heloco/screen/seed{seed}", loss,
            rejected_tokens=(25_600, 51_200, 153_600)[seed])
+  # at quorum 3 = 2f + 1 the trimmed mean's run is the median's too
+  _write(results_dir, "faulty/K6f1/sign/heloco/trimmed_mean_q3/seed0", 4.2)
 
 
 def _table(lines, title):
@@ -113,9 +115,9 @@ def test_faulty_rows_give_each_rules_ratio_to_the_clean_mean_its_interval_and_ve
   _faulty_digests(tmp_path)
   results = _load(tmp_path)
   lines = aggregation.faulty_section(results)
-  landed = 3 + sum(len(r) for r, _ in _CELLS.values()) + 2 + 3
+  landed = 3 + sum(len(r) for r, _ in _CELLS.values()) + 2 + 3 + 1
   assert len(results) == landed
-  assert lines[2].startswith(f"{landed} of 384 runs landed ({landed * 0.5:.1f} core-hours): "
+  assert lines[2].startswith(f"{landed} of 336 runs landed ({landed * 0.5:.1f} core-hours): "
                             "the grid runs in the background")  # 1,800 s a run
   assert ("### K = 6 workers, f = 1 faulty (worker 0); quorum 3 for the peer rules of HeLoCo "
           "and MLA") in lines
@@ -147,6 +149,9 @@ def test_faulty_rows_give_each_rules_ratio_to_the_clean_mean_its_interval_and_ve
   screen = np.array([4.4, 4.8, 9.0])  # the loss column reads every seed present
   assert (loss, seeds) == (f"{screen.mean():.3f} ± {screen.std(ddof=1):.3f}", "2 paired of 3")
   assert ratio == f"×{mean:.3f} [{low:.3f}, {high:.3f}]" and verdict == "**partly**"
+  # its label says so where the trimmed mean is the median (not in diloco's rounds of 6)
+  assert sign["heloco|`trimmed_mean(f=1)` = `median()`, quorum 3"][1:] == [
+      "×1.050 (1 seed)", "0", "1", "**robust**"]
   # one seed: no CI, its ratio stands for both bounds
   scale = _table(lines, "scale10 (`chaos.faulty=0:scale=10`):")
   assert scale["diloco|`median()`"][1:] == ["×1.300 (1 seed)", "0", "1", "**partly**"]

@@ -78,6 +78,27 @@ def test_each_rule_matches_its_float64_reference(rule, reference, masked):
   assert not np.allclose(want, ref_mean(x[keep], w[keep])) or isinstance(rule, A.Mean)
 
 
+@pytest.mark.parametrize("f", [1, 2])
+def test_the_trimmed_mean_of_at_most_2f_plus_2_is_the_median_bit_for_bit(f):
+  """ALGORITHMS.md: with n ≤ 2f + 2 both keep the middle one or two (the faulty grid runs
+  one of them for both at quorum 2f + 1); one more and they part."""
+  x = _arrivals(2 * f + 4, seed=f).astype(np.float32)
+  for n in range(1, 2 * f + 4):
+    for rejected in ([], [0]) if n > 1 else ([],):  # a rejected row (NaN) is left out
+      w = np.ones(len(x), np.float32)
+      w[n:] = 0.0
+      w[rejected] = 0.0
+      rows = x.copy()
+      rows[w == 0] = np.nan
+      stacked, weights = {"a": jnp.asarray(rows)}, jnp.asarray(w / w.sum())
+      trimmed = np.asarray(A.combine(A.trimmed_mean(f), stacked, weights)["a"])
+      median = np.asarray(A.combine(A.median(), stacked, weights)["a"])
+      if w.sum() <= 2 * f + 2:
+        np.testing.assert_array_equal(trimmed, median)
+      else:
+        assert not np.allclose(trimmed, median)
+
+
 def test_a_round_with_a_rule_combines_theta_minus_each_end():
   theta = np.ones((3, 4))
   ends = _arrivals(5)
