@@ -4,6 +4,7 @@ the loop's accounting of every token, replay, and the refusals."""
 import asyncio
 import json
 import math
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -189,7 +190,13 @@ def test_a_schedule_on_the_real_clock_of_devices(method, streaming):
   # A loss is written when the engine takes it: at 1.0, or when the event loop is next free
   # (a compilation can hold it); a return at its time.
   assert 1.0 <= events[0]["sim_time"] < 1.5 and events[1]["sim_time"] == 1.5
-  assert events[0]["dropped_steps"] > 0 and summary["dropped_steps"] > 0
+  assert summary["dropped_steps"] == events[0]["dropped_steps"]
+  if not events[0]["dropped_steps"]:  # a fresh clone's CI on a busy 2-core machine
+    # (2026-12-05): the work before the leave arrived and was taken after it, nothing in
+    # flight (test_work_taken_after_a_leave_counts_and_its_worker_leaves_at_its_dispatch)
+    assert rows[rows.index(events[0]) - 1]["event"] in ("arrival", "train")
+  else:
+    assert events[0]["dropped_steps"] > 0
   progress = [r["sim_time"] for r in rows if r["event"] in ("train", "arrival")]
   assert progress == sorted(progress) and progress[-1] <= 2.5
   # None while it is away (a round's row: the round it left, which ends after 1.0)
@@ -242,6 +249,48 @@ class _LateArrivals(devices.DeviceArrivals):
   def push(self, worker, job, leaves=math.inf):
     del leaves
     super().push(worker, job)
+
+
+class _TakenLate(devices.DeviceArrivals):
+  """A real queue whose first group after 0.5 s is taken at 1.05 s: an event loop held (a
+  busy machine) between an arrival and its taking."""
+
+  held = False
+
+  async def pop(self, rule, events=None):
+    now, group, times = await super().pop(rule, events)
+    if now >= 0.5 and not self.held:
+      self.held = True
+      time.sleep(1.05 - self._clock())  # the loop itself held: nothing else runs
+      now = self._clock()
+    return now, group, times
+
+
+def test_work_taken_after_a_leave_counts_and_its_worker_leaves_at_its_dispatch():
+  """FAILURES.md: work that arrived before its worker's leave at 1.0 and was taken after it
+  (at 1.05) counts; the worker is found away at its next dispatch, so nothing is in flight:
+  its left row, at the taking, says 0 dropped, and it is dispatched again at its return."""
+  runtimes = []
+  def arrivals(clock, executor, emit):
+    del executor, emit
+    runtimes.append(_TakenLate(clock.now, [1.0]))
+    return runtimes[-1]
+  factory = factories.RuntimeFactory(
+      lambda inner, spec: base.Runtime(simulated.LocalExecutor(inner), clocks.RealClock,
+                                       arrivals), simulated_clock=False)
+  result = _on_a_real_clock("heloco", 2, runtime=factory)
+  rows, summary = result.history, result.summary
+  assert runtimes[-1].held
+  at = [i for i, r in enumerate(rows) if r["event"] == "left"]
+  assert len(at) == 1
+  left, taken = rows[at[0]], rows[at[0] - 1]
+  assert taken["event"] == "arrival" and taken["worker"] == 0 == left["worker"]
+  assert 1.05 <= taken["sim_time"] == left["sim_time"] < 1.5 and left["dropped_steps"] == 0
+  assert [(r["event"], r["sim_time"]) for r in rows if r["event"] == "joined"] == [
+      ("joined", 1.5)]
+  assert [r for r in rows if r["event"] == "arrival" and r["sim_time"] > 1.5]
+  assert summary["dropped_steps"] == 0 and summary["dispatched_steps"] == (
+      summary["steps"] + summary["in_flight_steps"])
 
 
 def test_a_loss_taken_after_the_absence_ended_lets_the_worker_join_at_once():
