@@ -241,6 +241,15 @@ def test_ddp_steps_on_the_real_clock_of_devices(method):
   assert summary["in_flight_steps"] == 0 and np.isfinite(result.params["w"]).all()
 
 
+def _real_clock_of(arrivals):
+  """A runtime on a real clock whose arrival queue is ``arrivals(clock.now)``, one process."""
+  return factories.RuntimeFactory(
+      lambda inner, spec: base.Runtime(
+          simulated.LocalExecutor(inner), clocks.RealClock,
+          lambda clock, executor, emit: arrivals(clock.now)),
+      simulated_clock=False)
+
+
 class _LateArrivals(devices.DeviceArrivals):
   """A real queue that learns a loss only when the work arrives, 0.1 s after its dispatch."""
 
@@ -272,17 +281,13 @@ def test_work_taken_after_a_leave_counts_and_its_worker_leaves_at_its_dispatch()
   """FAILURES.md: work that arrived before its worker's leave at 1.0 and was taken after it
   (at 1.05) counts; the worker is found away at its next dispatch, so nothing is in flight:
   its left row, at the taking, says 0 dropped, and it is dispatched again at its return."""
-  runtimes = []
-  def arrivals(clock, executor, emit):
-    del executor, emit
-    runtimes.append(_TakenLate(clock.now, [1.0]))
-    return runtimes[-1]
-  factory = factories.RuntimeFactory(
-      lambda inner, spec: base.Runtime(simulated.LocalExecutor(inner), clocks.RealClock,
-                                       arrivals), simulated_clock=False)
-  result = _on_a_real_clock("heloco", 2, runtime=factory)
+  queues = []
+  def taken_late(now):
+    queues.append(_TakenLate(now, [1.0]))
+    return queues[-1]
+  result = _on_a_real_clock("heloco", 2, runtime=_real_clock_of(taken_late))
   rows, summary = result.history, result.summary
-  assert runtimes[-1].held
+  assert queues[-1].held
   at = [i for i, r in enumerate(rows) if r["event"] == "left"]
   assert len(at) == 1
   left, taken = rows[at[0]], rows[at[0] - 1]
@@ -302,13 +307,9 @@ def test_a_loss_taken_after_the_absence_ended_lets_the_worker_join_at_once():
   is dispatched again at once. A budget of steps, not seconds: the first arrival, due 0.1 s
   after its dispatch, came at 0.99 s on a core shared with a grid (its programs are built for
   the run), and a fresh clone's CI on a busy 2-core AMD EPYC (2026-12-04) saw none in 2.0 s."""
-  factory = factories.RuntimeFactory(
-      lambda inner, spec: base.Runtime(
-          simulated.LocalExecutor(inner), clocks.RealClock,
-          lambda clock, executor, emit: _LateArrivals(clock.now, [1.0])),
-      simulated_clock=False)
   result = _on_a_real_clock("heloco", 2, hj.Membership(((0, 0.4, 0.400001),)),
-                            runtime=factory, budget=hj.Budget(steps=8))
+                            runtime=_real_clock_of(lambda now: _LateArrivals(now, [1.0])),
+                            budget=hj.Budget(steps=8))
   rows, summary = result.history, result.summary
   events = [(r["event"], r["sim_time"]) for r in rows if r["event"] in ("left", "joined")]
   assert [kind for kind, _ in events] == ["left", "joined"]
